@@ -1,0 +1,168 @@
+"""Run Megatron-Core without CUDA: CPU stand-ins for the library's CUDA-only calls.
+
+Megatron-Core assumes a GPU in a handful of places that have nothing to do with the math:
+
+1. the tensor-parallel RNG tracker stores and swaps *CUDA* generator states;
+2. ``torch.cuda.current_device()`` is used as the device of buffers, RoPE tables, p2p and DDP;
+3. tensor factories with a literal ``device="cuda"`` (causal masks, token counters, grad-norm
+   scratch, loss scalers) and ``Tensor.cuda()``;
+4. ``torch.cuda.synchronize`` and NVTX ranges around p2p communication.
+
+:func:`activate` installs CPU equivalents for exactly these. It does nothing when a CUDA device is
+present (then the real CUDA paths run untouched), and it is idempotent. Literal ``"cuda"`` devices
+are rewritten only inside the Megatron-Core modules listed in :data:`_MODULES_WITH_CUDA_LITERALS`
+(through a proxy of the ``torch`` module bound in their namespace), so user code and the rest of
+PyTorch are not slowed down or changed.
+
+What cannot run on CPU even with these patches (see STACK.md): the distributed optimizer,
+gradient clipping inside the Megatron optimizer (we clip in the trainer), sequence parallelism
+(needs Transformer Engine or apex norms), fused kernels.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import types
+
+import torch
+
+__all__ = ["activate", "is_active", "cuda_available"]
+
+_ACTIVE = False
+
+# Megatron-Core modules whose functions create tensors on a literal "cuda" device.
+_MODULES_WITH_CUDA_LITERALS = (
+    "megatron.core.transformer.utils",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.tensor_parallel.random",
+    "megatron.core.tensor_parallel.utils",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.rerun_state_machine",
+    "megatron.core.utils",
+)
+
+_FACTORIES = (
+    "zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint",
+    "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor", "triu", "tril",
+)
+
+
+def cuda_available() -> bool:
+    """True when a usable CUDA device is present (then nothing is patched)."""
+    return torch.cuda.is_available()
+
+
+def is_active() -> bool:
+    """True once :func:`activate` has installed the CPU stand-ins."""
+    return _ACTIVE
+
+
+def _cpu_device(device):
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+def _wrap_factory(fn):
+    def factory(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return fn(*args, **kwargs)
+
+    factory.__name__ = getattr(fn, "__name__", "factory")
+    factory.__doc__ = fn.__doc__
+    return factory
+
+
+class _CpuTorchProxy(types.ModuleType):
+    """Stands in for ``torch`` inside a Megatron module: factories map "cuda" to "cpu"."""
+
+    def __init__(self):
+        super().__init__("torch")
+        for name in _FACTORIES:
+            setattr(self, name, _wrap_factory(getattr(torch, name)))
+
+    def __getattr__(self, name):  # everything else is the real torch
+        return getattr(torch, name)
+
+
+class _NoOpRange:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _patch_torch_cuda():
+    """Process-wide CUDA stand-ins; only installed when CUDA is absent, where they would raise."""
+    cuda = torch.cuda
+    cuda.current_device = lambda: "cpu"
+    cuda.synchronize = lambda *a, **k: None
+    # torch.manual_seed itself calls the (lazy, no-op) cuda.manual_seed_all: leave that one alone.
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(seed)
+    cuda.get_rng_state = lambda device=None: torch.get_rng_state()
+    cuda.set_rng_state = lambda state, device=None: torch.set_rng_state(state)
+    cuda.nvtx.range_push = lambda *a, **k: None
+    cuda.nvtx.range_pop = lambda *a, **k: None
+    cuda.nvtx.range = lambda *a, **k: _NoOpRange()
+    cuda.empty_cache = lambda: None
+    cuda.memory_allocated = lambda *a, **k: 0
+    cuda.max_memory_allocated = lambda *a, **k: 0
+    cuda.reset_peak_memory_stats = lambda *a, **k: None
+    torch.Tensor.cuda = lambda self, *a, **k: self
+
+
+def _patch_rng_tracker():
+    """The TP RNG tracker swaps generator states: back it with the CPU default generator."""
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
+        torch.get_rng_state()
+    )
+    random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: (
+        torch.set_rng_state(new_state)
+    )
+
+    # fork() compares the CPU generator before and after its body and warns when it changed;
+    # on CPU the tracked state *is* the CPU generator, so the warning is always a false alarm.
+    class _DropCpuRngWarning(logging.Filter):
+        def filter(self, record):
+            return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+    logging.getLogger(random.__name__).addFilter(_DropCpuRngWarning())
+
+
+def _patch_module_factories():
+    proxy = _CpuTorchProxy()
+    for name in _MODULES_WITH_CUDA_LITERALS:
+        module = importlib.import_module(name)
+        if getattr(module, "torch", None) is torch:
+            module.torch = proxy
+
+
+def activate() -> bool:
+    """Install the CPU stand-ins if no CUDA device is present. Returns True if active."""
+    global _ACTIVE
+    if _ACTIVE:
+        return True
+    if cuda_available():
+        return False
+    _patch_torch_cuda()
+    _patch_rng_tracker()
+    _patch_module_factories()
+    _ACTIVE = True
+    return True
