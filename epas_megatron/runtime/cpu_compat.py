@@ -14,9 +14,11 @@ are rewritten only inside the Megatron-Core modules listed in :data:`_MODULES_WI
 (through a proxy of the ``torch`` module bound in their namespace), so user code and the rest of
 PyTorch are not slowed down or changed.
 
+5. gradient clipping inside the Megatron optimizer asserts CUDA gradients: replaced by the same
+   scaling without the assertion.
+
 What cannot run on CPU even with these patches (see STACK.md): the distributed optimizer,
-gradient clipping inside the Megatron optimizer (we clip in the trainer), sequence parallelism
-(needs Transformer Engine or apex norms), fused kernels.
+fused kernels (bias/dropout/RoPE/cross-entropy fusion, which the trainer switches off on CPU).
 """
 
 from __future__ import annotations
@@ -154,6 +156,30 @@ def _patch_module_factories():
             module.torch = proxy
 
 
+def _patch_grad_clipping():
+    """Megatron's clip_grad_by_total_norm_fp32 asserts CUDA gradients; scale on CPU instead."""
+
+    @torch.no_grad()
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        attr = "decoupled_grad" if use_decoupled_grad else "grad"
+        grads = [getattr(p, attr) for p in parameters if getattr(p, attr, None) is not None]
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        if isinstance(clip_coeff, torch.Tensor):
+            clip_coeff = clip_coeff.clamp_max(1.0)
+            for g in grads:
+                g.mul_(clip_coeff)
+        elif clip_coeff < 1.0:
+            for g in grads:
+                g.mul_(clip_coeff)
+
+    for name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
+        module = importlib.import_module(name)
+        if hasattr(module, "clip_grad_by_total_norm_fp32"):
+            module.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+
 def activate() -> bool:
     """Install the CPU stand-ins if no CUDA device is present. Returns True if active."""
     global _ACTIVE
@@ -164,5 +190,6 @@ def activate() -> bool:
     _patch_torch_cuda()
     _patch_rng_tracker()
     _patch_module_factories()
+    _patch_grad_clipping()
     _ACTIVE = True
     return True

@@ -1,0 +1,108 @@
+"""Model presets: LLaMA shapes from a CPU test model up to LLaMA-2-7B.
+
+A preset fills model fields (and a few training defaults) that the user did not set; any flag
+overrides it. Recommended GPU layouts assume 8x H100 80GB per node, bf16, seq 2048.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from epas_megatron.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One named model shape."""
+
+    name: str
+    """Preset name (the value of --preset)."""
+
+    num_layers: int
+    """Decoder layers."""
+
+    hidden_size: int
+    """Hidden size."""
+
+    num_attention_heads: int
+    """Query heads."""
+
+    num_query_groups: int
+    """Key/value heads."""
+
+    ffn_hidden_size: int
+    """SwiGLU inner size."""
+
+    vocab_size: Optional[int]
+    """Vocabulary (None: the tokenizer's)."""
+
+    seq_length: int
+    """Default training sequence length."""
+
+    description: str
+    """Where it runs and the recommended parallel layout."""
+
+    training_defaults: dict = field(default_factory=dict)
+    """Training/data field defaults that come with the preset (e.g. micro batch size)."""
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset(
+            "tiny", 4, 64, 4, 2, 176, None, 64,
+            "Tests and smoke runs on CPU (seconds). TP<=2, PP<=4.",
+            {"micro_batch_size": 2, "default_vocab_size": 512},
+        ),
+        Preset(
+            "small", 8, 384, 6, 2, 1024, None, 256,
+            "~19M parameters with the default 8192-piece tokenizer: trains usefully on 2 CPU "
+            "cores (about 1.5 s/iteration at micro-batch 8). Single process, or TP/PP=2 "
+            "for testing.",
+            {"micro_batch_size": 8, "default_vocab_size": 8192},
+        ),
+        Preset(
+            "125m", 12, 768, 12, 12, 2048, 32000, 2048,
+            "GPT-3-125M-like LLaMA (the paper's 125M). One GPU; data parallel only.",
+            {"micro_batch_size": 8},
+        ),
+        Preset(
+            "350m", 24, 1024, 16, 16, 2816, 32000, 2048,
+            "One GPU per replica; data parallel only.",
+            {"micro_batch_size": 8},
+        ),
+        Preset(
+            "1b", 22, 2048, 32, 4, 5632, 32000, 2048,
+            "TinyLLaMA-1.1B shapes (GQA 32/4). One H100 per replica (TP=1, PP=1), micro-batch 8;"
+            " the paper's continual-pretraining model.",
+            {"micro_batch_size": 4},
+        ),
+        Preset(
+            "3b", 26, 3200, 32, 32, 8640, 32000, 2048,
+            "OpenLLaMA-3B shapes. H100: TP=2 (or TP=1 with --recompute selective), micro-batch 2.",
+            {"micro_batch_size": 2},
+        ),
+        Preset(
+            "7b", 32, 4096, 32, 32, 11008, 32000, 2048,
+            "LLaMA-2-7B shapes. H100 node: TP=2 PP=2 (or TP=4), micro-batch 1, distributed "
+            "optimizer; PP>1 is where EPAS stage rebalancing pays off.",
+            {"micro_batch_size": 1},
+        ),
+    )
+}
+
+
+def get_preset(name: str) -> Preset:
+    """The preset called ``name``; ConfigError naming --preset if there is none."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(
+            f"--preset {name!r} is not a known preset; choose one of: {', '.join(PRESETS)}"
+        ) from None
+
+
+def default_ffn_hidden_size(hidden_size: int) -> int:
+    """LLaMA's SwiGLU width: 8/3 of the hidden size, rounded up to a multiple of 64."""
+    return ((8 * hidden_size // 3) + 63) // 64 * 64

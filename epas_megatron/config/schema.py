@@ -1,0 +1,275 @@
+"""The run configuration: one dataclass per concern, one docstring per field.
+
+Every field is also a command-line flag (``train_iters`` -> ``--train-iters``), a key of the
+YAML config file (under its section: ``training: {train_iters: 100}``), and is written to the
+run's ``config.yaml``. Field names are unique across sections so flags stay flat. The help text
+of each flag is the docstring under the field (read by :mod:`epas_megatron.config.cli`).
+
+Validation that needs several sections at once lives in :mod:`epas_megatron.config.validation`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+
+@dataclass
+class ModelConfig:
+    """LLaMA-architecture decoder (RMSNorm, SwiGLU, RoPE, GQA, no biases)."""
+
+    preset: Optional[str] = None
+    """Model preset (tiny, small, 125m, 350m, 1b, 3b, 7b). Preset values are defaults that any
+    other model flag overrides."""
+
+    num_layers: int = 4
+    """Number of decoder layers."""
+
+    hidden_size: int = 64
+    """Hidden size h."""
+
+    num_attention_heads: int = 4
+    """Number of query heads."""
+
+    num_query_groups: Optional[int] = None
+    """Number of key/value heads (GQA). Default: equal to --num-attention-heads (MHA)."""
+
+    ffn_hidden_size: Optional[int] = None
+    """SwiGLU inner size. Default: 8/3 * hidden rounded up to a multiple of 64."""
+
+    vocab_size: Optional[int] = None
+    """Vocabulary size. Default: the tokenizer's."""
+
+    max_position_embeddings: Optional[int] = None
+    """Longest sequence the model supports. Default: --seq-length."""
+
+    rotary_base: int = 10000
+    """RoPE base period."""
+
+    norm_epsilon: float = 1e-5
+    """RMSNorm epsilon."""
+
+    init_method_std: float = 0.02
+    """Standard deviation of the normal weight initialisation."""
+
+    untie_embeddings_and_output_weights: bool = True
+    """Untied input embeddings and LM head (LLaMA). --no-untie-embeddings-and-output-weights ties
+    them."""
+
+    transformer_impl: str = "auto"
+    """Layer backend: 'local' (pure PyTorch Megatron-Core modules, runs everywhere),
+    'transformer_engine' (GPU only), or 'auto' (TE when CUDA and TE are present, else local)."""
+
+
+@dataclass
+class ParallelConfig:
+    """Tensor, pipeline and data parallelism, and activation recompute."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+
+    pp: int = 1
+    """Pipeline-parallel size."""
+
+    vpp: Optional[int] = None
+    """Virtual pipeline stages (model chunks) per pipeline rank (interleaved 1F1B)."""
+
+    pipeline_layout: Optional[str] = None
+    """Explicit Megatron-Core pipeline layout, e.g. 'Ettt|tttL' ('E' embedding, 't' decoder
+    layer, 'L' loss, '|' stage boundary). Default: even split (rebalanced at EPAS switches)."""
+
+    sequence_parallel: bool = False
+    """Sequence parallelism (needs TP > 1 and the Transformer Engine backend)."""
+
+    use_distributed_optimizer: Optional[bool] = None
+    """Shard optimizer state over data-parallel ranks. Default: on with CUDA, off on CPU (the
+    distributed optimizer needs CUDA)."""
+
+    overlap_grad_reduce: bool = False
+    """Overlap the data-parallel gradient reduction with the backward pass."""
+
+    recompute: str = "none"
+    """Activation recompute: 'none', 'selective' (core attention) or 'full'."""
+
+    recompute_method: str = "uniform"
+    """With --recompute full: 'uniform' (chunks of --recompute-num-layers) or 'block' (the first
+    --recompute-num-layers layers of each stage)."""
+
+    recompute_num_layers: int = 1
+    """With --recompute full: layers per recompute chunk (uniform) or recomputed layers (block)."""
+
+
+@dataclass
+class TrainingConfig:
+    """Optimisation and schedule."""
+
+    train_iters: int = 100
+    """Number of training iterations (optimizer steps)."""
+
+    micro_batch_size: int = 4
+    """Sequences per micro-batch per data-parallel rank."""
+
+    global_batch_size: Optional[int] = None
+    """Sequences per iteration over all data-parallel ranks. Default: micro batch x DP."""
+
+    seq_length: int = 128
+    """Training sequence length in tokens."""
+
+    lr: float = 3e-4
+    """Peak learning rate."""
+
+    min_lr: float = 3e-5
+    """Final learning rate of the decay."""
+
+    lr_warmup_iters: int = 10
+    """Linear warm-up iterations."""
+
+    lr_decay_style: str = "cosine"
+    """Learning-rate decay after warm-up: 'cosine', 'linear' or 'constant'."""
+
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (not applied to norms; never to frozen Q/K)."""
+
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+
+    seed: int = 1234
+    """Random seed (weights, data order, dropout)."""
+
+    precision: str = "auto"
+    """'bf16' (GPU), 'fp32', or 'auto' (bf16 with CUDA, fp32 on CPU)."""
+
+    eval_interval: int = 50
+    """Compute validation loss every this many iterations (0 disables)."""
+
+    eval_iters: int = 4
+    """Validation micro-batch rounds per evaluation."""
+
+    exit_interval: Optional[int] = None
+    """Save and stop after this many iterations of this run (for tests and preemption drills)."""
+
+
+@dataclass
+class DataConfig:
+    """Training data and tokenizer."""
+
+    data: Optional[list[str]] = None
+    """Megatron indexed dataset prefixes (path/to/name for name.bin + name.idx, from
+    tools/preprocess_data.py), optionally weighted: '0.7 a 0.3 b'. Default: the embedded
+    corpus (standard-library documentation), tokenized and cached on first use."""
+
+    split: str = "969,30,1"
+    """Train/valid/test split weights of the documents."""
+
+    tokenizer_model: Optional[str] = None
+    """SentencePiece model file (e.g. LLaMA's tokenizer.model). Default: one trained on the
+    embedded corpus with --default-vocab-size pieces."""
+
+    default_vocab_size: int = 4096
+    """Vocabulary of the tokenizer trained on the embedded corpus."""
+
+    data_cache_dir: Optional[str] = None
+    """Where the embedded corpus, its tokenizer and dataset index caches go. Default:
+    $EPAS_CACHE_DIR or ~/.cache/epas_megatron."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Distributed checkpoints (megatron.core.dist_checkpointing)."""
+
+    save: Optional[str] = None
+    """Checkpoint directory. Default: <output-dir>/checkpoints."""
+
+    load: Optional[str] = None
+    """Resume from this checkpoint directory (its latest checkpoint, or a given iter_NNNNNNN)."""
+
+    save_interval: Optional[int] = None
+    """Save every this many iterations (also at the end and on an exit signal)."""
+
+    keep_last: int = 2
+    """Keep this many most recent checkpoints (0 keeps all)."""
+
+    no_save_final: bool = False
+    """Do not save a checkpoint at the end of training."""
+
+
+@dataclass
+class LoggingConfig:
+    """Console, metrics.jsonl, TensorBoard and wandb."""
+
+    output_dir: str = "runs/default"
+    """Run directory: config.yaml, metrics.jsonl, checkpoints/, tensorboard/."""
+
+    log_interval: int = 10
+    """Print and record metrics every this many iterations."""
+
+    tensorboard: bool = True
+    """Write TensorBoard events under <output-dir>/tensorboard."""
+
+    wandb: bool = False
+    """Log to Weights & Biases (WANDB_MODE=offline works without network)."""
+
+    wandb_project: str = "epas-megatron"
+    """wandb project name."""
+
+    wandb_run_name: Optional[str] = None
+    """wandb run name. Default: the output directory's name."""
+
+    peak_tflops: Optional[str] = None
+    """Accelerator for MFU: a100, h100, h200, ... Default: detected from the GPU name; CPU has
+    none (MFU printed as n/a)."""
+
+
+@dataclass
+class EpasConfig:
+    """EPAS: progressive QK sharing (see README, 'EPAS decisions')."""
+
+    epas_target_layers: str = "0"
+    """Deepest layers that will share Q/K at the end of the schedule: a count ('6') or a
+    fraction of the layers ('0.5'). 0 disables EPAS."""
+
+    epas_interval: int = 100
+    """Iterations between switches (I in the paper)."""
+
+    epas_growth: int = 1
+    """Layers that switch to sharing at each switch (B in the paper); must divide the target."""
+
+    epas_first_switch: Optional[int] = None
+    """Iteration of the first switch. Default: --epas-interval (the paper's Algorithm 1)."""
+
+    epas_share: str = "qk"
+    """What sharing layers reuse from the source layer: 'qk' (the paper: own V) or 'kv'
+    (own Q, source's K and V; CLA-like)."""
+
+    epas_detach_shared: bool = False
+    """Stop gradients of sharing layers from flowing into the source layer's Q/K (the paper
+    lets them flow: off)."""
+
+    epas_rebalance: str = "auto"
+    """Re-partition pipeline stages at every switch: 'on', 'off', or 'auto' (on when PP > 1
+    and no explicit --pipeline-layout)."""
+
+
+@dataclass
+class RunConfig:
+    """Everything a run needs; sections mirror the YAML file."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    epas: EpasConfig = field(default_factory=EpasConfig)
+
+
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(RunConfig)}

@@ -1,0 +1,407 @@
+"""Self-attention in the two EPAS modes, as siblings of Megatron-Core's ``SelfAttention``.
+
+* :class:`ComputingAttention` is Megatron-Core's ``SelfAttention`` (its own fused ``linear_qkv``).
+  When it is the *source* of a sharing region (the last computing layer before it) it also hands
+  its post-RoPE Q and K (``share='qk'``) or K and V (``share='kv'``) on, through
+  :meth:`ComputingAttention.forward_and_hand_off`; otherwise the stock forward runs.
+* :class:`SharedAttention` is a layer in *sharing mode*: it projects only its own part (V for
+  ``'qk'``, Q for ``'kv'``) with a TP-sharded ``linear_v`` / ``linear_q`` whose rows are exactly
+  the V (Q) rows of the fused QKV it replaces, takes the other two from the hand-off, and runs
+  the same ``core_attention`` and ``linear_proj``. The Q/K (K/V) rows of the fused QKV stay in the
+  module as a frozen ``linear_qk`` (``linear_kv``): never used in the forward, never given to the
+  optimizer, kept so that the checkpoint can run with a smaller region.
+
+Checkpoint format (both modes, both backends): the fused QKV is stored as three tensors per layer,
+``self_attention.linear_q.weight`` ``[np*hn, h]``, ``linear_k.weight`` and ``linear_v.weight``
+``[ng*hn, h]`` (TP-sharded along rows), through ``ShardedTensorFactory``. A computing layer
+splits its fused weight on save and fuses on load; a sharing layer saves its trainable part under
+its own key and its frozen part under the other two. Optimizer state follows the same factories,
+so switching a layer to sharing (save, rebuild, load) carries the Adam moments of its V rows over
+exactly, and a checkpoint of any region loads into a model of any region.
+
+GQA: K keeps the source's KV heads; the V of a sharing layer has the same KV heads. Requires
+``num_query_groups % tp == 0`` (each TP rank holds whole groups).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.transformer.attention import Attention, SelfAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.typed_torch import apply_module
+
+from epas_megatron.sharing import handoff as qk_handoff
+
+SHARE_MODES = ("qk", "kv")
+
+# Per KV group, the fused QKV weight holds [q_1 .. q_{np/ng}, k, v] head blocks of hn rows.
+# own part (trainable in a sharing layer) and frozen parts, per share mode:
+_OWN_PART = {"qk": "v", "kv": "q"}
+_FROZEN_PARTS = {"qk": ("q", "k"), "kv": ("k", "v")}
+
+
+def _rope_pair(rotary_pos_emb):
+    if rotary_pos_emb is None or isinstance(rotary_pos_emb, tuple):
+        return rotary_pos_emb
+    return (rotary_pos_emb, rotary_pos_emb)
+
+
+class _AttentionOps:
+    """What computing (as a source) and sharing attention do the same way."""
+
+    def _rope(self, tensor: Tensor, pos_emb: Optional[Tensor]) -> Tensor:
+        if pos_emb is None:
+            return tensor
+        return apply_rotary_pos_emb(
+            tensor,
+            pos_emb,
+            config=self.config,
+            cu_seqlens=None,
+            mscale=self._yarn_concentration_factor,
+            cp_group=self.pg_collection.cp,
+        )
+
+    def _attend_and_project(self, query, key, value, attention_mask, attention_bias, packed_seq_params):
+        # query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, np * hn]
+        if self.checkpoint_core_attention and self.training:
+            context = self._checkpointed_attention_forward(
+                query,
+                key,
+                value,
+                attention_mask,
+                attn_mask_type=self.attn_mask_type,
+                attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params,
+            )
+        else:
+            context = apply_module(self.core_attention)(
+                query,
+                key,
+                value,
+                attention_mask,
+                attn_mask_type=self.attn_mask_type,
+                attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params,
+            )
+        # [sq, b, np * hn] -> [sq, b, h]
+        return apply_module(self.linear_proj)(context)
+
+    @property
+    def _heads(self) -> dict[str, int]:
+        """Local (this TP rank) head counts of q, k and v."""
+        return {
+            "q": self.num_attention_heads_per_partition,
+            "k": self.num_query_groups_per_partition,
+            "v": self.num_query_groups_per_partition,
+        }
+
+    def _unpack(self, handoff: Tensor, parts: tuple[str, str], batch: int):
+        heads = self._heads
+        per_token = (heads[parts[0]] + heads[parts[1]]) * self.hidden_size_per_attention_head
+        seq = handoff.numel() // (batch * per_token)
+        return qk_handoff.unpack(
+            handoff, seq, batch, heads[parts[0]], heads[parts[1]], self.hidden_size_per_attention_head
+        )
+
+
+def _part_rows_per_group(queries_per_group: int) -> dict[str, int]:
+    return {"q": queries_per_group, "k": 1, "v": 1}
+
+
+def split_qkv_rows(rows_tensor: Tensor, order: tuple[str, ...], num_groups: int, queries_per_group: int, head_dim: int) -> dict[str, Tensor]:
+    """Rows holding, per KV group, the parts in ``order`` (a sub-sequence of q, k, v) -> one
+    contiguous tensor per part: q ``[groups*np/ng*hn, h]``, k and v ``[groups*hn, h]``."""
+    rows = _part_rows_per_group(queries_per_group)
+    hidden = rows_tensor.shape[-1]
+    # [groups * rows_per_group, h] -> [groups, rows_per_group, h]
+    grouped = rows_tensor.view(num_groups, -1, hidden)
+    pieces = torch.split(grouped, [rows[p] * head_dim for p in order], dim=1)
+    # [groups, rows_p, h] -> [groups * rows_p, h]
+    return {p: t.reshape(-1, hidden) for p, t in zip(order, pieces)}
+
+
+def fuse_qkv_rows(parts: dict[str, Tensor], order: tuple[str, ...], num_groups: int, queries_per_group: int, head_dim: int) -> Tensor:
+    """Inverse of :func:`split_qkv_rows`."""
+    rows = _part_rows_per_group(queries_per_group)
+    hidden = parts[order[0]].shape[-1]
+    grouped = [parts[p].reshape(num_groups, rows[p] * head_dim, hidden) for p in order]
+    return torch.cat(grouped, dim=1).reshape(-1, hidden)
+
+
+def qkv_split_factory(
+    original: ShardedTensor,
+    fused_key_suffix: str,
+    parts: tuple[str, ...],
+    queries_per_group: int,
+    head_dim: int,
+    sharded_offsets: tuple,
+) -> ShardedTensorFactory:
+    """Save a tensor holding ``parts`` of the fused QKV rows (per KV group, in q/k/v order) as
+    one TP-sharded tensor per part, ``...linear_<part>.weight``; fuse them back on load.
+
+    ``original`` is the default ShardedTensor of the tensor (TP-sharded along rows);
+    ``fused_key_suffix`` is the tail of its key that is replaced by ``linear_<part>.weight``.
+    Works for model weights and, through Megatron's optimizer factories, for Adam moments.
+    """
+    rows = _part_rows_per_group(queries_per_group)
+    prepend = len(sharded_offsets)
+    tp_axis = prepend
+    local_rows = original.local_shape[0]
+    tp_size = original.axis_fragmentations[tp_axis]
+    tp_rank = original.global_offset[tp_axis] // local_rows
+    rows_per_group = sum(rows[p] for p in parts) * head_dim
+    assert local_rows % rows_per_group == 0, (original.key, local_rows, rows_per_group)
+    local_groups = local_rows // rows_per_group
+
+    def key_of(key: str, part: str) -> str:
+        assert key.endswith(fused_key_suffix), (key, fused_key_suffix)
+        return f"{key[: -len(fused_key_suffix)]}linear_{part}.weight"
+
+    @torch.no_grad()
+    def build(key: str, data: Tensor, replica_id, flattened_range):
+        assert flattened_range is None, "flattened optimizer states are not supported here"
+        pieces = split_qkv_rows(data, parts, local_groups, queries_per_group, head_dim)
+        return {
+            part: ShardedTensor.from_rank_offsets(
+                key_of(key, part),
+                pieces[part],
+                *sharded_offsets,
+                (tp_axis, tp_rank, tp_size),
+                replica_id=replica_id,
+                prepend_axis_num=prepend,
+            )
+            for part in parts
+        }
+
+    @torch.no_grad()
+    def merge(loaded: dict[str, Tensor]) -> Tensor:
+        return fuse_qkv_rows(loaded, parts, local_groups, queries_per_group, head_dim)
+
+    return ShardedTensorFactory(original.key, original.data, build, merge, original.replica_id)
+
+
+class ComputingAttention(_AttentionOps, SelfAttention):
+    """Megatron-Core ``SelfAttention`` that can act as the source of a sharing region."""
+
+    def __init__(self, *args, hand_off: Optional[str] = None, detach_shared: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        if hand_off is not None and hand_off not in SHARE_MODES:
+            raise ValueError(f"hand_off must be one of {SHARE_MODES} or None, got {hand_off!r}")
+        self.hand_off = hand_off
+        """None, or what this layer hands on to the sharing region after it ('qk' or 'kv')."""
+        self.detach_shared = detach_shared
+
+    def forward_and_hand_off(
+        self,
+        hidden_states: Tensor,
+        attention_mask: Optional[Tensor],
+        rotary_pos_emb=None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params=None,
+    ) -> tuple[tuple[Tensor, Optional[Tensor]], Tensor]:
+        """Attention output and bias, plus the flat hand-off (post-RoPE Q|K, or K|V)."""
+        assert self.hand_off is not None
+        # [sq, b, h] -> [sq, b, np, hn], [sq, b, ng, hn], [sq, b, ng, hn]
+        query, key, value = self.get_query_key_value_tensors(hidden_states)
+        pos = _rope_pair(rotary_pos_emb)
+        if pos is not None:
+            query = self._rope(query, pos[0])
+            key = self._rope(key, pos[1])
+        batch = hidden_states.size(1)
+        if self.hand_off == "qk":
+            shared = qk_handoff.pack(query, key)
+            query, key = self._unpack(shared, ("q", "k"), batch)
+        else:
+            shared = qk_handoff.pack(key, value)
+            key, value = self._unpack(shared, ("k", "v"), batch)
+        output = self._attend_and_project(query, key, value, attention_mask, attention_bias, packed_seq_params)
+        return output, (shared.detach() if self.detach_shared else shared)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        key = f"{prefix}linear_qkv.weight"
+        state[key] = qkv_split_factory(
+            state[key],
+            "linear_qkv.weight",
+            ("q", "k", "v"),
+            self.num_attention_heads_per_partition // self.num_query_groups_per_partition,
+            self.hidden_size_per_attention_head,
+            sharded_offsets,
+        )
+        return state
+
+
+@dataclass
+class SharedAttentionSubmodules:
+    """Submodules of a sharing layer's attention (names as in ``SelfAttentionSubmodules``)."""
+
+    linear_own: object
+    """Trainable projection of the layer's own part (V for 'qk', Q for 'kv'); TP column-parallel,
+    LayerNorm-fused where the backend fuses norm and GEMM."""
+
+    linear_frozen: object
+    """The frozen remainder of the fused QKV (Q|K for 'qk', K|V for 'kv'); column-parallel."""
+
+    core_attention: object
+    """Same core attention as the computing layers."""
+
+    linear_proj: object
+    """Same row-parallel output projection as the computing layers."""
+
+
+class SharedAttention(_AttentionOps, Attention):
+    """Attention of a layer in sharing mode: ``attention(Q_src, K_src, V_own)`` (``'qk'``) or
+    ``attention(Q_own, K_src, V_src)`` (``'kv'``), then its own output projection."""
+
+    def __init__(
+        self,
+        config,
+        submodules: SharedAttentionSubmodules,
+        layer_number: int,
+        attn_mask_type: AttnMaskType = AttnMaskType.padding,
+        share: str = "qk",
+        detach_shared: bool = False,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        pp_layer_offset: Optional[int] = None,
+        name: Optional[str] = None,
+    ):
+        if share not in SHARE_MODES:
+            raise ValueError(f"share must be one of {SHARE_MODES}, got {share!r}")
+        super().__init__(
+            config=config,
+            submodules=submodules,
+            layer_number=layer_number,
+            attn_mask_type=attn_mask_type,
+            attention_type="self",
+            cp_comm_type=cp_comm_type,
+            pg_collection=pg_collection,
+            pp_layer_offset=pp_layer_offset,
+            name=name,
+        )
+        if config.num_query_groups % self.world_size:
+            raise ValueError(
+                f"QK sharing needs whole KV groups per TP rank: num_query_groups "
+                f"{config.num_query_groups} is not divisible by TP {self.world_size}"
+            )
+        self.share = share
+        self.detach_shared = detach_shared
+        self.own_part = _OWN_PART[share]
+        self.frozen_parts = _FROZEN_PARTS[share]
+        sizes = {
+            "q": self.query_projection_size,
+            "k": self.kv_projection_size,
+            "v": self.kv_projection_size,
+        }
+
+        def projection(builder, out_size, tag):
+            return builder(
+                self.config.hidden_size,
+                out_size,
+                config=self.config,
+                init_method=self.config.init_method,
+                gather_output=False,
+                bias=self.config.add_bias_linear or self.config.add_qkv_bias,
+                skip_bias_add=False,
+                is_expert=False,
+                tp_comm_buffer_name="qkv",
+                tp_group=self.pg_collection.tp,
+                name=(name + f".{tag}") if name is not None else None,
+            )
+
+        own_name = f"linear_{self.own_part}"
+        frozen_name = "linear_" + "".join(self.frozen_parts)
+        setattr(self, own_name, projection(submodules.linear_own, sizes[self.own_part], own_name))
+        setattr(
+            self,
+            frozen_name,
+            projection(submodules.linear_frozen, sum(sizes[p] for p in self.frozen_parts), frozen_name),
+        )
+        self._own_name, self._frozen_name = own_name, frozen_name
+        for param in self.frozen_projection.parameters():
+            param.requires_grad_(False)
+
+    @property
+    def own_projection(self):
+        """The trainable projection (``linear_v`` or ``linear_q``)."""
+        return getattr(self, self._own_name)
+
+    @property
+    def frozen_projection(self):
+        """The frozen projection (``linear_qk`` or ``linear_kv``)."""
+        return getattr(self, self._frozen_name)
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
+        raise NotImplementedError("a sharing layer takes its Q/K from the hand-off; use forward()")
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        attention_mask: Optional[Tensor],
+        shared: Tensor,
+        rotary_pos_emb=None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params=None,
+    ) -> tuple[tuple[Tensor, Optional[Tensor]], Tensor]:
+        """Attention output and bias, and the hand-off passed on unchanged."""
+        if shared is None:
+            raise RuntimeError(
+                f"layer {self.layer_number} is in sharing mode but received no Q/K hand-off: "
+                "the layer before it is neither a source nor a sharing layer"
+            )
+        batch = hidden_states.size(1)
+        source = shared.detach() if self.detach_shared else shared
+        # [sq, b, h] -> [sq, b, own heads * hn]
+        own, _ = apply_module(self.own_projection)(hidden_states)
+        heads = self._heads[self.own_part]
+        # [sq, b, own heads * hn] -> [sq, b, own heads, hn]
+        own = own.view(own.size(0), own.size(1), heads, self.hidden_size_per_attention_head)
+        if self.share == "qk":
+            query, key = self._unpack(source, ("q", "k"), batch)
+            value = own
+        else:
+            pos = _rope_pair(rotary_pos_emb)
+            query = self._rope(own, pos[0]) if pos is not None else own
+            key, value = self._unpack(source, ("k", "v"), batch)
+        output = self._attend_and_project(query, key, value, attention_mask, attention_bias, packed_seq_params)
+        return output, shared
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # A plain (non-sharded) state dict of a computing layer holds the fused linear_qkv: take
+        # this layer's own and frozen rows from it, so plain state dicts load into any region.
+        fused_key = f"{prefix}linear_qkv.weight"
+        if fused_key in state_dict:
+            fused = state_dict.pop(fused_key)
+            state_dict.pop(f"{prefix}linear_qkv._extra_state", None)
+            groups, qpg, hn = self.num_query_groups_per_partition, self._queries_per_group, self.hidden_size_per_attention_head
+            parts = split_qkv_rows(fused, ("q", "k", "v"), groups, qpg, hn)
+            state_dict[f"{prefix}{self._own_name}.weight"] = parts[self.own_part]
+            state_dict[f"{prefix}{self._frozen_name}.weight"] = fuse_qkv_rows(parts, self.frozen_parts, groups, qpg, hn)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    @property
+    def _queries_per_group(self) -> int:
+        return self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        frozen_key = f"{prefix}{self._frozen_name}.weight"
+        # The frozen rows are saved under the canonical per-part keys (linear_q/k/v.weight).
+        state[frozen_key] = qkv_split_factory(
+            state[frozen_key],
+            f"{self._frozen_name}.weight",
+            self.frozen_parts,
+            self._queries_per_group,
+            self.hidden_size_per_attention_head,
+            sharded_offsets,
+        )
+        # Transformer Engine keeps FP8 metadata in `_extra_state`; the frozen GEMM never runs.
+        state.pop(f"{prefix}{self._frozen_name}._extra_state", None)
+        return state

@@ -1,0 +1,224 @@
+"""Config -> Megatron ``TransformerConfig`` -> the model chunks this rank holds.
+
+The decoder is described by one *global* list of layer specs (a role per layer, from the
+sharing region); each pipeline stage / virtual stage takes the slice of its own layers, found with
+the same Megatron-Core functions ``TransformerBlock`` uses (``get_transformer_layer_offset``,
+``get_num_layers_to_build``), so even, uneven and explicit-layout pipelines all agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+from epas_megatron.model.gpt import EpasGPTModel
+from epas_megatron.model.specs import BACKENDS, decoder_layer_specs, layer_roles
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the builder needs to know about the architecture."""
+
+    num_layers: int
+    """Decoder layers."""
+
+    hidden_size: int
+    """Hidden size."""
+
+    num_attention_heads: int
+    """Query heads."""
+
+    num_query_groups: int
+    """Key/value heads."""
+
+    ffn_hidden_size: int
+    """SwiGLU inner size."""
+
+    vocab_size: int
+    """Vocabulary (the embedding is padded by Megatron to a multiple of TP if needed)."""
+
+    max_sequence_length: int
+    """Longest sequence."""
+
+    rotary_base: int = 10000
+    """RoPE base."""
+
+    norm_epsilon: float = 1e-5
+    """RMSNorm epsilon."""
+
+    init_method_std: float = 0.02
+    """Init std."""
+
+    tie_embeddings: bool = False
+    """Share the input embedding with the LM head."""
+
+
+def make_transformer_config(
+    shape: ModelShape,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: Optional[int] = None,
+    pipeline_layout: Optional[str] = None,
+    sequence_parallel: bool = False,
+    bf16: bool = False,
+    recompute: str = "none",
+    recompute_method: str = "uniform",
+    recompute_num_layers: int = 1,
+    handoff_across_stages: bool = False,
+    on_cuda: Optional[bool] = None,
+) -> TransformerConfig:
+    """A Megatron ``TransformerConfig`` for a LLaMA decoder.
+
+    ``handoff_across_stages`` switches Megatron's p2p to exchanging tensor shapes first
+    (``variable_seq_lengths``), which lets a stage send its hidden states plus the QK hand-off.
+    """
+    on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    kwargs = dict(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=shape.init_method_std,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if (vpp and vpp > 1 and not pipeline_layout) else None,
+        pipeline_model_parallel_layout=pipeline_layout,
+        sequence_parallel=sequence_parallel,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=bf16,
+        use_cpu_initialization=not on_cuda,
+        # Fusions are CUDA kernels: on CPU every op is the plain PyTorch one.
+        bias_activation_fusion=on_cuda,
+        bias_dropout_fusion=on_cuda,
+        masked_softmax_fusion=on_cuda,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        # Loss is a per-token mean over the whole global batch (DP and micro-batch invariant).
+        calculate_per_token_loss=True,
+        variable_seq_lengths=handoff_across_stages and pp > 1,
+        # gloo computes wrong gradients with batched p2p under interleaving (STACK.md).
+        batch_p2p_comm=on_cuda,
+        deallocate_pipeline_outputs=True,
+    )
+    if recompute == "full":
+        kwargs.update(
+            recompute_granularity="full",
+            recompute_method=recompute_method,
+            recompute_num_layers=recompute_num_layers,
+        )
+    elif recompute == "selective":
+        kwargs.update(recompute_granularity="selective", recompute_modules=["core_attn"])
+    return TransformerConfig(**kwargs)
+
+
+@dataclass(frozen=True)
+class ChunkPlacement:
+    """Where one model chunk sits in the pipeline and what it holds."""
+
+    vp_stage: Optional[int]
+    """Virtual stage index (None without interleaving)."""
+
+    layer_ids: tuple[int, ...]
+    """Global (0-based) decoder layers of the chunk."""
+
+    pre_process: bool
+    """Holds the embedding."""
+
+    post_process: bool
+    """Holds the final norm, LM head and loss."""
+
+    receives_handoff: bool
+    """Its first layer shares Q/K computed on an earlier stage."""
+
+    sends_handoff: bool
+    """The next stage's first layer shares Q/K that pass through this chunk."""
+
+
+def chunk_placements(config: TransformerConfig, roles: Sequence[str], pp_rank: Optional[int] = None) -> list[ChunkPlacement]:
+    """Placements of this pipeline rank's chunks (one per virtual stage)."""
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank
+    pp_size = config.pipeline_model_parallel_size
+    vpp = config.virtual_pipeline_model_parallel_size
+    num_layers = len(roles)
+
+    def shares(boundary: int) -> bool:
+        return 0 < boundary < num_layers and roles[boundary] == "share"
+
+    placements = []
+    for vp_stage in range(vpp) if vpp else [None]:
+        stage = vp_stage if vp_stage is not None else 0
+        first = pp_rank == 0 and stage == 0
+        last = pp_rank == pp_size - 1 and stage == (vpp or 1) - 1
+        offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
+        count = get_num_layers_to_build(config, vp_stage, pp_rank)
+        placements.append(
+            ChunkPlacement(
+                vp_stage=vp_stage,
+                layer_ids=tuple(range(offset, offset + count)),
+                pre_process=first,
+                post_process=last,
+                receives_handoff=not first and shares(offset),
+                sends_handoff=not last and shares(offset + count),
+            )
+        )
+    return placements
+
+
+def build_model_chunks(
+    config: TransformerConfig,
+    shape: ModelShape,
+    sharing_layers: Sequence[int] = (),
+    *,
+    backend: str = "local",
+    share: str = "qk",
+    detach_shared: bool = False,
+) -> list[EpasGPTModel]:
+    """The model chunks of this rank (one without interleaving), on the current device."""
+    roles = layer_roles(shape.num_layers, sharing_layers)
+    specs = decoder_layer_specs(shape.num_layers, sharing_layers, BACKENDS[backend], share, detach_shared)
+    final_norm = BACKENDS[backend].norm
+    chunks = []
+    for placement in chunk_placements(config, roles):
+        block_spec = TransformerBlockSubmodules(
+            layer_specs=[specs[i] for i in placement.layer_ids], layer_norm=final_norm
+        )
+        model = EpasGPTModel(
+            config=config,
+            block_spec=block_spec,
+            vocab_size=shape.vocab_size,
+            max_sequence_length=shape.max_sequence_length,
+            pre_process=placement.pre_process,
+            post_process=placement.post_process,
+            share_embeddings_and_output_weights=shape.tie_embeddings,
+            rotary_base=shape.rotary_base,
+            receives_handoff=placement.receives_handoff,
+            sends_handoff=placement.sends_handoff,
+            vp_stage=placement.vp_stage,
+        )
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    return chunks

@@ -1,0 +1,102 @@
+"""A decoder layer that threads the EPAS hand-off from layer to layer.
+
+Megatron-Core's ``TransformerBlock`` (and its activation-recompute path) passes a ``context``
+tensor from each layer to the next: ``hidden_states, context = layer(..., context=context)``.
+GPT layers have no cross-attention, so :class:`EpasTransformerLayer` uses that slot for the
+QK hand-off: a source layer returns its packed Q/K as ``context``, a sharing layer consumes the
+incoming ``context`` and returns it unchanged, a plain computing layer is exactly Megatron's
+``TransformerLayer`` (``context`` passes through untouched). Because the hand-off is an ordinary
+argument and return value, activation checkpointing saves it as an input and recomputation sees
+the same tensor (no side channel that a later micro-batch could overwrite).
+"""
+
+from __future__ import annotations
+
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.typed_torch import apply_module
+
+from epas_megatron.model.attention import ComputingAttention, SharedAttention
+
+
+class EpasTransformerLayer(TransformerLayer):
+    """``TransformerLayer`` whose attention may hand Q/K on (source) or take them (sharing)."""
+
+    @property
+    def epas_role(self) -> str:
+        """'compute', 'source' or 'share'."""
+        attention = self.self_attention
+        if isinstance(attention, SharedAttention):
+            return "share"
+        if isinstance(attention, ComputingAttention) and attention.hand_off is not None:
+            return "source"
+        return "compute"
+
+    def _forward_attention(
+        self,
+        hidden_states,
+        attention_mask=None,
+        context=None,
+        context_mask=None,
+        rotary_pos_emb=None,
+        rotary_pos_cos=None,
+        rotary_pos_sin=None,
+        rotary_pos_cos_sin=None,
+        attention_bias=None,
+        inference_context=None,
+        packed_seq_params=None,
+        sequence_len_offset=None,
+        padding_mask=None,
+        *,
+        inference_params=None,
+    ):
+        role = self.epas_role
+        if role == "compute":
+            return super()._forward_attention(
+                hidden_states,
+                attention_mask=attention_mask,
+                context=context,
+                context_mask=context_mask,
+                rotary_pos_emb=rotary_pos_emb,
+                rotary_pos_cos=rotary_pos_cos,
+                rotary_pos_sin=rotary_pos_sin,
+                rotary_pos_cos_sin=rotary_pos_cos_sin,
+                attention_bias=attention_bias,
+                inference_context=inference_context,
+                packed_seq_params=packed_seq_params,
+                sequence_len_offset=sequence_len_offset,
+                padding_mask=padding_mask,
+                inference_params=inference_params,
+            )
+        if inference_context is not None or inference_params is not None:
+            raise NotImplementedError(
+                "KV-cache inference is not implemented for EPAS source/sharing layers; "
+                "evaluate with full forward passes (epas-eval)"
+            )
+        residual = hidden_states
+        if self.config.fp32_residual_connection:
+            residual = residual.float()
+        normed = apply_module(self.input_layernorm)(hidden_states)
+        if isinstance(normed, tuple):  # norms that also return the residual
+            normed, residual = normed
+        if role == "source":
+            attention_output, context = self.self_attention.forward_and_hand_off(
+                normed,
+                attention_mask,
+                rotary_pos_emb=rotary_pos_emb,
+                attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params,
+            )
+        else:
+            attention_output, context = self.self_attention(
+                normed,
+                attention_mask,
+                context,
+                rotary_pos_emb=rotary_pos_emb,
+                attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params,
+            )
+        with self.bias_dropout_add_exec_handler():
+            hidden_states = self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
+                attention_output, residual, self.hidden_dropout
+            )
+        return hidden_states, context

@@ -1,0 +1,180 @@
+"""Layer specs: which module fills each slot of a decoder layer, per backend and per EPAS role.
+
+A :class:`Backend` names the classes of one implementation (local pure-PyTorch Megatron-Core
+modules, or Transformer Engine). :func:`layer_spec` builds the ``ModuleSpec`` of a layer for a
+role -- ``compute``, ``source`` (computing, and hands its Q/K on) or ``share`` -- from any backend,
+so local and TE paths share everything but the classes. Transformer Engine classes are named by
+import path (``ModuleSpec(module=(path, name))``): building a TE spec imports nothing, the class is
+imported when the layer is built (on a GPU node).
+
+Where a backend fuses the norm into the following GEMM (TE's ``LayerNormColumnParallelLinear``),
+the input norm lives in ``linear_qkv`` (computing) or ``linear_v``/``linear_q`` (sharing) and the
+layer's ``input_layernorm`` is an identity; the sharded-state-dict key maps make all four
+variants save the norm under the same key, ``self_attention.linear_qkv.layer_norm_weight``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Optional, Sequence
+
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+from epas_megatron.model.attention import (
+    _OWN_PART,
+    ComputingAttention,
+    SharedAttention,
+    SharedAttentionSubmodules,
+)
+from epas_megatron.model.layer import EpasTransformerLayer
+
+ROLES = ("compute", "source", "share")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The module classes of one implementation."""
+
+    name: str
+    """'local' or 'transformer_engine'."""
+
+    column_parallel_linear: object
+    """Column-parallel GEMM (output features sharded over TP)."""
+
+    row_parallel_linear: object
+    """Row-parallel GEMM (input features sharded over TP)."""
+
+    norm_column_parallel_linear: Optional[object]
+    """Norm fused into a column-parallel GEMM, or None if the backend does not fuse them."""
+
+    core_attention: object
+    """softmax(QK^T)V kernel."""
+
+    norm: object
+    """RMSNorm module (used where the norm is not fused)."""
+
+
+_TE = "megatron.core.extensions.transformer_engine"
+
+LOCAL = Backend(
+    name="local",
+    column_parallel_linear=ColumnParallelLinear,
+    row_parallel_linear=RowParallelLinear,
+    norm_column_parallel_linear=None,
+    core_attention=DotProductAttention,
+    norm=WrappedTorchNorm,
+)
+
+TRANSFORMER_ENGINE = Backend(
+    name="transformer_engine",
+    column_parallel_linear=ModuleSpec(module=(_TE, "TEColumnParallelLinear")),
+    row_parallel_linear=ModuleSpec(module=(_TE, "TERowParallelLinear")),
+    norm_column_parallel_linear=ModuleSpec(module=(_TE, "TELayerNormColumnParallelLinear")),
+    core_attention=ModuleSpec(module=(_TE, "TEDotProductAttention")),
+    norm=ModuleSpec(module=(_TE, "TENorm")),
+)
+
+BACKENDS = {b.name: b for b in (LOCAL, TRANSFORMER_ENGINE)}
+
+
+def layer_spec(role: str, backend: Backend = LOCAL, share: str = "qk", detach_shared: bool = False) -> ModuleSpec:
+    """The spec of one decoder layer in ``role`` ('compute', 'source' or 'share')."""
+    if role not in ROLES:
+        raise ValueError(f"unknown layer role {role!r}; expected one of {ROLES}")
+    fused = backend.norm_column_parallel_linear is not None
+    norm = IdentityOp if fused else backend.norm
+    input_linear = backend.norm_column_parallel_linear if fused else backend.column_parallel_linear
+    if role == "share":
+        attention = ModuleSpec(
+            module=SharedAttention,
+            params={"attn_mask_type": AttnMaskType.causal, "share": share, "detach_shared": detach_shared},
+            submodules=SharedAttentionSubmodules(
+                linear_own=input_linear,
+                linear_frozen=backend.column_parallel_linear,
+                core_attention=backend.core_attention,
+                linear_proj=backend.row_parallel_linear,
+            ),
+        )
+    else:
+        attention = ModuleSpec(
+            module=ComputingAttention,
+            params={
+                "attn_mask_type": AttnMaskType.causal,
+                "hand_off": share if role == "source" else None,
+                "detach_shared": detach_shared,
+            },
+            submodules=SelfAttentionSubmodules(
+                linear_qkv=input_linear,
+                core_attention=backend.core_attention,
+                linear_proj=backend.row_parallel_linear,
+                q_layernorm=IdentityOp,
+                k_layernorm=IdentityOp,
+            ),
+        )
+    if not fused:
+        keys_map = {
+            "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+            "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+        }
+    elif role == "share":
+        own = f"self_attention.linear_{_OWN_PART[share]}."
+        keys_map = {
+            own + "layer_norm_": "self_attention.linear_qkv.layer_norm_",
+            own + "_extra_state": "self_attention.linear_qkv._extra_state",
+        }
+    else:
+        keys_map = {}
+    return ModuleSpec(
+        module=EpasTransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=attention,
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=norm,
+            mlp=partial(
+                MLP.as_mlp_submodule,
+                submodules=MLPSubmodules(linear_fc1=input_linear, linear_fc2=backend.row_parallel_linear),
+            ),
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=keys_map,
+        ),
+    )
+
+
+def layer_roles(num_layers: int, sharing_layers: Sequence[int]) -> list[str]:
+    """Per-layer role for a sharing region (a contiguous deep block ending at the last layer)."""
+    region = sorted(set(sharing_layers))
+    if region and (region[-1] != num_layers - 1 or region != list(range(region[0], num_layers))):
+        raise ValueError(
+            f"sharing layers {region} must be one contiguous block ending at the last layer "
+            f"({num_layers - 1})"
+        )
+    if len(region) >= num_layers:
+        raise ValueError("at least one layer must compute its own Q/K (the source)")
+    roles = ["compute"] * num_layers
+    if region:
+        roles[region[0] - 1] = "source"
+        for i in region:
+            roles[i] = "share"
+    return roles
+
+
+def decoder_layer_specs(
+    num_layers: int,
+    sharing_layers: Sequence[int] = (),
+    backend: Backend = LOCAL,
+    share: str = "qk",
+    detach_shared: bool = False,
+) -> list[ModuleSpec]:
+    """Specs of all decoder layers of the model (global, not yet sliced per pipeline stage)."""
+    return [layer_spec(r, backend, share, detach_shared) for r in layer_roles(num_layers, sharing_layers)]
