@@ -1,0 +1,478 @@
+"""The progressive sharing schedule: which decoder layers share Q/K at which iteration.
+
+EPAS layer modes (docs/EPAS.md §1): a decoder layer either *computes* its own Q/K or *shares*
+(reuses) the post-RoPE Q/K of the last computing layer before it, the *source*. The sharing
+region is one contiguous block at the deep end that includes the last layer. Layers are 0-based.
+
+Algorithm 1 of the paper (docs/EPAS.md §2), in our words: with interval ``I``, target layers
+``S_c`` (shallow→deep, a contiguous deep block including the last layer) and growth ``B``
+(``B >= 1``, ``B`` divides ``|S_c|``), at every iteration ``t`` (counted from 1) with
+``t % I == 0``, while targets remain, the deepest ``B`` remaining targets switch to sharing.
+The region never shrinks; the full region is reached at ``t = I * |S_c| / B``.
+
+Our generalisation and decisions (the paper leaves them open):
+
+* ``first_switch`` (default ``interval``): switches happen at iterations ``first_switch``,
+  ``first_switch + I``, ``first_switch + 2I``, ... With the default this is exactly Algorithm 1.
+* Iterations are 1-based training steps. **A switch at iteration t happens before the training
+  step of iteration t**: the region in effect for step ``t`` includes every switch at an
+  iteration ``<= t``. Iteration 0 means "before any step" (e.g. a checkpoint saved at
+  iteration 0) and never has a region, because ``first_switch >= 1``.
+* The target set is described by its size only: the deepest ``target_layers`` layers. A target
+  count of 0 means EPAS is off.
+* At least one layer must keep computing (the source of the region), so at most
+  ``num_layers - 1`` layers can be targets.
+
+Everything here is a pure function of the configuration; the trainer asks the schedule *what*
+changes at a switch and one place (model specs, freezing, optimizer, pipeline layout) carries it
+out.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+from fractions import Fraction
+
+from epas_megatron.errors import ConfigError
+
+__all__ = [
+    "LayerMode",
+    "SharingSchedule",
+    "layer_modes",
+    "region_layers",
+    "resolve_target_layers",
+]
+
+#: Warn when the final region is first in effect in the last ``1 / _LATE_FINAL_DENOMINATOR``
+#: of training (here: the last 10%).
+_LATE_FINAL_DENOMINATOR = 10
+
+_STATE_KEYS = ("num_layers", "interval", "growth", "target_layers", "first_switch")
+
+#: Flag to change for each schedule field, used in error and difference messages.
+_FIELD_FLAGS = {
+    "num_layers": "--num-layers",
+    "interval": "--epas-interval",
+    "growth": "--epas-growth",
+    "target_layers": "--epas-target-layers",
+    "first_switch": "--epas-first-switch",
+}
+
+
+class LayerMode(enum.StrEnum):
+    """What a decoder layer does with Q/K. Members compare equal to their string values."""
+
+    COMPUTE = "compute"
+    """Computes its own Q/K; no later layer reads them."""
+    SOURCE = "source"
+    """Computes its own Q/K and is the last computing layer before the sharing region: every
+    sharing layer reuses its (post-RoPE) Q/K."""
+    SHARE = "share"
+    """Skips its Q/K projections and reuses the source layer's Q/K with its own V."""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _format_layers(layers: Iterable[int]) -> str:
+    """``(6, 7, 8)`` -> ``"6-8"``, ``(11,)`` -> ``"11"``, ``()`` -> ``"none"``."""
+    layers = sorted(layers)
+    if not layers:
+        return "none"
+    if len(layers) == 1:
+        return str(layers[0])
+    if layers == list(range(layers[0], layers[-1] + 1)):
+        return f"{layers[0]}-{layers[-1]}"
+    return ", ".join(str(layer) for layer in layers)
+
+
+def resolve_target_layers(target: float | int | str, num_layers: int) -> int:
+    """Number of target (eventually sharing) layers from ``--epas-target-layers``.
+
+    Accepted forms:
+
+    * an ``int`` (or an integral string / float such as ``"6"`` or ``6.0``): that many layers;
+    * a fraction in ``(0, 1)`` (float or string such as ``"0.5"``): ``floor(num_layers * f)``
+      computed exactly on the decimal the user wrote (so ``0.29 * 100`` gives 29, not 28), and
+      at least 1 (a positive fraction never silently turns EPAS off);
+    * ``0`` (or ``"0"`` / ``0.0``): EPAS off.
+
+    The result must leave a source layer: ``0 <= result <= num_layers - 1``.
+    """
+    flag = "--epas-target-layers"
+    if not _is_int(num_layers) or num_layers < 1:
+        raise ConfigError(f"--num-layers must be a positive integer, got {num_layers!r}")
+    if isinstance(target, bool):
+        raise ConfigError(f"{flag} must be a layer count or a fraction in (0, 1), got {target!r}")
+    if isinstance(target, str):
+        text = target.strip()
+        try:
+            value = Fraction(text)
+        except (ValueError, ZeroDivisionError):
+            raise ConfigError(
+                f"{flag} must be a layer count (e.g. 6) or a fraction of the layers in (0, 1) "
+                f"(e.g. 0.5), got {target!r}"
+            ) from None
+    elif _is_int(target):
+        value = Fraction(target)
+    elif isinstance(target, float):
+        if not math.isfinite(target):
+            raise ConfigError(f"{flag} must be finite, got {target!r}")
+        # str() gives the shortest decimal that round-trips: the number the user wrote.
+        value = Fraction(str(target))
+    else:
+        raise ConfigError(
+            f"{flag} must be a layer count or a fraction in (0, 1), got {type(target).__name__} "
+            f"{target!r}"
+        )
+
+    if value < 0:
+        raise ConfigError(f"{flag} must be >= 0 (0 turns EPAS off), got {target!r}")
+    if 0 < value < 1:
+        count = max(1, math.floor(value * num_layers))
+    elif value.denominator == 1:
+        count = int(value)
+    else:
+        raise ConfigError(
+            f"{flag} {target!r} is neither a whole layer count nor a fraction in (0, 1)"
+        )
+    if count > num_layers - 1:
+        raise ConfigError(
+            f"{flag} {target!r} resolves to {count} of {num_layers} layers, but at least one "
+            f"layer must keep computing Q/K as the source; use at most {num_layers - 1}"
+        )
+    return count
+
+
+def region_layers(
+    num_layers: int, region_size: int, flag: str = "--epas-target-layers"
+) -> tuple[int, ...]:
+    """The sharing region of ``region_size`` layers: the deepest layers, ascending.
+
+    For callers that pick a region length directly (e.g. evaluation at several region sizes).
+    ``flag`` names the option to change in the error message.
+    """
+    if not _is_int(region_size) or not 0 <= region_size <= num_layers - 1:
+        raise ConfigError(
+            f"{flag} {region_size!r}: a sharing region must have between 0 and "
+            f"{num_layers - 1} layers for a {num_layers}-layer model (one layer must remain the "
+            "source)"
+        )
+    return tuple(range(num_layers - region_size, num_layers))
+
+
+def layer_modes(
+    num_layers: int, sharing_layers: Iterable[int], flag: str = "--epas-target-layers"
+) -> list[LayerMode]:
+    """Per-layer mode (``"compute"`` / ``"source"`` / ``"share"``) for a sharing set.
+
+    ``sharing_layers`` must be one contiguous block of 0-based layer indices ending at the last
+    layer and must leave layer 0 computing; otherwise a ``ConfigError`` naming ``flag`` is
+    raised. The source is the last computing layer before a non-empty region; with an empty
+    region every layer is ``"compute"``.
+    """
+    if not _is_int(num_layers) or num_layers < 1:
+        raise ConfigError(f"--num-layers must be a positive integer, got {num_layers!r}")
+    layers = list(sharing_layers)
+    for layer in layers:
+        if not _is_int(layer) or not 0 <= layer < num_layers:
+            raise ConfigError(
+                f"{flag}: sharing layer {layer!r} is not a layer index of a {num_layers}-layer "
+                f"model (0..{num_layers - 1})"
+            )
+    if len(set(layers)) != len(layers):
+        raise ConfigError(f"{flag}: sharing layers {layers} contain duplicates")
+    region = sorted(layers)
+    if region:
+        if region[-1] != num_layers - 1:
+            raise ConfigError(
+                f"{flag}: the sharing region {_format_layers(region)} must end at the last layer "
+                f"({num_layers - 1}); EPAS shares a deep block that includes the last layer"
+            )
+        if region != list(range(region[0], num_layers)):
+            raise ConfigError(
+                f"{flag}: the sharing layers {_format_layers(region)} are not one contiguous "
+                f"block; use layers {region[0]}-{num_layers - 1} or a shorter deep block"
+            )
+        if region[0] == 0:
+            raise ConfigError(
+                f"{flag}: all {num_layers} layers would share, leaving no source layer; use at "
+                f"most {num_layers - 1} sharing layers"
+            )
+    modes = [LayerMode.COMPUTE] * num_layers
+    if region:
+        modes[region[0] - 1] = LayerMode.SOURCE
+        for layer in region:
+            modes[layer] = LayerMode.SHARE
+    return modes
+
+
+@dataclass(frozen=True)
+class SharingSchedule:
+    """When each target layer switches from computing to sharing Q/K (Algorithm 1, generalised).
+
+    Switch ``k`` (``k = 0, 1, ...``) happens at iteration ``first_switch + k * interval`` and
+    moves the deepest ``growth`` layers that still compute (among the targets) to sharing. The
+    region in effect for the training step of iteration ``t`` includes every switch at an
+    iteration ``<= t``.
+    """
+
+    num_layers: int
+    """Decoder layers in the model (``--num-layers``)."""
+    interval: int
+    """Iterations between two switches, ``I`` in the paper (``--epas-interval``, >= 1)."""
+    growth: int
+    """Layers that switch at each switch, ``B`` in the paper (``--epas-growth``, >= 1); must
+    divide ``target_layers``."""
+    target_layers: int
+    """Size of the final sharing region, ``|S_c|`` in the paper: the deepest ``target_layers``
+    layers (``--epas-target-layers``, resolved by :func:`resolve_target_layers`). 0 turns EPAS
+    off; at most ``num_layers - 1`` so that a source layer remains."""
+    first_switch: int | None = None
+    """Iteration of the first switch (``--epas-first-switch``, >= 1). ``None`` means
+    ``interval`` (Algorithm 1); it is resolved to that number on construction, so two schedules
+    with the same switches compare equal."""
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.num_layers) or self.num_layers < 1:
+            raise ConfigError(f"--num-layers must be a positive integer, got {self.num_layers!r}")
+        if not _is_int(self.interval) or self.interval < 1:
+            raise ConfigError(
+                f"--epas-interval must be an integer >= 1 (iterations between switches), got "
+                f"{self.interval!r}"
+            )
+        if not _is_int(self.growth) or self.growth < 1:
+            raise ConfigError(
+                f"--epas-growth must be an integer >= 1 (layers per switch), got {self.growth!r}"
+            )
+        if not _is_int(self.target_layers) or self.target_layers < 0:
+            raise ConfigError(
+                f"--epas-target-layers must be a layer count >= 0 (0 turns EPAS off), got "
+                f"{self.target_layers!r}"
+            )
+        if self.target_layers > self.num_layers - 1:
+            raise ConfigError(
+                f"--epas-target-layers {self.target_layers} leaves no source layer in a "
+                f"{self.num_layers}-layer model; use at most {self.num_layers - 1}"
+            )
+        if self.target_layers % self.growth:
+            divisors = [d for d in range(1, self.target_layers + 1) if self.target_layers % d == 0]
+            raise ConfigError(
+                f"--epas-growth {self.growth} does not divide --epas-target-layers "
+                f"{self.target_layers}; use a growth among {divisors} (or change the target)"
+            )
+        if self.first_switch is None:
+            object.__setattr__(self, "first_switch", self.interval)
+        elif not _is_int(self.first_switch) or self.first_switch < 1:
+            raise ConfigError(
+                f"--epas-first-switch must be an iteration >= 1 (iterations count from 1), got "
+                f"{self.first_switch!r}"
+            )
+
+    @classmethod
+    def from_flags(
+        cls,
+        num_layers: int,
+        interval: int,
+        growth: int,
+        target: float | int | str,
+        first_switch: int | None = None,
+    ) -> SharingSchedule:
+        """Build from command-line values; ``target`` may be a count or a fraction."""
+        return cls(
+            num_layers=num_layers,
+            interval=interval,
+            growth=growth,
+            target_layers=resolve_target_layers(target, num_layers),
+            first_switch=first_switch,
+        )
+
+    # ------------------------------------------------------------------ the plan
+    @property
+    def enabled(self) -> bool:
+        """Whether any layer ever shares."""
+        return self.target_layers > 0
+
+    @property
+    def num_switches(self) -> int:
+        """How many switches the schedule has (``target_layers / growth``)."""
+        return self.target_layers // self.growth
+
+    @property
+    def final_iteration(self) -> int:
+        """First iteration whose step runs with the full target region; 0 when EPAS is off.
+
+        ``first_switch + (num_switches - 1) * interval``; with the default ``first_switch``
+        this is the paper's ``I * |S_c| / B``.
+        """
+        if not self.enabled:
+            return 0
+        return self.first_switch + (self.num_switches - 1) * self.interval
+
+    def _switches_done(self, iteration: int) -> int:
+        if not _is_int(iteration) or iteration < 0:
+            raise ValueError(f"iteration must be an integer >= 0, got {iteration!r}")
+        if not self.enabled or iteration < self.first_switch:
+            return 0
+        return min(self.num_switches, (iteration - self.first_switch) // self.interval + 1)
+
+    def region_size(self, iteration: int) -> int:
+        """Number of sharing layers in effect for the step of ``iteration``."""
+        return self._switches_done(iteration) * self.growth
+
+    def sharing_layers(self, iteration: int) -> tuple[int, ...]:
+        """Sharing layers (ascending) in effect for the step of ``iteration``."""
+        return tuple(range(self.num_layers - self.region_size(iteration), self.num_layers))
+
+    def source_layer(self, iteration: int) -> int | None:
+        """The last computing layer before the region, whose Q/K the region reuses; ``None``
+        when no layer shares at ``iteration``."""
+        size = self.region_size(iteration)
+        return self.num_layers - size - 1 if size else None
+
+    def layer_modes(self, iteration: int) -> list[LayerMode]:
+        """Per-layer mode in effect for the step of ``iteration``."""
+        return layer_modes(self.num_layers, self.sharing_layers(iteration))
+
+    def switch_iterations(self) -> list[tuple[int, tuple[int, ...]]]:
+        """Every switch as ``(iteration, layers that switch there, deep -> shallow)``."""
+        plan = []
+        for k in range(self.num_switches):
+            deepest = self.num_layers - 1 - k * self.growth
+            plan.append(
+                (
+                    self.first_switch + k * self.interval,
+                    tuple(range(deepest, deepest - self.growth, -1)),
+                )
+            )
+        return plan
+
+    def is_switch(self, iteration: int) -> bool:
+        """Whether the region grows right before the step of ``iteration``."""
+        self._switches_done(iteration)  # validates iteration
+        offset = iteration - self.first_switch
+        return (
+            self.enabled
+            and offset >= 0
+            and offset % self.interval == 0
+            and offset // self.interval < self.num_switches
+        )
+
+    def next_switch(self, iteration: int) -> int | None:
+        """First switch iteration strictly after ``iteration``; ``None`` if none is left."""
+        done = self._switches_done(iteration)
+        if done == self.num_switches:
+            return None
+        return self.first_switch + done * self.interval
+
+    # ------------------------------------------------------------------ checks against training
+    def check_against_training(self, train_iters: int) -> list[str]:
+        """Check the plan fits in ``--train-iters``; return warnings, raise on errors.
+
+        Raises ``ConfigError`` if the full target region is reached after ``train_iters``.
+        Returns a warning when it is reached in the last 10% of training, i.e. when
+        ``final_iteration > 0.9 * train_iters`` (the final region then trains for fewer than a
+        tenth of the steps). EPAS off: no warnings.
+        """
+        if not _is_int(train_iters) or train_iters < 1:
+            raise ConfigError(f"--train-iters must be an integer >= 1, got {train_iters!r}")
+        if not self.enabled:
+            return []
+        final = self.final_iteration
+        if final > train_iters:
+            raise ConfigError(
+                f"the full EPAS region ({self.target_layers} layers) is reached at iteration "
+                f"{final} but --train-iters is {train_iters}; lower --epas-interval (now "
+                f"{self.interval}) or --epas-first-switch (now {self.first_switch}), or raise "
+                f"--epas-growth (now {self.growth})"
+            )
+        warnings = []
+        if final * _LATE_FINAL_DENOMINATOR > (_LATE_FINAL_DENOMINATOR - 1) * train_iters:
+            steps = train_iters - final + 1
+            warnings.append(
+                f"the full EPAS region ({self.target_layers} layers) is reached at iteration "
+                f"{final}, in the last 10% of --train-iters {train_iters}: it trains for only "
+                f"{steps} step(s); lower --epas-interval or raise --epas-growth to give it longer"
+            )
+        return warnings
+
+    def describe(self, train_iters: int | None = None) -> str:
+        """Multi-line human-readable plan, one line per switch, for printing at start."""
+        if not self.enabled:
+            return f"EPAS off: all {self.num_layers} layers compute their own Q/K"
+        targets = range(self.num_layers - self.target_layers, self.num_layers)
+        lines = [
+            f"EPAS schedule: {self.num_layers} layers, target region {_format_layers(targets)} "
+            f"({self.target_layers} layers), growth {self.growth} every {self.interval} "
+            f"iteration(s) from iteration {self.first_switch}"
+        ]
+        width = len(str(self.final_iteration))
+        for iteration, switching in self.switch_iterations():
+            region = self.sharing_layers(iteration)
+            lines.append(
+                f"  iteration {iteration:>{width}}: layer(s) {', '.join(map(str, switching))} "
+                f"switch to sharing -> region {_format_layers(region)} ({len(region)} layers), "
+                f"source layer {self.source_layer(iteration)}"
+            )
+        final = f"full region from iteration {self.final_iteration}"
+        if train_iters is not None and train_iters >= self.final_iteration:
+            steps = train_iters - self.final_iteration + 1
+            share = 100 * steps / train_iters
+            final += f", trained for {steps} of {train_iters} steps ({share:.1f}%)"
+        lines.append(final)
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, int]:
+        """Plain dict of ints for checkpoints (``first_switch`` already resolved)."""
+        return {key: getattr(self, key) for key in _STATE_KEYS}
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, int]) -> SharingSchedule:
+        """Inverse of :meth:`state_dict`; validates like the constructor."""
+        missing = [key for key in _STATE_KEYS if key not in state]
+        unknown = sorted(set(state) - set(_STATE_KEYS))
+        if missing or unknown:
+            raise ConfigError(
+                f"checkpoint EPAS schedule state is malformed (missing {missing}, unknown "
+                f"{unknown}); was it written by another version of epas-megatron?"
+            )
+        return cls(**{key: state[key] for key in _STATE_KEYS})
+
+    def differences_from(self, saved: SharingSchedule) -> list[str]:
+        """One line per field where this run's schedule differs from ``saved`` (typically the
+        checkpoint's), naming the flag; empty when they are equal."""
+        return [
+            f"{_FIELD_FLAGS[f.name]}: {getattr(saved, f.name)} in the checkpoint, "
+            f"{getattr(self, f.name)} in this run"
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(saved, f.name)
+        ]
+
+    def check_resume(self, saved_state: Mapping[str, int], iteration: int) -> None:
+        """Raise ``ConfigError`` unless this run's schedule equals the checkpoint's.
+
+        ``iteration`` is the checkpoint's iteration; the message also says how the regions
+        differ there, i.e. whether the change would alter the model at once.
+        """
+        saved = SharingSchedule.from_state_dict(saved_state)
+        diffs = self.differences_from(saved)
+        if not diffs:
+            return
+        region_note = ""
+        if saved.num_layers == self.num_layers:
+            here, there = self.sharing_layers(iteration), saved.sharing_layers(iteration)
+            if here != there:
+                region_note = (
+                    f"; at iteration {iteration} the checkpoint's region is "
+                    f"{_format_layers(there)} but this run's would be {_format_layers(here)}"
+                )
+        raise ConfigError(
+            "the EPAS schedule differs from the one saved in the checkpoint ("
+            + "; ".join(diffs)
+            + f"){region_note}. Resume with the checkpoint's values."
+        )
