@@ -402,6 +402,10 @@ class SharedAttention(_AttentionOps, Attention):
             self.hidden_size_per_attention_head,
             sharded_offsets,
         )
-        # Transformer Engine keeps FP8 metadata in `_extra_state`; the frozen GEMM never runs.
+        # `_extra_state` (FP8 metadata under Transformer Engine, empty otherwise): the own GEMM's
+        # is saved under the computing layer's key; the frozen GEMM never runs and has none.
         state.pop(f"{prefix}{self._frozen_name}._extra_state", None)
+        own_extra = state.get(f"{prefix}{self._own_name}._extra_state")
+        if own_extra is not None:
+            own_extra.key = own_extra.key.replace(f"{self._own_name}._extra_state", "linear_qkv._extra_state")
         return state

@@ -27,7 +27,7 @@ from epas_megatron.model.specs import BACKENDS, decoder_layer_specs, layer_roles
 
 
 @dataclass(frozen=True)
-class ModelShape:
+class LlamaArchitecture:
     """What the builder needs to know about the architecture."""
 
     num_layers: int
@@ -63,9 +63,23 @@ class ModelShape:
     tie_embeddings: bool = False
     """Share the input embedding with the LM head."""
 
+    def flops_shape(self, seq_length: int):
+        """The :class:`epas_megatron.metrics.flops.ModelShape` at ``seq_length``."""
+        from epas_megatron.metrics.flops import ModelShape
+
+        return ModelShape(
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            num_query_groups=self.num_query_groups,
+            ffn_hidden_size=self.ffn_hidden_size,
+            vocab_size=self.vocab_size,
+            seq_length=seq_length,
+        )
+
 
 def make_transformer_config(
-    shape: ModelShape,
+    arch: LlamaArchitecture,
     *,
     tp: int = 1,
     pp: int = 1,
@@ -87,19 +101,19 @@ def make_transformer_config(
     on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
     dtype = torch.bfloat16 if bf16 else torch.float32
     kwargs = dict(
-        num_layers=shape.num_layers,
-        hidden_size=shape.hidden_size,
-        num_attention_heads=shape.num_attention_heads,
-        num_query_groups=shape.num_query_groups,
-        ffn_hidden_size=shape.ffn_hidden_size,
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        ffn_hidden_size=arch.ffn_hidden_size,
         normalization="RMSNorm",
-        layernorm_epsilon=shape.norm_epsilon,
+        layernorm_epsilon=arch.norm_epsilon,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        init_method_std=shape.init_method_std,
+        init_method_std=arch.init_method_std,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if (vpp and vpp > 1 and not pipeline_layout) else None,
@@ -189,7 +203,7 @@ def chunk_placements(config: TransformerConfig, roles: Sequence[str], pp_rank: O
 
 def build_model_chunks(
     config: TransformerConfig,
-    shape: ModelShape,
+    arch: LlamaArchitecture,
     sharing_layers: Sequence[int] = (),
     *,
     backend: str = "local",
@@ -197,8 +211,8 @@ def build_model_chunks(
     detach_shared: bool = False,
 ) -> list[EpasGPTModel]:
     """The model chunks of this rank (one without interleaving), on the current device."""
-    roles = layer_roles(shape.num_layers, sharing_layers)
-    specs = decoder_layer_specs(shape.num_layers, sharing_layers, BACKENDS[backend], share, detach_shared)
+    roles = layer_roles(arch.num_layers, sharing_layers)
+    specs = decoder_layer_specs(arch.num_layers, sharing_layers, BACKENDS[backend], share, detach_shared)
     final_norm = BACKENDS[backend].norm
     chunks = []
     for placement in chunk_placements(config, roles):
@@ -208,12 +222,12 @@ def build_model_chunks(
         model = EpasGPTModel(
             config=config,
             block_spec=block_spec,
-            vocab_size=shape.vocab_size,
-            max_sequence_length=shape.max_sequence_length,
+            vocab_size=arch.vocab_size,
+            max_sequence_length=arch.max_sequence_length,
             pre_process=placement.pre_process,
             post_process=placement.post_process,
-            share_embeddings_and_output_weights=shape.tie_embeddings,
-            rotary_base=shape.rotary_base,
+            share_embeddings_and_output_weights=arch.tie_embeddings,
+            rotary_base=arch.rotary_base,
             receives_handoff=placement.receives_handoff,
             sends_handoff=placement.sends_handoff,
             vp_stage=placement.vp_stage,

@@ -37,6 +37,7 @@ from epas_megatron.model.attention import (
     SharedAttentionSubmodules,
 )
 from epas_megatron.model.layer import EpasTransformerLayer
+from epas_megatron.sharing.schedule import layer_modes
 
 ROLES = ("compute", "source", "share")
 
@@ -128,10 +129,7 @@ def layer_spec(role: str, backend: Backend = LOCAL, share: str = "qk", detach_sh
         }
     elif role == "share":
         own = f"self_attention.linear_{_OWN_PART[share]}."
-        keys_map = {
-            own + "layer_norm_": "self_attention.linear_qkv.layer_norm_",
-            own + "_extra_state": "self_attention.linear_qkv._extra_state",
-        }
+        keys_map = {own + "layer_norm_": "self_attention.linear_qkv.layer_norm_"}
     else:
         keys_map = {}
     return ModuleSpec(
@@ -152,21 +150,8 @@ def layer_spec(role: str, backend: Backend = LOCAL, share: str = "qk", detach_sh
 
 
 def layer_roles(num_layers: int, sharing_layers: Sequence[int]) -> list[str]:
-    """Per-layer role for a sharing region (a contiguous deep block ending at the last layer)."""
-    region = sorted(set(sharing_layers))
-    if region and (region[-1] != num_layers - 1 or region != list(range(region[0], num_layers))):
-        raise ValueError(
-            f"sharing layers {region} must be one contiguous block ending at the last layer "
-            f"({num_layers - 1})"
-        )
-    if len(region) >= num_layers:
-        raise ValueError("at least one layer must compute its own Q/K (the source)")
-    roles = ["compute"] * num_layers
-    if region:
-        roles[region[0] - 1] = "source"
-        for i in region:
-            roles[i] = "share"
-    return roles
+    """Per-layer role ('compute', 'source', 'share') for a sharing region (validated)."""
+    return [str(mode) for mode in layer_modes(num_layers, sharing_layers)]
 
 
 def decoder_layer_specs(

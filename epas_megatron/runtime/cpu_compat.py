@@ -6,7 +6,8 @@ Megatron-Core assumes a GPU in a handful of places that have nothing to do with 
 2. ``torch.cuda.current_device()`` is used as the device of buffers, RoPE tables, p2p and DDP;
 3. tensor factories with a literal ``device="cuda"`` (causal masks, token counters, grad-norm
    scratch, loss scalers) and ``Tensor.cuda()``;
-4. ``torch.cuda.synchronize`` and NVTX ranges around p2p communication.
+4. ``torch.cuda.synchronize``, streams and events (DDP's gradient reduction, p2p) and NVTX
+   ranges.
 
 :func:`activate` installs CPU equivalents for exactly these. It does nothing when a CUDA device is
 present (then the real CUDA paths run untouched), and it is idempotent. Literal ``"cuda"`` devices
@@ -110,6 +111,28 @@ class _NoOpRange:
         return False
 
 
+class _CpuStream:
+    """Stands in for a CUDA stream/event: CPU work is already ordered, so waits are no-ops."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _CpuStream()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
 def _patch_torch_cuda():
     """Process-wide CUDA stand-ins; only installed when CUDA is absent, where they would raise."""
     cuda = torch.cuda
@@ -122,6 +145,11 @@ def _patch_torch_cuda():
     cuda.nvtx.range_push = lambda *a, **k: None
     cuda.nvtx.range_pop = lambda *a, **k: None
     cuda.nvtx.range = lambda *a, **k: _NoOpRange()
+    cuda.current_stream = lambda *a, **k: _CpuStream()
+    cuda.default_stream = lambda *a, **k: _CpuStream()
+    cuda.Stream = _CpuStream
+    cuda.Event = _CpuStream
+    cuda.stream = lambda *a, **k: _NoOpRange()
     cuda.empty_cache = lambda: None
     cuda.memory_allocated = lambda *a, **k: 0
     cuda.max_memory_allocated = lambda *a, **k: 0

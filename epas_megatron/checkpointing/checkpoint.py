@@ -1,0 +1,223 @@
+"""Distributed checkpoints with Megatron-Core ``dist_checkpointing`` (PyTorch DCP underneath).
+
+Layout of a checkpoint root::
+
+    root/
+      iter_0000100/           one dist checkpoint (model, optimizer, scheduler, RNG, train state)
+        run_meta.json         model shape, parallel layout, EPAS schedule, iteration (plain JSON,
+                              readable before any process group exists)
+      iter_0000200/
+      latest_checkpointed_iteration.txt   written last, atomically (temp file + rename)
+
+A crash during a save leaves at most an incomplete ``iter_*`` directory that the pointer never
+names; the next save of that iteration replaces it. Old checkpoints are pruned only after the
+pointer moved on. Everything is loaded through ``weights_only=True`` paths (DCP for tensors and
+objects; JSON for metadata); RNG states are stored as tensors and plain Python values only.
+
+Because every tensor is saved under its global key (layers keyed by global index, QKV as
+``linear_q/k/v``), a checkpoint loads into any TP/PP/VPP layout and any EPAS sharing region.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from epas_megatron.errors import ConfigError
+
+POINTER = "latest_checkpointed_iteration.txt"
+META = "run_meta.json"
+
+
+def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
+    """``root/iter_0000123``."""
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def latest_iteration(root: str | os.PathLike) -> Optional[int]:
+    """The iteration the pointer names, or None if the root holds no complete checkpoint."""
+    pointer = Path(root) / POINTER
+    if not pointer.is_file():
+        return None
+    text = pointer.read_text().strip()
+    return int(text) if text.isdigit() else None
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Optional[Path]:
+    """A checkpoint root (-> its latest checkpoint) or an ``iter_*`` directory; None if empty."""
+    path = Path(path)
+    if (path / META).is_file():
+        return path
+    it = latest_iteration(path)
+    if it is None:
+        return None
+    found = iteration_dir(path, it)
+    if not (found / META).is_file():
+        raise ConfigError(f"--load {path}: {POINTER} names iteration {it} but {found} is incomplete")
+    return found
+
+
+def read_meta(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
+    """The run metadata of one checkpoint (no process group needed)."""
+    return json.loads((Path(checkpoint_dir) / META).read_text())
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _use_thread_queue() -> None:
+    # megatron-core's filesystem writer collects write results in a multiprocessing Manager queue,
+    # which starts a spawned server process (and re-imports __main__) on first use; its writers
+    # are threads of this process, so a plain thread-safe queue does the same job.
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    return {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(_to_tuple(state["python"]))
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _to_tuple(x):
+    return tuple(_to_tuple(i) for i in x) if isinstance(x, (list, tuple)) else x
+
+
+def sharded_state(model_chunks: Sequence[torch.nn.Module], optimizer, scheduler, train_state: dict, *, loading: bool, with_optimizer: bool = True, with_rng: bool = True) -> dict:
+    """The sharded state dict of a whole training state (what save and load exchange)."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    models = {}
+    for i, chunk in enumerate(model_chunks):
+        models["model" if i == 0 else f"model{i}"] = _unwrap(chunk).sharded_state_dict()
+    state: dict[str, Any] = dict(models)
+    if with_optimizer and optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(models, is_loading=loading)
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    state["train_state"] = dict(train_state)
+    if with_rng:
+        pp, tp = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size()
+        dp_rank = parallel_state.get_data_parallel_rank()
+        state["rng_state"] = ShardedObject(
+            "rng_state",
+            _rng_state(),
+            (pp, tp, parallel_state.get_data_parallel_world_size()),
+            (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(), dp_rank),
+            replica_id=0,
+        )
+    return state
+
+
+def _unwrap(module):
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def save_checkpoint(
+    root: str | os.PathLike,
+    iteration: int,
+    model_chunks,
+    optimizer,
+    scheduler,
+    train_state: dict,
+    meta: dict,
+    keep_last: int = 0,
+) -> Path:
+    """Save a full training state as ``root/iter_NNNNNNN``, then move the pointer to it."""
+    from megatron.core import dist_checkpointing
+
+    _use_thread_queue()
+    root = Path(root)
+    target = iteration_dir(root, iteration)
+    if _rank0():
+        root.mkdir(parents=True, exist_ok=True)
+        if target.exists():  # a half-written save of this iteration: the pointer never named it
+            shutil.rmtree(target)
+        target.mkdir()
+    _barrier()
+    state = sharded_state(model_chunks, optimizer, scheduler, train_state, loading=False)
+    dist_checkpointing.save(state, str(target))
+    _barrier()
+    if _rank0():
+        (target / META).write_text(json.dumps({**meta, "iteration": iteration}, indent=1, sort_keys=True))
+        tmp = root / (POINTER + ".tmp")
+        tmp.write_text(str(iteration))
+        os.replace(tmp, root / POINTER)
+        if keep_last > 0:
+            prune(root, keep_last)
+    _barrier()
+    return target
+
+
+def prune(root: Path, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` complete checkpoints (never the latest)."""
+    latest = latest_iteration(root)
+    done = sorted(
+        int(p.name[5:]) for p in root.glob("iter_*") if p.name[5:].isdigit() and (p / META).is_file()
+    )
+    for it in done[:-keep_last]:
+        if it != latest:
+            shutil.rmtree(iteration_dir(root, it), ignore_errors=True)
+
+
+def load_checkpoint(
+    checkpoint_dir: str | os.PathLike,
+    model_chunks,
+    optimizer=None,
+    scheduler=None,
+    *,
+    restore_rng: bool = True,
+) -> dict:
+    """Load into built model chunks (and optimizer/scheduler if given); returns train_state.
+
+    ``restore_rng`` only applies when the checkpoint was written with the same TP/PP/DP sizes.
+    """
+    from megatron.core import dist_checkpointing
+
+    with_optimizer = optimizer is not None
+    state = sharded_state(model_chunks, optimizer, scheduler, {}, loading=True, with_optimizer=with_optimizer, with_rng=restore_rng)
+    if not with_optimizer:
+        state.pop("opt_param_scheduler", None)
+    loaded = dist_checkpointing.load(state, str(checkpoint_dir))
+    for i, chunk in enumerate(model_chunks):
+        _unwrap(chunk).load_state_dict(loaded["model" if i == 0 else f"model{i}"], strict=True)
+    if with_optimizer:
+        optimizer.load_state_dict(loaded["optimizer"])
+        if scheduler is not None:
+            scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    if restore_rng and "rng_state" in loaded:
+        _set_rng_state(loaded["rng_state"])
+    return loaded.get("train_state", {})

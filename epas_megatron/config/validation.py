@@ -1,0 +1,291 @@
+"""Check a :class:`RunConfig` and derive everything that does not need a process group.
+
+:func:`resolve_run` runs before ``torch.distributed`` is initialised and before any data work;
+every problem is a :class:`ConfigError` that names the flag to change (the entry points print it
+and exit with status 2, leaving nothing written).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from epas_megatron.config.cli import to_dict
+from epas_megatron.config.presets import default_ffn_hidden_size
+from epas_megatron.config.schema import RunConfig
+from epas_megatron.errors import ConfigError
+from epas_megatron.sharing.schedule import SharingSchedule
+
+_CHOICES = {
+    "transformer_impl": ("auto", "local", "transformer_engine"),
+    "recompute": ("none", "selective", "full"),
+    "recompute_method": ("uniform", "block"),
+    "precision": ("auto", "bf16", "fp32"),
+    "lr_decay_style": ("cosine", "linear", "constant"),
+    "epas_share": ("qk", "kv"),
+    "epas_rebalance": ("auto", "on", "off"),
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """A validated config plus the values derived from it and from the world size."""
+
+    cfg: RunConfig
+    """The config, with defaults filled in (GQA groups, FFN size, global batch, ...)."""
+
+    world_size: int
+    """Processes."""
+
+    dp: int
+    """Data-parallel size."""
+
+    num_microbatches: int
+    """Micro-batches per iteration per DP rank."""
+
+    backend: str
+    """'local' or 'transformer_engine'."""
+
+    bf16: bool
+    """bf16 training."""
+
+    use_distributed_optimizer: bool
+    """Shard optimizer state over DP."""
+
+    schedule: SharingSchedule
+    """The EPAS sharing schedule (disabled when --epas-target-layers is 0)."""
+
+    rebalance: bool
+    """Re-partition pipeline stages at switches."""
+
+    checkpoint_root: Path
+    """Where checkpoints are saved."""
+
+    load_dir: Optional[Path]
+    """The checkpoint to resume from (None: start fresh)."""
+
+    load_meta: Optional[dict]
+    """That checkpoint's run metadata."""
+
+    warnings: tuple[str, ...] = ()
+    """Things to print at start."""
+
+
+def _check_choices(cfg: RunConfig) -> None:
+    for section in (cfg.model, cfg.parallel, cfg.training, cfg.epas):
+        for name, allowed in _CHOICES.items():
+            if hasattr(section, name) and getattr(section, name) not in allowed:
+                raise ConfigError(f"{_flag(name)} {getattr(section, name)!r}: choose one of {', '.join(allowed)}")
+
+
+def _positive(value, flag: str, minimum: int = 1) -> None:
+    if value is None or value < minimum:
+        raise ConfigError(f"{flag} must be >= {minimum}, got {value}")
+
+
+def _check_data(cfg: RunConfig) -> None:
+    from epas_megatron.data.datasets import parse_blend
+    from epas_megatron.data.indexed import bin_path, idx_path
+
+    if cfg.data.data is None:
+        return
+    if not cfg.data.data:
+        raise ConfigError("--data is empty; give indexed dataset prefixes or omit it for the embedded corpus")
+    for prefix in parse_blend(cfg.data.data).prefixes:
+        for path in (bin_path(prefix), idx_path(prefix)):
+            if not path.is_file():
+                raise ConfigError(f"--data {prefix}: {path} does not exist (make it with tools/preprocess_data.py)")
+            if path.stat().st_size == 0:
+                raise ConfigError(f"--data {prefix}: {path} is empty")
+
+
+def _model_shape_of(cfg: RunConfig) -> dict:
+    m = cfg.model
+    return {
+        "num_layers": m.num_layers,
+        "hidden_size": m.hidden_size,
+        "num_attention_heads": m.num_attention_heads,
+        "num_query_groups": m.num_query_groups,
+        "ffn_hidden_size": m.ffn_hidden_size,
+        "vocab_size": m.vocab_size,
+        "untie_embeddings_and_output_weights": m.untie_embeddings_and_output_weights,
+    }
+
+
+def model_shape_differences(saved: dict, current: dict) -> list[str]:
+    """Model fields that differ between a checkpoint and this run (vocab may be unresolved)."""
+    diffs = []
+    for key, value in current.items():
+        if value is None:
+            continue
+        if key in saved and saved[key] != value:
+            diffs.append(f"{_flag(key)}: checkpoint {saved[key]}, this run {value}")
+    return diffs
+
+
+def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional[bool] = None) -> ResolvedRun:
+    """Validate ``cfg`` for ``world_size`` processes and derive the run's fixed quantities."""
+    from epas_megatron.checkpointing.checkpoint import read_meta, resolve_checkpoint
+    from epas_megatron.runtime.distributed import world_size_from_env
+
+    world_size = world_size_from_env() if world_size is None else world_size
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    _check_choices(cfg)
+    m, p, t, e = cfg.model, cfg.parallel, cfg.training, cfg.epas
+    warnings = []
+
+    # ---- model
+    for name in ("num_layers", "hidden_size", "num_attention_heads"):
+        _positive(getattr(m, name), _flag(name))
+    if m.num_query_groups is None:
+        m = replace(m, num_query_groups=m.num_attention_heads)
+    if m.ffn_hidden_size is None:
+        m = replace(m, ffn_hidden_size=default_ffn_hidden_size(m.hidden_size))
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}")
+    if m.num_attention_heads % m.num_query_groups:
+        raise ConfigError(f"--num-attention-heads {m.num_attention_heads} is not divisible by --num-query-groups {m.num_query_groups}")
+
+    # ---- parallelism
+    _positive(p.tp, "--tp")
+    _positive(p.pp, "--pp")
+    if p.vpp is not None:
+        _positive(p.vpp, "--vpp")
+    if world_size % (p.tp * p.pp):
+        raise ConfigError(f"--tp {p.tp} x --pp {p.pp} = {p.tp * p.pp} does not divide the {world_size} processes; change --tp/--pp or the number of processes")
+    if m.num_attention_heads % p.tp:
+        raise ConfigError(f"--num-attention-heads {m.num_attention_heads} is not divisible by --tp {p.tp}")
+    if m.num_query_groups % p.tp:
+        raise ConfigError(f"--num-query-groups {m.num_query_groups} is not divisible by --tp {p.tp}; every TP rank must hold whole KV groups")
+    vpp = p.vpp if p.vpp and p.vpp > 1 else 1
+    if vpp > 1 and p.pp < 2:
+        raise ConfigError("--vpp needs --pp >= 2 (interleaving splits each pipeline rank's layers)")
+    if p.pipeline_layout is None:
+        if m.num_layers % (p.pp * vpp):
+            raise ConfigError(f"--num-layers {m.num_layers} cannot be split evenly over --pp {p.pp} x --vpp {vpp} = {p.pp * vpp} stages; change --pp/--vpp or give --pipeline-layout")
+    else:
+        _check_layout(p.pipeline_layout, m.num_layers, p.pp, p.vpp)
+    if p.sequence_parallel and p.tp < 2:
+        raise ConfigError("--sequence-parallel needs --tp >= 2")
+    dp = world_size // (p.tp * p.pp)
+
+    backend = m.transformer_impl
+    if backend == "auto":
+        backend = "transformer_engine" if cuda and _have_te() else "local"
+    if backend == "transformer_engine" and not cuda:
+        raise ConfigError("--transformer-impl transformer_engine needs a GPU; use --transformer-impl local on CPU")
+    if p.sequence_parallel and backend == "local":
+        raise ConfigError("--sequence-parallel needs --transformer-impl transformer_engine (the local RMSNorm has no sequence-parallel mode)")
+    use_dist_opt = cuda if p.use_distributed_optimizer is None else p.use_distributed_optimizer
+    if use_dist_opt and not cuda:
+        raise ConfigError("--use-distributed-optimizer needs CUDA; use --no-use-distributed-optimizer on CPU")
+    bf16 = {"auto": cuda, "bf16": True, "fp32": False}[t.precision]
+    if bf16 and not cuda:
+        raise ConfigError("--precision bf16 needs a GPU here; use --precision fp32 on CPU")
+
+    # ---- training
+    for name in ("train_iters", "micro_batch_size", "seq_length", "log_interval"):
+        section = cfg.logging if name == "log_interval" else t
+        _positive(getattr(section, name), _flag(name))
+    gbs = t.global_batch_size if t.global_batch_size is not None else t.micro_batch_size * dp
+    if gbs % (t.micro_batch_size * dp):
+        raise ConfigError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size {t.micro_batch_size} x data-parallel size {dp} = {t.micro_batch_size * dp}")
+    max_pos = m.max_position_embeddings if m.max_position_embeddings is not None else t.seq_length
+    if t.seq_length > max_pos:
+        raise ConfigError(f"--seq-length {t.seq_length} exceeds the model's maximum --max-position-embeddings {max_pos}")
+    m = replace(m, max_position_embeddings=max_pos)
+    t = replace(t, global_batch_size=gbs)
+    if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
+        raise ConfigError(f"need 0 <= --min-lr <= --lr and --lr > 0, got --lr {t.lr} --min-lr {t.min_lr}")
+    if t.eval_interval and t.eval_iters < 1:
+        raise ConfigError("--eval-iters must be >= 1 when --eval-interval is set")
+
+    # ---- EPAS
+    schedule = SharingSchedule.from_flags(m.num_layers, e.epas_interval, e.epas_growth, e.epas_target_layers, e.epas_first_switch)
+    if schedule.enabled:
+        warnings += schedule.check_against_training(t.train_iters)
+        if p.sequence_parallel and p.pp > 1:
+            pass  # the hand-off is reshaped to the sequence-parallel p2p shape
+    rebalance = {"on": True, "off": False, "auto": p.pp > 1 and p.pipeline_layout is None}[e.epas_rebalance]
+    if rebalance and p.pipeline_layout is not None:
+        raise ConfigError("--epas-rebalance on conflicts with a fixed --pipeline-layout; drop one of them")
+    if rebalance and p.pp < 2:
+        rebalance = False
+
+    # ---- data and tokenizer
+    _check_data(cfg)
+    if cfg.data.tokenizer_model is not None:
+        from epas_megatron.data.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(cfg.data.tokenizer_model)
+        if m.vocab_size is not None and m.vocab_size < tok.vocab_size:
+            raise ConfigError(f"--vocab-size {m.vocab_size} is smaller than the tokenizer's {tok.vocab_size}")
+
+    # ---- output directory, checkpoints, resume
+    out = Path(cfg.logging.output_dir)
+    ckpt_root = Path(cfg.checkpoint.save) if cfg.checkpoint.save else out / "checkpoints"
+    load_dir, load_meta = None, None
+    if cfg.checkpoint.load:
+        load_path = Path(cfg.checkpoint.load)
+        if load_path.exists() and not load_path.is_dir():
+            raise ConfigError(f"--load {load_path}: not a directory")
+        load_dir = resolve_checkpoint(load_path) if load_path.exists() else None
+        if load_dir is not None:
+            load_meta = read_meta(load_dir)
+            diffs = model_shape_differences(load_meta.get("model", {}), _model_shape_of(replace(cfg, model=m)))
+            if diffs:
+                raise ConfigError(f"--load {load_path}: the checkpoint holds a different model ({'; '.join(diffs)})")
+    elif (out / "config.yaml").exists():
+        raise ConfigError(f"--output-dir {out} already holds a run (config.yaml); resume it with --load {ckpt_root} or choose another --output-dir")
+    _positive(cfg.checkpoint.keep_last, "--keep-last", minimum=0)
+
+    resolved_cfg = replace(cfg, model=m, training=t)
+    return ResolvedRun(
+        cfg=resolved_cfg,
+        world_size=world_size,
+        dp=dp,
+        num_microbatches=gbs // (t.micro_batch_size * dp),
+        backend=backend,
+        bf16=bf16,
+        use_distributed_optimizer=use_dist_opt,
+        schedule=schedule,
+        rebalance=rebalance,
+        checkpoint_root=ckpt_root,
+        load_dir=load_dir,
+        load_meta=load_meta,
+        warnings=tuple(warnings),
+    )
+
+
+def _have_te() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _check_layout(layout: str, num_layers: int, pp: int, vpp: Optional[int]) -> None:
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    try:
+        parsed = PipelineParallelLayerLayout.from_str(layout=layout, pipeline_model_parallel_size=pp)
+        parsed.validate_layer_layout(num_layers=num_layers, mtp_num_layers=None)
+    except Exception as e:  # Megatron raises assertions and ValueErrors
+        raise ConfigError(f"--pipeline-layout {layout!r} is not valid for --num-layers {num_layers} and --pp {pp}: {e}") from None
+    detected = parsed.virtual_pipeline_model_parallel_size
+    if vpp and vpp > 1 and detected != vpp:
+        raise ConfigError(f"--pipeline-layout {layout!r} has {detected} virtual stages per rank but --vpp is {vpp}")
+
+
+def config_dict(run: ResolvedRun) -> dict:
+    """The resolved config as a plain sectioned dict."""
+    return to_dict(run.cfg)

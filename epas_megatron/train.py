@@ -1,0 +1,46 @@
+"""``epas-train`` / ``python -m epas_megatron.train``: pretrain a LLaMA model with EPAS.
+
+Run one process, or launch with torchrun (``launch/run_train.sh`` picks the arguments)::
+
+    epas-train --preset small --output-dir runs/small
+    torchrun --nproc-per-node 2 -m epas_megatron.train --preset tiny --tp 2
+
+Exit status: 0 on success (also after a checkpoint on SIGTERM/SIGUSR1), 2 on bad input or
+configuration (reported before any process group or data work), 1 on other failures.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence
+
+from epas_megatron.errors import ConfigError
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Parse, validate, train; returns the exit status."""
+    from epas_megatron.config.cli import parse_config
+    from epas_megatron.config.validation import resolve_run
+
+    try:
+        run = resolve_run(parse_config(argv))
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return ConfigError.exit_code
+
+    from epas_megatron.training.trainer import Trainer
+
+    trainer = Trainer(run)
+    try:
+        trainer.setup()
+        trainer.train()
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return ConfigError.exit_code
+    finally:
+        trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""One training or evaluation step through Megatron-Core's pipeline schedules.
+
+The loss is the per-token mean over the whole global batch (all micro-batches, all data-parallel
+ranks): the model returns per-token losses, the loss function returns their masked sum and token
+count, and with ``calculate_per_token_loss`` Megatron divides the gradients by the global token
+count. Reported losses are reduced the same way, so they do not depend on DP, TP, PP or the
+micro-batch split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """(masked loss sum, token count, {'lm loss': [sum, count]}) for Megatron's schedules."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.float().view(-1)
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    reported = torch.stack([loss_sum.detach().clone(), mask.sum().detach()])
+    return loss_sum, num_tokens, {"lm loss": reported}
+
+
+def forward_step(data_iterator, model):
+    """Megatron forward_step_func: next micro-batch -> model output and its loss function."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+@dataclass
+class StepResult:
+    """What one step returns."""
+
+    lm_loss: float
+    """Per-token mean loss of the global batch."""
+
+    tokens: int
+    """Loss tokens in the global batch."""
+
+    grad_norm: Optional[float] = None
+    """Global gradient norm before clipping (training steps)."""
+
+    update_successful: bool = True
+    """False if the optimizer skipped the update (inf/nan)."""
+
+
+def _reduce_losses(losses: Sequence[dict]) -> tuple[float, int]:
+    """Sum [loss, tokens] over micro-batches here, then over all ranks.
+
+    Only last-stage ranks hold losses; TP replicas hold copies, which scales sum and count alike,
+    so the ratio is exact on every rank.
+    """
+    total = torch.zeros(2, dtype=torch.float64)
+    for entry in losses:
+        total += entry["lm loss"].to(torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    loss_sum, tokens = total.tolist()
+    return loss_sum / max(tokens, 1.0), int(round(tokens))
+
+
+def _schedule_iterators(data_iterators: Sequence[Iterator]):
+    return data_iterators[0] if len(data_iterators) == 1 else list(data_iterators)
+
+
+def train_step(model_chunks, optimizer, scheduler, data_iterators, *, num_microbatches: int, seq_length: int, micro_batch_size: int) -> StepResult:
+    """Forward/backward over a global batch, optimizer step, LR schedule step."""
+    for chunk in model_chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=_schedule_iterators(data_iterators),
+        model=list(model_chunks),
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=False,
+    )
+    update_successful, grad_norm, _ = optimizer.step()
+    scheduler.step(increment=1)
+    loss, tokens = _reduce_losses(losses)
+    return StepResult(
+        lm_loss=loss,
+        tokens=tokens,
+        grad_norm=float(grad_norm) if grad_norm is not None else None,
+        update_successful=bool(update_successful),
+    )
+
+
+@torch.no_grad()
+def eval_step(model_chunks, data_iterators, *, num_microbatches: int, seq_length: int, micro_batch_size: int) -> StepResult:
+    """Forward-only loss over ``num_microbatches`` micro-batches per DP rank."""
+    for chunk in model_chunks:
+        chunk.eval()
+    try:
+        losses = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=_schedule_iterators(data_iterators),
+            model=list(model_chunks),
+            num_microbatches=num_microbatches,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=True,
+        )
+    finally:
+        for chunk in model_chunks:
+            chunk.train()
+    loss, tokens = _reduce_losses(losses)
+    return StepResult(lm_loss=loss, tokens=tokens)

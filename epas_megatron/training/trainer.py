@@ -1,0 +1,543 @@
+"""The training loop: config -> model/optimizer -> steps -> switches -> checkpoints -> metrics.
+
+Data flows one way: :func:`resolve_run` (no processes) -> :meth:`Trainer.setup` (process groups,
+data, model) -> :meth:`Trainer.train` (steps, evaluation, EPAS switches, checkpoints) -> a
+``SUMMARY {json}`` line.
+
+**The switch event** (:meth:`Trainer.apply_switch`) is the one place where the sharing region
+changes. The schedule decides *what* changes; the trainer carries it out by saving the full
+training state to a staging distributed checkpoint, rebuilding model chunks (new layer specs,
+and a new pipeline layout when stages are rebalanced), DDP, optimizer and LR scheduler, and
+loading the state back. The checkpoint format makes this exact: the V rows (and their Adam
+moments) of a layer's fused QKV load into its new V projection, the Q/K rows load into the
+frozen projection (which no optimizer or DDP buffer sees), layers that moved to another
+pipeline stage are read by their new owner, and everything else round-trips bit for bit. A
+resume is the same load, so runs resumed before or after a switch match uninterrupted ones.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from epas_megatron.checkpointing import checkpoint as ckpt
+from epas_megatron.config.cli import dump_yaml, to_dict
+from epas_megatron.config.validation import ResolvedRun, _model_shape_of
+from epas_megatron.errors import ConfigError
+from epas_megatron.runtime.distributed import ParallelDims, destroy_distributed, init_distributed
+
+
+def _fmt_time(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class ExitSignal:
+    """SIGTERM / SIGUSR1 (Slurm's pre-timeout signal) request a checkpoint and a clean exit.
+
+    The handler only sets a flag; the loop checks it after each iteration, agreeing across ranks
+    with an all-reduce so that every rank saves the same iteration.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.received: Optional[int] = None
+        self._previous = {}
+
+    def install(self) -> None:
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+    def agreed(self) -> bool:
+        flag = torch.tensor([1 if self.received is not None else 0], dtype=torch.int32)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class Trainer:
+    """Owns process groups, data iterators, model chunks, optimizer and metrics of one run."""
+
+    def __init__(self, run: ResolvedRun):
+        self.run = run
+        self.cfg = run.cfg
+        self.out = Path(self.cfg.logging.output_dir)
+        self.dims: Optional[ParallelDims] = None
+        self.model = []
+        self.optimizer = None
+        self.scheduler = None
+        self.tf_config = None
+        self.iteration = 0
+        self.consumed_samples = 0
+        self.sharing_layers: tuple[int, ...] = ()
+        self.layout: Optional[str] = self.cfg.parallel.pipeline_layout
+        self.metrics = None
+        self.exit_signal = ExitSignal()
+        self.switch_seconds: list[float] = []
+
+    # ------------------------------------------------------------------ output
+    def print(self, *args) -> None:
+        """Print on the logging rank."""
+        if self.dims is None or self.dims.is_logging_rank:
+            print(*args, flush=True)
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        """Process groups, data, tokenizer, model, optimizer, optional resume."""
+        cfg, run = self.cfg, self.run
+        vpp = self._vpp()
+        self.dims = init_distributed(cfg.parallel.tp, cfg.parallel.pp, vpp, cfg.training.seed)
+        self._prepare_data()
+        self._build_datasets()
+        self._write_run_dir()
+        self.print(self._banner())
+        for warning in run.warnings:
+            self.print(f"WARNING: {warning}")
+
+        start_iteration = 0
+        if run.load_dir is not None:
+            start_iteration = run.load_meta["iteration"]
+            saved = run.load_meta.get("epas_schedule")
+            if saved is not None:
+                run.schedule.check_resume(saved, start_iteration)
+        self.iteration = start_iteration
+        self.sharing_layers = run.schedule.sharing_layers(start_iteration)
+        self.layout = self._plan_layout(self.sharing_layers)
+        if run.schedule.enabled:
+            self.print(run.schedule.describe(cfg.training.train_iters))
+        self.build()
+        if run.load_dir is not None:
+            self._load(run.load_dir)
+            self.print(f"resumed from {run.load_dir} at iteration {self.iteration} ({self.consumed_samples} samples consumed)")
+        self._build_data_iterators()
+        self.metrics = self._metrics_logger()
+        self.exit_signal.install()
+
+    def _vpp(self) -> Optional[int]:
+        p = self.cfg.parallel
+        if p.pipeline_layout:
+            from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+            detected = PipelineParallelLayerLayout.from_str(layout=p.pipeline_layout, pipeline_model_parallel_size=p.pp).virtual_pipeline_model_parallel_size
+            return detected if detected > 1 else None
+        return p.vpp if p.vpp and p.vpp > 1 else None
+
+    def _prepare_data(self) -> None:
+        from epas_megatron.data.default_data import default_cache_dir, prepare_default_data
+        from epas_megatron.data.tokenizer import load_tokenizer
+
+        d = self.cfg.data
+        self.cache_dir = Path(d.data_cache_dir) if d.data_cache_dir else default_cache_dir()
+        if d.data is None:
+            # One process per node builds the embedded corpus, tokenizer and dataset (file locks
+            # make concurrent builders safe); the others wait.
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+                prefix, tok_path = prepare_default_data(self.cache_dir, d.default_vocab_size)
+            dist.barrier()
+            prefix, tok_path = prepare_default_data(self.cache_dir, d.default_vocab_size)
+            self.data_prefixes = [prefix]
+            tokenizer_path = d.tokenizer_model or tok_path
+        else:
+            self.data_prefixes = list(d.data)
+            tokenizer_path = d.tokenizer_model
+            if tokenizer_path is None:
+                raise ConfigError("--data needs --tokenizer-model (the tokenizer the data was preprocessed with)")
+        self.tokenizer = load_tokenizer(tokenizer_path)
+        self.tokenizer_path = str(tokenizer_path)
+        vocab = self.cfg.model.vocab_size or self.tokenizer.vocab_size
+        self.cfg = replace(self.cfg, model=replace(self.cfg.model, vocab_size=vocab))
+        if self.run.load_meta is not None:
+            saved_vocab = self.run.load_meta.get("model", {}).get("vocab_size")
+            if saved_vocab is not None and saved_vocab != vocab:
+                raise ConfigError(f"--load: the checkpoint's vocabulary is {saved_vocab}, this run's tokenizer has {vocab}; pass the same --tokenizer-model")
+
+    def _write_run_dir(self) -> None:
+        if self.dims.is_logging_rank:
+            self.out.mkdir(parents=True, exist_ok=True)
+            tmp = self.out / "config.yaml.tmp"
+            tmp.write_text(dump_yaml(self.cfg))
+            os.replace(tmp, self.out / "config.yaml")
+
+    def _banner(self) -> str:
+        cfg, d = self.cfg, self.dims
+        m, t = cfg.model, cfg.training
+        return (
+            f"epas-megatron: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}/{m.num_query_groups}, "
+            f"ffn {m.ffn_hidden_size}, vocab {m.vocab_size}, seq {t.seq_length} | world {d.world_size} = TP {d.tp} x PP {d.pp}"
+            f"{f' (VPP {d.vpp})' if d.vpp else ''} x DP {d.dp} | global batch {t.global_batch_size} = {self.run.num_microbatches} micro-batches"
+            f" x {t.micro_batch_size} x DP {d.dp} | {'bf16' if self.run.bf16 else 'fp32'}, {self.run.backend} layers,"
+            f" {'CUDA' if torch.cuda.is_available() else 'CPU (gloo)'}"
+        )
+
+    def _metrics_logger(self):
+        from epas_megatron.metrics.logger import MetricsLogger
+
+        lg = self.cfg.logging
+        return MetricsLogger(
+            self.out,
+            enabled=self.dims.is_logging_rank,
+            tensorboard=lg.tensorboard,
+            wandb=lg.wandb,
+            wandb_project=lg.wandb_project,
+            wandb_run_name=lg.wandb_run_name,
+            config=to_dict(self.cfg),
+        )
+
+    # ------------------------------------------------------------------ model
+    def _arch(self):
+        from epas_megatron.model.builder import LlamaArchitecture
+
+        m = self.cfg.model
+        return LlamaArchitecture(
+            num_layers=m.num_layers,
+            hidden_size=m.hidden_size,
+            num_attention_heads=m.num_attention_heads,
+            num_query_groups=m.num_query_groups,
+            ffn_hidden_size=m.ffn_hidden_size,
+            vocab_size=m.vocab_size,
+            max_sequence_length=m.max_position_embeddings,
+            rotary_base=m.rotary_base,
+            norm_epsilon=m.norm_epsilon,
+            init_method_std=m.init_method_std,
+            tie_embeddings=not m.untie_embeddings_and_output_weights,
+        )
+
+    def _plan_layout(self, sharing_layers) -> Optional[str]:
+        """The pipeline layout for a sharing region (fixed unless stages are rebalanced)."""
+        if not self.run.rebalance:
+            return self.cfg.parallel.pipeline_layout
+        from epas_megatron.parallel.stage_plan import plan_stage_layout
+
+        return plan_stage_layout(self._arch(), self.cfg, sharing_layers, previous=self.layout)
+
+    def build(self) -> None:
+        """Model chunks, DDP, optimizer and LR schedule for the current region and layout."""
+        from epas_megatron.model.builder import build_model_chunks, make_transformer_config
+        from epas_megatron.training.optimizer import build_optimizer, build_scheduler, wrap_ddp
+
+        p = self.cfg.parallel
+        arch = self._arch()
+        self.tf_config = make_transformer_config(
+            arch,
+            tp=p.tp,
+            pp=p.pp,
+            vpp=self._vpp() if self.layout is None else None,
+            pipeline_layout=self.layout,
+            sequence_parallel=p.sequence_parallel,
+            bf16=self.run.bf16,
+            recompute=p.recompute,
+            recompute_method=p.recompute_method,
+            recompute_num_layers=p.recompute_num_layers,
+            handoff_across_stages=self.run.schedule.enabled,
+        )
+        chunks = build_model_chunks(
+            self.tf_config,
+            arch,
+            self.sharing_layers,
+            backend=self.run.backend,
+            share=self.cfg.epas.epas_share,
+            detach_shared=self.cfg.epas.epas_detach_shared,
+        )
+        settings = self._optimizer_settings()
+        self.model = wrap_ddp(chunks, self.tf_config, settings)
+        self.optimizer = build_optimizer(self.model, settings)
+        self.scheduler = build_scheduler(self.optimizer, settings)
+
+    def _optimizer_settings(self):
+        from epas_megatron.training.optimizer import OptimizerSettings
+
+        t = self.cfg.training
+        return OptimizerSettings(
+            lr=t.lr,
+            min_lr=t.min_lr,
+            weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1,
+            adam_beta2=t.adam_beta2,
+            adam_eps=t.adam_eps,
+            clip_grad=t.clip_grad,
+            bf16=self.run.bf16,
+            use_distributed_optimizer=self.run.use_distributed_optimizer,
+            overlap_grad_reduce=self.cfg.parallel.overlap_grad_reduce,
+            warmup_iters=t.lr_warmup_iters,
+            decay_iters=t.train_iters,
+            decay_style=t.lr_decay_style,
+        )
+
+    # ------------------------------------------------------------------ data
+    def _build_datasets(self) -> None:
+        from epas_megatron.data.datasets import build_gpt_datasets
+
+        t = self.cfg.training
+        valid_samples = (t.eval_iters * t.global_batch_size) if t.eval_interval else 0
+        remaining = t.train_iters * t.global_batch_size
+        self.train_ds, self.valid_ds = build_gpt_datasets(
+            self.data_prefixes,
+            self.cfg.data.split,
+            seq_length=t.seq_length,
+            train_samples=max(remaining, t.global_batch_size),
+            valid_samples=valid_samples,
+            seed=t.seed,
+            tokenizer=self.tokenizer,
+            cache_dir=self.cache_dir,
+        )
+
+    def _build_data_iterators(self) -> None:
+        from megatron.core import parallel_state
+
+        from epas_megatron.data.datasets import build_data_iterator
+
+        t = self.cfg.training
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.train_iterators = [
+            build_data_iterator(self.train_ds, t.micro_batch_size, self.dp_rank, self.dims.dp, self.consumed_samples)
+            for _ in self.model
+        ]
+
+    def _valid_iterators(self):
+        from epas_megatron.data.datasets import build_data_iterator
+
+        t = self.cfg.training
+        return [build_data_iterator(self.valid_ds, t.micro_batch_size, self.dp_rank, self.dims.dp, 0) for _ in self.model]
+
+    # ------------------------------------------------------------------ checkpoints
+    def _meta(self) -> dict:
+        d = self.dims
+        return {
+            "model": _model_shape_of(self.cfg),
+            "parallel": {"tp": d.tp, "pp": d.pp, "dp": d.dp, "vpp": d.vpp, "layout": self.layout},
+            "epas_schedule": self.run.schedule.state_dict(),
+            "epas_share": self.cfg.epas.epas_share,
+            "sharing_layers": list(self.sharing_layers),
+            "tokenizer_model": self.tokenizer_path,
+            "consumed_samples": self.consumed_samples,
+            "backend": self.run.backend,
+        }
+
+    def _train_state(self) -> dict:
+        return {"iteration": self.iteration, "consumed_samples": self.consumed_samples, "sharing_layers": list(self.sharing_layers)}
+
+    def save(self, root: Optional[Path] = None, keep_last: Optional[int] = None) -> Path:
+        """Checkpoint the full training state at the current iteration."""
+        root = root or self.run.checkpoint_root
+        keep = self.cfg.checkpoint.keep_last if keep_last is None else keep_last
+        return ckpt.save_checkpoint(
+            root, self.iteration, self.model, self.optimizer, self.scheduler, self._train_state(), self._meta(), keep_last=keep
+        )
+
+    def _load(self, checkpoint_dir: Path) -> None:
+        meta = ckpt.read_meta(checkpoint_dir)
+        d = self.dims
+        saved = meta.get("parallel", {})
+        same_sizes = (saved.get("tp"), saved.get("pp"), saved.get("dp")) == (d.tp, d.pp, d.dp)
+        state = ckpt.load_checkpoint(checkpoint_dir, self.model, self.optimizer, self.scheduler, restore_rng=same_sizes)
+        self.iteration = int(state.get("iteration", meta["iteration"]))
+        self.consumed_samples = int(state.get("consumed_samples", meta.get("consumed_samples", 0)))
+
+    # ------------------------------------------------------------------ the switch event
+    def apply_switch(self, sharing_layers: tuple[int, ...]) -> dict:
+        """Change the sharing region (and pipeline layout): save, rebuild, load. See module doc."""
+        start = time.perf_counter()
+        previous_layout = self.layout
+        staging = self.out / ".switch_staging"
+        if self.dims.is_logging_rank and staging.exists():
+            shutil.rmtree(staging)
+        dist.barrier()
+        saved = self.save(root=staging, keep_last=0)
+        self.sharing_layers = tuple(sharing_layers)
+        self.layout = self._plan_layout(self.sharing_layers)
+        self.build()
+        self._load(saved)
+        dist.barrier()
+        if self.dims.is_logging_rank:
+            shutil.rmtree(staging, ignore_errors=True)
+        seconds = time.perf_counter() - start
+        self.switch_seconds.append(seconds)
+        return {"seconds": seconds, "layout": self.layout, "previous_layout": previous_layout}
+
+    # ------------------------------------------------------------------ loop
+    def _flops_per_iteration(self) -> float:
+        from epas_megatron.metrics.flops import Convention, flops_per_iteration
+
+        t = self.cfg.training
+        return float(
+            flops_per_iteration(
+                self._arch().flops_shape(t.seq_length),
+                t.global_batch_size,
+                len(self.sharing_layers),
+                share=self.cfg.epas.epas_share,
+                convention=Convention.MEGATRON,
+            )
+        )
+
+    def _peak_name(self) -> str:
+        if self.cfg.logging.peak_tflops:
+            return self.cfg.logging.peak_tflops
+        if not torch.cuda.is_available():
+            return "cpu"
+        name = torch.cuda.get_device_name().lower()
+        for key in ("h200", "h100", "a100", "l40s", "l4", "b200", "a10"):
+            if key in name:
+                return key
+        return "cpu"
+
+    def evaluate(self) -> float:
+        """Validation loss over --eval-iters global batches."""
+        from epas_megatron.training.step import eval_step
+
+        t = self.cfg.training
+        result = eval_step(
+            self.model,
+            self._valid_iterators(),
+            num_microbatches=self.run.num_microbatches * t.eval_iters,
+            seq_length=t.seq_length,
+            micro_batch_size=t.micro_batch_size,
+        )
+        return result.lm_loss
+
+    def train(self) -> dict:
+        """Run until --train-iters (or --exit-interval, or an exit signal); return the summary."""
+        from epas_megatron.metrics.flops import mfu, tflops_per_device
+        from epas_megatron.training.step import train_step
+
+        cfg, t, run = self.cfg, self.cfg.training, self.run
+        tokens_per_iteration = t.global_batch_size * t.seq_length
+        peak = self._peak_name()
+        self.print(f"throughput: TFLOP/s per device from the sharing-aware model FLOPs (3 x forward matmuls, causal attention halved, as megatron-core 0.19); MFU peak: {peak}")
+        start_iteration = self.iteration
+        stop_at = t.train_iters
+        if t.exit_interval:
+            stop_at = min(stop_at, start_iteration + t.exit_interval)
+        wall_start = time.perf_counter()
+        interval_start, interval_iters, interval_time = time.perf_counter(), 0, 0.0
+        loss_sum, loss_count = 0.0, 0
+        last_loss, last_valid = float("nan"), None
+        total_train_time, timed_iters = 0.0, 0
+        exit_reason = "completed"
+
+        while self.iteration < stop_at:
+            next_iteration = self.iteration + 1
+            target = run.schedule.sharing_layers(next_iteration)
+            if tuple(target) != self.sharing_layers:
+                info = self.apply_switch(target)
+                source = run.schedule.source_layer(next_iteration)
+                self.print(
+                    f"EPAS switch at iteration {next_iteration}: sharing layers {list(target)} (source layer {source}); "
+                    f"rebuilt in {info['seconds']:.2f}s" + (f"; pipeline layout {info['previous_layout']} -> {info['layout']}" if info["layout"] != info["previous_layout"] else "")
+                )
+                self.metrics.log({"kind": "switch", "iteration": next_iteration, "sharing_layers": list(target), "source_layer": source, "layout": info["layout"], "switch_seconds": info["seconds"]}, step=next_iteration, prefix="epas")
+            step_start = time.perf_counter()
+            result = train_step(
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                self.train_iterators,
+                num_microbatches=run.num_microbatches,
+                seq_length=t.seq_length,
+                micro_batch_size=t.micro_batch_size,
+            )
+            step_time = time.perf_counter() - step_start
+            self.iteration = next_iteration
+            self.consumed_samples += t.global_batch_size
+            interval_iters += 1
+            interval_time += step_time
+            if self.iteration > start_iteration + 1:  # the first step pays one-off costs
+                total_train_time += step_time
+                timed_iters += 1
+            last_loss = result.lm_loss
+            loss_sum += result.lm_loss
+            loss_count += 1
+
+            if self.iteration % cfg.logging.log_interval == 0 or self.iteration == stop_at:
+                per_iter = interval_time / interval_iters
+                tokens_per_s = tokens_per_iteration / per_iter
+                tflops = tflops_per_device(self._flops_per_iteration(), per_iter, self.dims.world_size)
+                utilisation = mfu(tflops, peak)
+                lr = self.optimizer.param_groups[0]["lr"]
+                elapsed = time.perf_counter() - wall_start
+                remaining = (stop_at - self.iteration) * per_iter
+                record = {
+                    "iteration": self.iteration,
+                    "lm_loss": loss_sum / loss_count,
+                    "lr": lr,
+                    "grad_norm": result.grad_norm,
+                    "tokens_per_s": tokens_per_s,
+                    "tflops_per_device": tflops,
+                    "mfu": utilisation,
+                    "iteration_time_s": per_iter,
+                    "consumed_samples": self.consumed_samples,
+                    "sharing_layers": list(self.sharing_layers),
+                    "layout": self.layout,
+                }
+                self.metrics.log(record, step=self.iteration)
+                self.print(
+                    f" iteration {self.iteration:8d}/{t.train_iters:8d} | consumed samples: {self.consumed_samples:10d} | "
+                    f"ms/iter: {per_iter * 1000:8.1f} | lr: {lr:.3E} | lm loss: {loss_sum / loss_count:.6E} | "
+                    f"grad norm: {result.grad_norm:.3f} | tokens/s: {tokens_per_s:8.0f} | TFLOP/s/dev: {tflops:7.3f} | "
+                    f"MFU: {'n/a' if utilisation is None else f'{utilisation:.1%}'} | sharing: {len(self.sharing_layers)} | "
+                    f"elapsed: {_fmt_time(elapsed)} | ETA: {_fmt_time(remaining)}"
+                )
+                interval_iters, interval_time, loss_sum, loss_count = 0, 0.0, 0.0, 0
+
+            if t.eval_interval and self.valid_ds is not None and self.iteration % t.eval_interval == 0:
+                last_valid = self.evaluate()
+                self.metrics.log({"kind": "valid", "iteration": self.iteration, "valid_lm_loss": last_valid, "valid_ppl": math.exp(min(last_valid, 50))}, step=self.iteration, prefix="valid")
+                self.print(f" validation at iteration {self.iteration}: lm loss {last_valid:.6E} | ppl {math.exp(min(last_valid, 50)):.3f}")
+
+            if self.cfg.checkpoint.save_interval and self.iteration % self.cfg.checkpoint.save_interval == 0:
+                path = self.save()
+                self.print(f"saved checkpoint {path}")
+            if self.exit_signal.agreed():
+                exit_reason = f"signal {self.exit_signal.received or 'on another rank'}"
+                break
+
+        stopped_early = self.iteration < t.train_iters
+        if stopped_early or not self.cfg.checkpoint.no_save_final:
+            if ckpt.latest_iteration(self.run.checkpoint_root) != self.iteration:
+                path = self.save()
+                self.print(f"saved checkpoint {path}")
+        if stopped_early and exit_reason == "completed":
+            exit_reason = "exit_interval"
+        wall = time.perf_counter() - wall_start
+        per_iter = total_train_time / timed_iters if timed_iters else float("nan")
+        summary = {
+            "iterations": self.iteration,
+            "iterations_this_run": self.iteration - start_iteration,
+            "final_lm_loss": last_loss,
+            "final_valid_lm_loss": last_valid,
+            "tokens_per_s": tokens_per_iteration / per_iter if timed_iters else None,
+            "wall_s": wall,
+            "sharing_layers": list(self.sharing_layers),
+            "layout": self.layout,
+            "switch_seconds": self.switch_seconds,
+            "exit_reason": exit_reason,
+            "output_dir": str(self.out),
+        }
+        self.print("SUMMARY " + json.dumps(summary))
+        return summary
+
+    def close(self) -> None:
+        """Flush metrics and tear down process groups."""
+        self.exit_signal.restore()
+        if self.metrics is not None:
+            self.metrics.close()
+        if dist.is_initialized():
+            destroy_distributed()
