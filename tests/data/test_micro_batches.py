@@ -1,0 +1,133 @@
+"""The resumable micro-batch iterator: index order, DP slicing, resume, exhaustion, collation."""
+
+import itertools
+import warnings
+
+import pytest
+import torch
+
+from epas_megatron.data.datasets import (
+    DataExhaustedError,
+    build_data_iterator,
+    build_gpt_datasets,
+    collate_samples,
+    micro_batch_indices,
+)
+from epas_megatron.errors import ConfigError
+
+warnings.filterwarnings("ignore", category=UserWarning)
+
+
+class IndexDataset:
+    """Sample i is a constant sequence of i (so batches show which samples they hold)."""
+
+    def __init__(self, size, seq=4):
+        self.size, self.seq = size, seq
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, i):
+        row = torch.full((self.seq,), i, dtype=torch.int64)
+        return {"tokens": row, "labels": row + 1, "loss_mask": torch.ones(self.seq),
+                "position_ids": torch.arange(self.seq), "dataset_id": 0}
+
+
+def sample_ids(batch):
+    return batch["tokens"][:, 0].tolist()
+
+
+def test_hand_computed_indices():
+    # total 10, micro-batch 2, DP 2: chunks [0..3], [4..7]; 8, 9 cannot fill a chunk.
+    assert list(micro_batch_indices(10, 0, 2, 0, 2)) == [[0, 1], [4, 5]]
+    assert list(micro_batch_indices(10, 0, 2, 1, 2)) == [[2, 3], [6, 7]]
+    assert list(micro_batch_indices(10, 4, 2, 1, 2)) == [[6, 7]]
+    assert list(micro_batch_indices(10, 8, 2, 0, 2)) == []
+    # single rank: consecutive micro-batches
+    assert list(micro_batch_indices(7, 1, 3, 0, 1)) == [[1, 2, 3], [4, 5, 6]]
+    # cycle: positions wrap modulo the dataset length
+    cycled = micro_batch_indices(10, 8, 2, 0, 2, cycle=True)
+    assert list(itertools.islice(cycled, 4)) == [[8, 9], [2, 3], [6, 7], [0, 1]]
+
+
+@pytest.mark.parametrize("micro_batch_size, dp", [(1, 1), (3, 1), (2, 4), (4, 3)])
+def test_ranks_partition_each_chunk_in_order(micro_batch_size, dp):
+    total = 100
+    per_rank = [list(micro_batch_indices(total, 0, micro_batch_size, r, dp)) for r in range(dp)]
+    chunk = micro_batch_size * dp
+    steps = total // chunk
+    assert all(len(batches) == steps for batches in per_rank)
+    for step in range(steps):
+        merged = [i for r in range(dp) for i in per_rank[r][step]]
+        assert merged == list(range(step * chunk, (step + 1) * chunk))
+
+
+def test_batches_are_collated_tensors_of_the_right_samples():
+    iterator = build_data_iterator(IndexDataset(20), 3, 1, 2)
+    batch = next(iterator)
+    assert set(batch) == {"tokens", "labels", "loss_mask", "position_ids"}
+    assert sample_ids(batch) == [3, 4, 5]
+    assert batch["tokens"].shape == (3, 4) and batch["tokens"].dtype == torch.int64
+    assert batch["labels"].dtype == torch.int64 and batch["position_ids"].dtype == torch.int64
+    assert batch["loss_mask"].dtype == torch.float32
+    assert iterator.consumed_samples == 6
+    assert sample_ids(next(iterator)) == [9, 10, 11] and iterator.consumed_samples == 12
+
+
+def test_collate_casts_dtypes():
+    samples = [{"tokens": torch.tensor([1, 2], dtype=torch.int32), "labels": [2, 3],
+                "loss_mask": torch.tensor([1, 0], dtype=torch.float64), "position_ids": [0, 1]}]
+    batch = collate_samples(samples)
+    assert batch["tokens"].dtype == torch.int64 and batch["loss_mask"].dtype == torch.float32
+    assert batch["loss_mask"].tolist() == [[1.0, 0.0]]
+
+
+def test_exhaustion_raises_a_clear_error_and_cycle_wraps():
+    iterator = build_data_iterator(IndexDataset(10), 2, 0, 2)
+    assert [sample_ids(b) for b in itertools.islice(iterator, 2)] == [[0, 1], [4, 5]]
+    with pytest.raises(DataExhaustedError, match="--train-iters"):
+        next(iterator)
+    cycling = build_data_iterator(IndexDataset(10), 2, 0, 2, cycle=True)
+    assert [sample_ids(b) for b in itertools.islice(cycling, 4)] == [[0, 1], [4, 5], [8, 9], [2, 3]]
+
+
+def test_bad_arguments():
+    with pytest.raises(ConfigError, match="--micro-batch-size"):
+        build_data_iterator(IndexDataset(5), 3, 0, 2)
+    with pytest.raises(ConfigError, match="--micro-batch-size"):
+        build_data_iterator(IndexDataset(5), 0, 0, 1)
+    with pytest.raises(ValueError, match="data_parallel_rank"):
+        build_data_iterator(IndexDataset(50), 2, 2, 2)
+    with pytest.raises(ConfigError, match="consumed_samples"):
+        build_data_iterator(IndexDataset(50), 2, 0, 2, consumed_samples=-4)
+
+
+@pytest.fixture(scope="module")
+def train_dataset(indexed_prefix, tokenizer, tmp_path_factory):
+    train, _ = build_gpt_datasets(
+        [indexed_prefix], "1", seq_length=32, train_samples=200, valid_samples=0, seed=7,
+        tokenizer=tokenizer, cache_dir=tmp_path_factory.mktemp("cache"),
+    )
+    return train
+
+
+@pytest.mark.parametrize("dp, rank", [(1, 0), (2, 1), (3, 2)])
+def test_resume_yields_the_uninterrupted_batches(train_dataset, dp, rank):
+    micro_batch_size, steps, resume_at = 2, 12, 5
+    chunk = micro_batch_size * dp
+    whole_run = build_data_iterator(train_dataset, micro_batch_size, rank, dp)
+    uninterrupted = list(itertools.islice(whole_run, steps))
+    first = build_data_iterator(train_dataset, micro_batch_size, rank, dp)
+    for _ in range(resume_at):
+        next(first)
+    assert first.consumed_samples == resume_at * chunk  # what a checkpoint would store
+    resumed = build_data_iterator(train_dataset, micro_batch_size, rank, dp, first.consumed_samples)
+    for expected in uninterrupted[resume_at:]:
+        batch = next(resumed)
+        for key in expected:
+            assert torch.equal(batch[key], expected[key])
+    # and the batches are the dataset's samples at the hand-computed indices
+    for step, batch in enumerate(uninterrupted):
+        indices = [step * chunk + rank * micro_batch_size + j for j in range(micro_batch_size)]
+        expected = torch.stack([train_dataset[i]["tokens"] for i in indices])
+        assert torch.equal(batch["tokens"], expected)
