@@ -29,21 +29,30 @@ from epas_megatron.sharing import handoff as qk_handoff
 class EpasTransformerBlock(TransformerBlock):
     """A ``TransformerBlock`` that carries the QK hand-off within and across stages."""
 
-    def __init__(self, *args, receives_handoff: bool = False, sends_handoff: bool = False, **kwargs):
+    def __init__(self, *args, receives_handoff: bool = False, sends_handoff: bool = False, handoff_width: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
         self.receives_handoff = receives_handoff
         """The first layer of this chunk shares Q/K computed on a previous stage."""
         self.sends_handoff = sends_handoff
         """The layer after this chunk (on the next stage) shares Q/K: send them along."""
+        self.handoff_width = handoff_width
+        """Hand-off elements per token on this TP rank."""
+        self.p2p_rows = None
+        """(hidden rows, total rows) of the p2p tensor while hand-offs cross stages, else None."""
         self.input_handoff = None
 
+    def set_p2p_rows(self, hidden_rows: int, total_rows: int) -> None:
+        """Pack stage outputs as ``[total_rows, b, h]`` (see :mod:`epas_megatron.sharing.handoff`)."""
+        self.p2p_rows = None if total_rows == hidden_rows else (hidden_rows, total_rows)
+
     def set_input_tensor(self, input_tensor):
-        if self.receives_handoff and input_tensor is not None:
-            hidden, self.input_handoff = qk_handoff.unpack_from_p2p(input_tensor, self.config.hidden_size)
-            self.input_tensor = hidden
-        else:
-            self.input_tensor = input_tensor
-            self.input_handoff = None
+        self.input_handoff = None
+        if self.p2p_rows is not None and input_tensor is not None:
+            hidden_rows = self.p2p_rows[0]
+            seq = hidden_rows * (self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1)
+            numel = seq * input_tensor.size(1) * self.handoff_width if self.receives_handoff else 0
+            input_tensor, self.input_handoff = qk_handoff.unpack_from_p2p(input_tensor, hidden_rows, numel)
+        self.input_tensor = input_tensor
 
     def _run_layers(self, start, end, hidden_states, handoff, attention_mask, rotary_pos_emb, attention_bias, packed_seq_params):
         for layer in self.layers[start:end]:
@@ -120,11 +129,11 @@ class EpasTransformerBlock(TransformerBlock):
             hidden_states = self.final_layernorm(hidden_states)
             hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
 
-        if self.sends_handoff:
-            if handoff is None:
+        if self.p2p_rows is not None and not self.post_process:
+            if self.sends_handoff and handoff is None:
                 raise RuntimeError("this stage must send the QK hand-off but produced none")
-            # [s, b, h] + flat hand-off -> [s, b, h + extra]
-            return qk_handoff.pack_for_p2p(hidden_states, handoff)
+            # [s, b, h] + flat hand-off + padding -> [s + r, b, h]
+            return qk_handoff.pack_for_p2p(hidden_states, handoff if self.sends_handoff else None, self.p2p_rows[1])
 
         if not self.pre_process and len(self.layers) == 0 and self.final_layernorm is None:
             hidden_states = hidden_states.clone()

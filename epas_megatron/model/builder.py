@@ -19,10 +19,13 @@ from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
+from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from epas_megatron.model.gpt import EpasGPTModel
+from epas_megatron.model.init import initialize_model
+from epas_megatron.sharing import handoff as qk_handoff
 from epas_megatron.model.specs import BACKENDS, decoder_layer_specs, layer_roles
 
 
@@ -78,6 +81,16 @@ class LlamaArchitecture:
         )
 
 
+VOCAB_PAD_MULTIPLE = 128
+
+
+def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
+    """Vocabulary padded to a multiple of 128 (not of 128 x TP as Megatron-LM does), so the
+    model's shape -- and its checkpoints and initialisation -- do not depend on TP; any TP that
+    divides 128 divides it."""
+    return -(-vocab_size // multiple) * multiple
+
+
 def make_transformer_config(
     arch: LlamaArchitecture,
     *,
@@ -90,14 +103,9 @@ def make_transformer_config(
     recompute: str = "none",
     recompute_method: str = "uniform",
     recompute_num_layers: int = 1,
-    handoff_across_stages: bool = False,
     on_cuda: Optional[bool] = None,
 ) -> TransformerConfig:
-    """A Megatron ``TransformerConfig`` for a LLaMA decoder.
-
-    ``handoff_across_stages`` switches Megatron's p2p to exchanging tensor shapes first
-    (``variable_seq_lengths``), which lets a stage send its hidden states plus the QK hand-off.
-    """
+    """A Megatron ``TransformerConfig`` for a LLaMA decoder."""
     on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
     dtype = torch.bfloat16 if bf16 else torch.float32
     kwargs = dict(
@@ -132,7 +140,6 @@ def make_transformer_config(
         persist_layer_norm=False,
         # Loss is a per-token mean over the whole global batch (DP and micro-batch invariant).
         calculate_per_token_loss=True,
-        variable_seq_lengths=handoff_across_stages and pp > 1,
         # gloo computes wrong gradients with batched p2p under interleaving (STACK.md).
         batch_p2p_comm=on_cuda,
         deallocate_pipeline_outputs=True,
@@ -186,8 +193,13 @@ def chunk_placements(config: TransformerConfig, roles: Sequence[str], pp_rank: O
         stage = vp_stage if vp_stage is not None else 0
         first = pp_rank == 0 and stage == 0
         last = pp_rank == pp_size - 1 and stage == (vpp or 1) - 1
-        offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
-        count = get_num_layers_to_build(config, vp_stage, pp_rank)
+        layout = config.pipeline_model_parallel_layout
+        if layout is not None:  # (Megatron's helpers ignore pp_rank for layouts)
+            offset = layout.get_layer_offset(LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank)
+            count = layout.get_num_layers_to_build(LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank)
+        else:
+            offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
+            count = get_num_layers_to_build(config, vp_stage, pp_rank)
         placements.append(
             ChunkPlacement(
                 vp_stage=vp_stage,
@@ -201,6 +213,36 @@ def chunk_placements(config: TransformerConfig, roles: Sequence[str], pp_rank: O
     return placements
 
 
+def handoff_width(config: TransformerConfig, share: str) -> int:
+    """Hand-off elements per token on one TP rank: post-RoPE Q and K ('qk') or K and V ('kv')."""
+    tp = config.tensor_model_parallel_size
+    head_dim = config.kv_channels
+    heads = config.num_attention_heads // tp
+    groups = config.num_query_groups // tp
+    return (heads + groups) * head_dim if share == "qk" else 2 * groups * head_dim
+
+
+def pipeline_handoff_rows(config: TransformerConfig, roles: Sequence[str], seq_length: int, share: str) -> tuple[int, int, int]:
+    """(hidden rows, p2p rows, schedule seq_length) for the current region and layout.
+
+    While any stage boundary lies inside the sharing region, every p2p tensor gets extra rows for
+    the hand-off; Megatron's schedules derive the p2p shape from the ``seq_length`` they are
+    given, so that argument grows accordingly.
+    """
+    sp_tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    hidden_rows = seq_length // sp_tp
+    crossing = any(
+        placement.sends_handoff
+        for rank in range(config.pipeline_model_parallel_size)
+        for placement in chunk_placements(config, roles, pp_rank=rank)
+    )
+    if not crossing:
+        return hidden_rows, hidden_rows, seq_length
+    extra = qk_handoff.extra_p2p_rows(handoff_width(config, share), seq_length, config.hidden_size)
+    total = hidden_rows + extra
+    return hidden_rows, total, total * sp_tp
+
+
 def build_model_chunks(
     config: TransformerConfig,
     arch: LlamaArchitecture,
@@ -209,8 +251,13 @@ def build_model_chunks(
     backend: str = "local",
     share: str = "qk",
     detach_shared: bool = False,
+    seed: Optional[int] = None,
 ) -> list[EpasGPTModel]:
-    """The model chunks of this rank (one without interleaving), on the current device."""
+    """The model chunks of this rank (one without interleaving), on the current device.
+
+    With ``seed``, weights are initialised independently of the parallel layout and of the
+    sharing region (:mod:`epas_megatron.model.init`); without, Megatron's own initialisation
+    stays (weights that a checkpoint load overwrites anyway)."""
     roles = layer_roles(arch.num_layers, sharing_layers)
     specs = decoder_layer_specs(arch.num_layers, sharing_layers, BACKENDS[backend], share, detach_shared)
     final_norm = BACKENDS[backend].norm
@@ -230,9 +277,12 @@ def build_model_chunks(
             rotary_base=arch.rotary_base,
             receives_handoff=placement.receives_handoff,
             sends_handoff=placement.sends_handoff,
+            handoff_width=handoff_width(config, share),
             vp_stage=placement.vp_stage,
         )
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
+        if seed is not None:
+            initialize_model(model, seed, arch.init_method_std, arch.num_layers)
         chunks.append(model)
     return chunks

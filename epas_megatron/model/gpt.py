@@ -45,6 +45,7 @@ class EpasGPTModel(LanguageModule):
         rotary_base: int = 10000,
         receives_handoff: bool = False,
         sends_handoff: bool = False,
+        handoff_width: int = 0,
         vp_stage: Optional[int] = None,
         pg_collection=None,
     ):
@@ -85,6 +86,7 @@ class EpasGPTModel(LanguageModule):
             vp_stage=vp_stage,
             receives_handoff=receives_handoff,
             sends_handoff=sends_handoff,
+            handoff_width=handoff_width,
         )
         if post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(

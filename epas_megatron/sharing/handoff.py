@@ -8,12 +8,17 @@ Q and K, i.e. ``s*b*(np+ng)*hn`` elements per micro-batch); its own attention th
 views of the packed tensor, so no second copy stays alive for backward.
 
 Across a pipeline stage boundary inside the sharing region the hand-off rides in the same p2p
-tensor as the hidden states (:func:`pack_for_p2p` / :func:`unpack_from_p2p`): the send buffer is
-``[hidden.flatten() | handoff]`` viewed as ``[s_local, b, h + extra]`` so that Megatron-Core's
-shape exchange (``variable_seq_lengths``) carries it, and both parts come out of the received
-buffer as contiguous views. Bytes per micro-batch per boundary:
-``4 (fp32) or 2 (bf16) * s * b * (h/ (tp if SP else 1) + (np + ng) * hn / tp)``, i.e. the hidden
-states plus the TP-local Q/K.
+tensor as the hidden states (:func:`pack_for_p2p` / :func:`unpack_from_p2p`): the buffer is
+``[hidden.flatten() | handoff | zero padding]`` viewed as ``[s_local + r, b, h]``, i.e. ``r``
+extra sequence rows (:func:`extra_p2p_rows`), and both parts come out of the received buffer as
+contiguous views. Megatron's schedules use one p2p shape for every boundary, so while any
+boundary lies inside the region, all boundaries send ``s_local + r`` rows (the others padding).
+We do not use Megatron's ``variable_seq_lengths`` shape exchange: its shape messages are posted
+in an order that pairs the wrong send and receive when PP=2 (prev and next rank are the same
+peer), which breaks interleaved schedules.
+
+Bytes per micro-batch per boundary: ``bytes_per_element * b * h * (s_local + r)`` with
+``r = ceil(s * (np + ng) / tp * hn / h)`` ('qk') -- for MHA and TP=1 twice the hidden states.
 """
 
 from __future__ import annotations
@@ -45,27 +50,46 @@ def unpack(
     return first, second
 
 
-def pack_for_p2p(hidden_states: torch.Tensor, handoff: torch.Tensor) -> torch.Tensor:
-    """Hidden states ``[s_l, b, h]`` plus the flat hand-off -> one ``[s_l, b, h + extra]``."""
+def extra_p2p_rows(handoff_width: int, seq_length: int, hidden_size: int) -> int:
+    """Rows of ``hidden_size`` elements that one micro-batch's hand-off needs in a p2p tensor.
+
+    ``handoff_width``: hand-off elements per token on this TP rank (``(np + ng) / tp * hn``).
+    """
+    return -(-handoff_width * seq_length // hidden_size)
+
+
+def pack_for_p2p(hidden_states: torch.Tensor, handoff, total_rows: int) -> torch.Tensor:
+    """``[hidden | hand-off | zeros]`` as one ``[total_rows, b, h]`` tensor for the next stage.
+
+    Every stage boundary of a pipeline uses the same ``total_rows`` (Megatron's schedules use one
+    p2p shape); boundaries outside the sharing region carry no hand-off, only padding.
+    """
     s_local, batch, hidden = hidden_states.shape
-    per_row = s_local * batch
-    if handoff.numel() % per_row:
-        raise RuntimeError(
-            f"hand-off of {handoff.numel()} elements does not tile [{s_local}, {batch}, *]"
-        )
-    extra = handoff.numel() // per_row
-    packed = torch.cat((hidden_states.reshape(-1), handoff)).view(s_local, batch, hidden + extra)
+    parts = [hidden_states.reshape(-1)]
+    used = hidden_states.numel()
+    if handoff is not None:
+        parts.append(handoff)
+        used += handoff.numel()
+    capacity = total_rows * batch * hidden
+    if used > capacity:
+        raise RuntimeError(f"hand-off does not fit the p2p tensor: {used} > {capacity} elements")
+    if used < capacity:
+        parts.append(hidden_states.new_zeros(capacity - used))
+    packed = torch.cat(parts).view(total_rows, batch, hidden)
     return make_viewless_tensor(inp=packed, requires_grad=True, keep_graph=True)
 
 
-def unpack_from_p2p(received: torch.Tensor, hidden_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`pack_for_p2p`: contiguous views of the hidden states and hand-off."""
-    s_local, batch, width = received.shape
-    if width <= hidden_size:
+def unpack_from_p2p(received: torch.Tensor, hidden_rows: int, handoff_numel: int):
+    """Inverse of :func:`pack_for_p2p`: contiguous views of the hidden states and the hand-off
+    (None when ``handoff_numel`` is 0)."""
+    total_rows, batch, hidden = received.shape
+    n_hidden = hidden_rows * batch * hidden
+    if n_hidden + handoff_numel > received.numel():
         raise RuntimeError(
-            f"expected a hidden-state + QK hand-off tensor from the previous pipeline stage, got "
-            f"width {width} <= hidden size {hidden_size}: the stages disagree on the sharing region"
+            f"received a [{total_rows}, {batch}, {hidden}] tensor, too small for {hidden_rows} rows of "
+            f"hidden states plus a {handoff_numel}-element hand-off: the stages disagree on the region"
         )
     flat = received.view(-1)
-    n_hidden = s_local * batch * hidden_size
-    return flat[:n_hidden].view(s_local, batch, hidden_size), flat[n_hidden:]
+    hidden_states = flat[:n_hidden].view(hidden_rows, batch, hidden)
+    handoff = flat[n_hidden : n_hidden + handoff_numel] if handoff_numel else None
+    return hidden_states, handoff

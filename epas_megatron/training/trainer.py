@@ -124,7 +124,7 @@ class Trainer:
         self.layout = self._plan_layout(self.sharing_layers)
         if run.schedule.enabled:
             self.print(run.schedule.describe(cfg.training.train_iters))
-        self.build()
+        self.build(initialize=run.load_dir is None)
         if run.load_dir is not None:
             self._load(run.load_dir)
             self.print(f"resumed from {run.load_dir} at iteration {self.iteration} ({self.consumed_samples} samples consumed)")
@@ -204,7 +204,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ model
     def _arch(self):
-        from epas_megatron.model.builder import LlamaArchitecture
+        from epas_megatron.model.builder import LlamaArchitecture, padded_vocab_size
 
         m = self.cfg.model
         return LlamaArchitecture(
@@ -213,7 +213,7 @@ class Trainer:
             num_attention_heads=m.num_attention_heads,
             num_query_groups=m.num_query_groups,
             ffn_hidden_size=m.ffn_hidden_size,
-            vocab_size=m.vocab_size,
+            vocab_size=padded_vocab_size(m.vocab_size),
             max_sequence_length=m.max_position_embeddings,
             rotary_base=m.rotary_base,
             norm_epsilon=m.norm_epsilon,
@@ -229,9 +229,13 @@ class Trainer:
 
         return plan_stage_layout(self._arch(), self.cfg, sharing_layers, previous=self.layout)
 
-    def build(self) -> None:
-        """Model chunks, DDP, optimizer and LR schedule for the current region and layout."""
-        from epas_megatron.model.builder import build_model_chunks, make_transformer_config
+    def build(self, initialize: bool = True) -> None:
+        """Model chunks, DDP, optimizer and LR schedule for the current region and layout.
+
+        ``initialize=False`` skips the (layout-independent) weight initialisation when a
+        checkpoint load follows."""
+        from epas_megatron.model.builder import build_model_chunks, make_transformer_config, pipeline_handoff_rows
+        from epas_megatron.model.specs import layer_roles
         from epas_megatron.training.optimizer import build_optimizer, build_scheduler, wrap_ddp
 
         p = self.cfg.parallel
@@ -247,7 +251,6 @@ class Trainer:
             recompute=p.recompute,
             recompute_method=p.recompute_method,
             recompute_num_layers=p.recompute_num_layers,
-            handoff_across_stages=self.run.schedule.enabled,
         )
         chunks = build_model_chunks(
             self.tf_config,
@@ -256,7 +259,13 @@ class Trainer:
             backend=self.run.backend,
             share=self.cfg.epas.epas_share,
             detach_shared=self.cfg.epas.epas_detach_shared,
+            seed=self.cfg.training.seed if initialize else None,
         )
+        hidden_rows, total_rows, self.schedule_seq_length = pipeline_handoff_rows(
+            self.tf_config, layer_roles(arch.num_layers, self.sharing_layers), self.cfg.training.seq_length, self.cfg.epas.epas_share
+        )
+        for chunk in chunks:
+            chunk.decoder.set_p2p_rows(hidden_rows, total_rows)
         settings = self._optimizer_settings()
         self.model = wrap_ddp(chunks, self.tf_config, settings)
         self.optimizer = build_optimizer(self.model, settings)
@@ -364,7 +373,7 @@ class Trainer:
         saved = self.save(root=staging, keep_last=0)
         self.sharing_layers = tuple(sharing_layers)
         self.layout = self._plan_layout(self.sharing_layers)
-        self.build()
+        self.build(initialize=False)
         self._load(saved)
         dist.barrier()
         if self.dims.is_logging_rank:
@@ -408,7 +417,7 @@ class Trainer:
             self.model,
             self._valid_iterators(),
             num_microbatches=self.run.num_microbatches * t.eval_iters,
-            seq_length=t.seq_length,
+            seq_length=self.schedule_seq_length,
             micro_batch_size=t.micro_batch_size,
         )
         return result.lm_loss
@@ -451,7 +460,7 @@ class Trainer:
                 self.scheduler,
                 self.train_iterators,
                 num_microbatches=run.num_microbatches,
-                seq_length=t.seq_length,
+                seq_length=self.schedule_seq_length,
                 micro_batch_size=t.micro_batch_size,
             )
             step_time = time.perf_counter() - step_start
