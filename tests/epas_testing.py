@@ -1,0 +1,109 @@
+"""Helpers shared by the tests: run the trainer (one process or torchrun) and read its outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+
+TINY = ["--preset", "tiny", "--eval-interval", "0", "--no-tensorboard", "--log-interval", "1"]
+
+
+@dataclass
+class TrainerRun:
+    """A finished trainer process."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    output_dir: Path
+    summary: Optional[dict] = None
+    metrics: list = field(default_factory=list)
+
+    @property
+    def train_records(self) -> list[dict]:
+        return [m for m in self.metrics if "kind" not in m]
+
+    @property
+    def losses(self) -> dict[int, float]:
+        return {m["iteration"]: m["lm_loss"] for m in self.train_records}
+
+    @property
+    def grad_norms(self) -> dict[int, float]:
+        return {m["iteration"]: m["grad_norm"] for m in self.train_records}
+
+    @property
+    def switches(self) -> list[dict]:
+        return [m for m in self.metrics if m.get("kind") == "switch"]
+
+
+def trainer_command(args: Sequence[str], nproc: int = 1, module: str = "epas_megatron.train") -> list[str]:
+    """python -m <module> ... for one process, torchrun --standalone for several."""
+    if nproc == 1:
+        return [sys.executable, "-m", module, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", module, *args]
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    path = Path(output_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def parse_summary(stdout: str) -> Optional[dict]:
+    lines = [l for l in stdout.splitlines() if l.startswith("SUMMARY ")]
+    return json.loads(lines[-1][len("SUMMARY "):]) if lines else None
+
+
+def run_trainer(
+    args: Sequence[str],
+    output_dir: Path,
+    nproc: int = 1,
+    env: Optional[dict] = None,
+    timeout: int = 900,
+    check: bool = True,
+    module: str = "epas_megatron.train",
+) -> TrainerRun:
+    """Run the trainer to completion and collect stdout, SUMMARY and metrics.jsonl."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    cmd = trainer_command([*args, "--output-dir", str(output_dir)], nproc, module)
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    run = TrainerRun(
+        returncode=proc.returncode,
+        stdout=proc.stdout,
+        stderr=proc.stderr,
+        output_dir=Path(output_dir),
+        summary=parse_summary(proc.stdout),
+        metrics=read_metrics(output_dir),
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"trainer failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    return run
+
+
+def run_script(script: Path, args: Sequence[str] = (), nproc: int = 2, timeout: int = 900, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    """Run a test script under torchrun; raise with its output if it fails."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script), *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"script failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def json_lines(stdout: str, tag: str) -> list[dict]:
+    """Objects printed as '<tag> {json}' lines."""
+    return [json.loads(l[len(tag) + 1:]) for l in stdout.splitlines() if l.startswith(tag + " ")]
+
+
+def assert_close(a: dict, b: dict, rel: float = 1e-5, what: str = "") -> None:
+    assert a.keys() == b.keys(), f"{what}: iterations differ {sorted(a)} vs {sorted(b)}"
+    for k in a:
+        assert abs(a[k] - b[k]) <= rel * max(abs(a[k]), abs(b[k]), 1e-12), f"{what} at {k}: {a[k]!r} vs {b[k]!r}"
