@@ -1,0 +1,1 @@
+"""Checkpoint conversion: Hugging Face LLaMA <-> epas-megatron."""

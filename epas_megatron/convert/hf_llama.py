@@ -1,0 +1,138 @@
+"""Hugging Face ``LlamaForCausalLM`` <-> epas-megatron parameter mapping (full, unsharded tensors).
+
+Both directions work on plain state dicts of a whole model (TP=1, PP=1). Megatron-Core's RoPE
+(``rotary_interleaved=False``) rotates half-dimensions like Hugging Face's LLaMA, so Q/K rows need
+no permutation; the fused QKV holds, per KV group, that group's query heads, then its key and its
+value head; SwiGLU's ``linear_fc1`` is ``[gate; up]``. The vocabulary is padded on the Megatron
+side (multiple of 128) and cut back on export. A model with a sharing region exports like the
+plain model: the frozen Q/K rows and the trained V (or Q) rows are fused back, so the exported
+model runs with region 0 (plain LLaMA) and can be re-imported with any region.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from epas_megatron.model.attention import fuse_qkv_rows, split_qkv_rows
+
+_OWN_FROZEN = {"linear_v": ("v", ("q", "k")), "linear_q": ("q", ("k", "v"))}
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The shape facts the mapping needs."""
+
+    num_layers: int
+    """Decoder layers."""
+
+    num_attention_heads: int
+    """Query heads."""
+
+    num_query_groups: int
+    """KV heads."""
+
+    head_dim: int
+    """Head size."""
+
+    vocab_size: int
+    """True (unpadded) vocabulary."""
+
+
+def fused_layer_qkv(state: dict, prefix: str, shape: LlamaShape) -> torch.Tensor:
+    """A layer's fused QKV weight, from a computing layer or rebuilt from a sharing layer."""
+    key = f"{prefix}self_attention.linear_qkv.weight"
+    if key in state:
+        return state[key]
+    qpg = shape.num_attention_heads // shape.num_query_groups
+    for own_name, (own, frozen) in _OWN_FROZEN.items():
+        own_key = f"{prefix}self_attention.{own_name}.weight"
+        if own_key in state:
+            frozen_key = f"{prefix}self_attention.linear_{''.join(frozen)}.weight"
+            parts = split_qkv_rows(state[frozen_key], frozen, shape.num_query_groups, qpg, shape.head_dim)
+            parts[own] = state[own_key]
+            return fuse_qkv_rows(parts, ("q", "k", "v"), shape.num_query_groups, qpg, shape.head_dim)
+    raise KeyError(f"no attention weights for {prefix}")
+
+
+def megatron_to_hf(state: dict, shape: LlamaShape) -> dict[str, torch.Tensor]:
+    """epas-megatron state dict (any region) -> ``LlamaForCausalLM`` state dict."""
+    qpg = shape.num_attention_heads // shape.num_query_groups
+    hf = {
+        "model.embed_tokens.weight": state["embedding.word_embeddings.weight"][: shape.vocab_size],
+        "model.norm.weight": state["decoder.final_layernorm.weight"],
+    }
+    head = state.get("output_layer.weight", state["embedding.word_embeddings.weight"])
+    hf["lm_head.weight"] = head[: shape.vocab_size]
+    for i in range(shape.num_layers):
+        p, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        parts = split_qkv_rows(fused_layer_qkv(state, p, shape), ("q", "k", "v"), shape.num_query_groups, qpg, shape.head_dim)
+        gate, up = state[f"{p}mlp.linear_fc1.weight"].chunk(2, dim=0)
+        hf.update({
+            f"{h}self_attn.q_proj.weight": parts["q"],
+            f"{h}self_attn.k_proj.weight": parts["k"],
+            f"{h}self_attn.v_proj.weight": parts["v"],
+            f"{h}self_attn.o_proj.weight": state[f"{p}self_attention.linear_proj.weight"],
+            f"{h}mlp.gate_proj.weight": gate,
+            f"{h}mlp.up_proj.weight": up,
+            f"{h}mlp.down_proj.weight": state[f"{p}mlp.linear_fc2.weight"],
+            f"{h}input_layernorm.weight": state[f"{p}input_layernorm.weight"],
+            f"{h}post_attention_layernorm.weight": state[f"{p}pre_mlp_layernorm.weight"],
+        })
+    return {k: v.detach().clone().contiguous() for k, v in hf.items()}
+
+
+def hf_to_megatron(hf: dict, shape: LlamaShape, padded_vocab_size: int) -> dict[str, torch.Tensor]:
+    """``LlamaForCausalLM`` state dict -> epas-megatron state dict of the plain model (region 0;
+    it loads into any region, see ``SharedAttention._load_from_state_dict``)."""
+    qpg = shape.num_attention_heads // shape.num_query_groups
+
+    def pad_vocab(t: torch.Tensor) -> torch.Tensor:
+        padded = t.new_zeros((padded_vocab_size, t.shape[1]))
+        padded[: t.shape[0]] = t
+        return padded
+
+    out = {
+        "embedding.word_embeddings.weight": pad_vocab(hf["model.embed_tokens.weight"]),
+        "decoder.final_layernorm.weight": hf["model.norm.weight"],
+        "output_layer.weight": pad_vocab(hf.get("lm_head.weight", hf["model.embed_tokens.weight"])),
+    }
+    for i in range(shape.num_layers):
+        p, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        parts = {x: hf[f"{h}self_attn.{x}_proj.weight"] for x in "qkv"}
+        out.update({
+            f"{p}self_attention.linear_qkv.weight": fuse_qkv_rows(parts, ("q", "k", "v"), shape.num_query_groups, qpg, shape.head_dim),
+            f"{p}self_attention.linear_proj.weight": hf[f"{h}self_attn.o_proj.weight"],
+            f"{p}mlp.linear_fc1.weight": torch.cat((hf[f"{h}mlp.gate_proj.weight"], hf[f"{h}mlp.up_proj.weight"])),
+            f"{p}mlp.linear_fc2.weight": hf[f"{h}mlp.down_proj.weight"],
+            f"{p}input_layernorm.weight": hf[f"{h}input_layernorm.weight"],
+            f"{p}pre_mlp_layernorm.weight": hf[f"{h}post_attention_layernorm.weight"],
+        })
+    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+
+
+def hf_config_kwargs(num_layers, hidden_size, num_attention_heads, num_query_groups, ffn_hidden_size, vocab_size,
+                     max_position_embeddings, rotary_base, norm_epsilon, tie_embeddings) -> dict:
+    """``LlamaConfig`` keyword arguments for an epas-megatron architecture."""
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=ffn_hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_query_groups,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=norm_epsilon,
+        rope_theta=float(rotary_base),
+        tie_word_embeddings=tie_embeddings,
+        attention_bias=False,
+        mlp_bias=False,
+        hidden_act="silu",
+    )
+
+
+def strip_extra_state(state: dict) -> dict:
+    """Drop Transformer Engine / Megatron ``_extra_state`` entries of a plain state dict."""
+    return {k: v for k, v in state.items() if not re.search(r"_extra_state$", k)}

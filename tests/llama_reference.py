@@ -1,0 +1,85 @@
+"""An independent, plain-PyTorch LLaMA forward with EPAS sharing, written from the method's
+definition (not from the model code): RMSNorm, RoPE (rotate-half), GQA causal attention, SwiGLU.
+
+A layer in ``sharing`` takes the post-RoPE Q and K ('qk') or K and V ('kv') of the last computing
+layer before it; weights are full tensors: q/k/v/o [out, in], gate/up/down, norms, embedding, head.
+"""
+
+import math
+
+import torch
+
+
+def rms_norm(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rope(x, base):
+    # x [b, heads, s, hn]
+    s, hn = x.shape[-2], x.shape[-1]
+    inv_freq = 1.0 / (base ** (torch.arange(0, hn, 2, dtype=torch.float32) / hn))
+    freqs = torch.outer(torch.arange(s, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    x1, x2 = x[..., : hn // 2], x[..., hn // 2:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotated * sin
+
+
+def attention(q, k, v):
+    # q [b, np, s, hn], k/v [b, ng, s, hn]
+    rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(rep, dim=1)
+    v = v.repeat_interleave(rep, dim=1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = q.shape[2]
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)
+    scores = scores.masked_fill(mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def heads(x, n):
+    b, s, _ = x.shape
+    return x.view(b, s, n, -1).transpose(1, 2)
+
+
+def forward(w, tokens, num_layers, np_, ng, sharing=(), share="qk", eps=1e-5, base=10000):
+    """Logits [b, s, vocab] for a LLaMA model with the given sharing layers."""
+    x = w["embed"][tokens]
+    shared = None
+    for i in range(num_layers):
+        L = w["layers"][i]
+        xn = rms_norm(x, L["input_norm"], eps)
+        if i not in sharing:
+            q = rope(heads(xn @ L["q"].T, np_), base)
+            k = rope(heads(xn @ L["k"].T, ng), base)
+            v = heads(xn @ L["v"].T, ng)
+            shared = (q, k) if share == "qk" else (k, v)
+        elif share == "qk":
+            q, k = shared
+            v = heads(xn @ L["v"].T, ng)
+        else:
+            q = rope(heads(xn @ L["q"].T, np_), base)
+            k, v = shared
+        a = attention(q, k, v)
+        b, _, s, _ = a.shape
+        x = x + a.transpose(1, 2).reshape(b, s, -1) @ L["o"].T
+        xn = rms_norm(x, L["mlp_norm"], eps)
+        x = x + (torch.nn.functional.silu(xn @ L["gate"].T) * (xn @ L["up"].T)) @ L["down"].T
+    return rms_norm(x, w["final_norm"], eps) @ w["head"].T
+
+
+def weights_from_hf_style(hf: dict, num_layers: int) -> dict:
+    """Reference weights from a Hugging Face-named state dict (see epas_megatron.convert)."""
+    layers = []
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        layers.append({
+            "q": hf[p + "self_attn.q_proj.weight"], "k": hf[p + "self_attn.k_proj.weight"],
+            "v": hf[p + "self_attn.v_proj.weight"], "o": hf[p + "self_attn.o_proj.weight"],
+            "gate": hf[p + "mlp.gate_proj.weight"], "up": hf[p + "mlp.up_proj.weight"],
+            "down": hf[p + "mlp.down_proj.weight"], "input_norm": hf[p + "input_layernorm.weight"],
+            "mlp_norm": hf[p + "post_attention_layernorm.weight"],
+        })
+    return {"embed": hf["model.embed_tokens.weight"], "final_norm": hf["model.norm.weight"],
+            "head": hf["lm_head.weight"], "layers": layers}
