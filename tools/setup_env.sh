@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Create (or update) the project's virtual environment: Python 3.12, torch 2.14.1, megatron-core
+# 0.19, the package in editable mode. Idempotent: a second run only checks what is installed.
+#   VENV=.venv  PYTHON=/path/to/python3.12  bash tools/setup_env.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+
+is_py312() { "$@" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 12) else 1)' >/dev/null 2>&1; }
+
+find_python() {
+  if [ -n "${PYTHON:-}" ] && is_py312 "$PYTHON"; then echo "$PYTHON"; return; fi
+  for candidate in python3.12 python3 python; do
+    if command -v "$candidate" >/dev/null 2>&1 && is_py312 "$candidate"; then command -v "$candidate"; return; fi
+  done
+  # pyenv: the python3.12 shim fails unless PYENV_VERSION names an installed 3.12.x.
+  if command -v pyenv >/dev/null 2>&1; then
+    for dir in "$(pyenv root)"/versions/3.12*; do
+      [ -x "$dir/bin/python3.12" ] && is_py312 "$dir/bin/python3.12" && { echo "$dir/bin/python3.12"; return; }
+    done
+  fi
+  for dir in /usr/local/bin /usr/bin /opt/python/3.12/bin; do
+    [ -x "$dir/python3.12" ] && is_py312 "$dir/python3.12" && { echo "$dir/python3.12"; return; }
+  done
+  return 1
+}
+
+if [ ! -x "$VENV/bin/python" ] || ! is_py312 "$VENV/bin/python"; then
+  PY=$(find_python) || { echo "error: Python 3.12 not found (megatron-core 0.17+ needs it); set PYTHON=/path/to/python3.12" >&2; exit 2; }
+  echo "setup: creating $VENV with $PY"
+  rm -rf "$VENV"
+  "$PY" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -r requirements.txt 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e . 2>&1 | grep -v "is ignored" || true
+"$VENV/bin/python" -c "import torch, megatron.core, epas_megatron; print(f'setup: torch {torch.__version__}, megatron-core {megatron.core.__version__}, epas-megatron {epas_megatron.__version__}')" 2>&1 | grep "^setup:"
