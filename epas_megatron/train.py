@@ -19,6 +19,9 @@ from epas_megatron.errors import ConfigError
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse, validate, train; returns the exit status."""
+    from epas_megatron.runtime.quiet import quiet_library_noise
+
+    quiet_library_noise()
     from epas_megatron.config.cli import parse_config
     from epas_megatron.config.validation import resolve_run
 

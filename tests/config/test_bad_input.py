@@ -1,0 +1,132 @@
+"""Every bad input: exit status 2, a message naming the flag, before any process group or data
+work, and nothing written."""
+
+import json
+import os
+
+import pytest
+import torch.distributed as dist
+
+from epas_testing import TINY, run_trainer
+from epas_megatron.train import main
+
+
+@pytest.fixture
+def isolated(tmp_path, monkeypatch):
+    """An empty data cache and output location; WORLD_SIZE as torchrun would set it."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("EPAS_CACHE_DIR", str(cache))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    return tmp_path
+
+
+def fails(argv, isolated, capsys, flag, world_size=None, monkeypatch=None, match=None):
+    if world_size is not None:
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    out = isolated / "out"
+    code = main([*TINY, "--output-dir", str(out), *argv])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert lines and flag in lines[0], err
+    if match:
+        assert match in err, err
+    assert not dist.is_initialized()
+    assert not out.exists(), "nothing may be written"
+    assert not (isolated / "cache").exists(), "no data work may start"
+    return err
+
+
+def test_heads_not_divisible_by_tp(isolated, capsys, monkeypatch):
+    fails(["--tp", "3"], isolated, capsys, "--tp", 3, monkeypatch, match="--num-attention-heads 4")
+
+
+def test_query_groups_not_divisible_by_tp(isolated, capsys, monkeypatch):
+    fails(["--num-query-groups", "1", "--tp", "2"], isolated, capsys, "--num-query-groups", 2, monkeypatch)
+
+
+def test_world_size_not_divisible_by_tp_times_pp(isolated, capsys, monkeypatch):
+    fails(["--tp", "2", "--pp", "2"], isolated, capsys, "--tp", 2, monkeypatch, match="does not divide the 2 processes")
+
+
+def test_layers_not_splittable_over_pp(isolated, capsys, monkeypatch):
+    fails(["--pp", "3"], isolated, capsys, "--pp", 3, monkeypatch, match="--num-layers 4")
+
+
+def test_layers_not_splittable_over_vpp(isolated, capsys, monkeypatch):
+    fails(["--pp", "2", "--vpp", "3"], isolated, capsys, "--vpp", 2, monkeypatch)
+
+
+def test_bad_pipeline_layout(isolated, capsys, monkeypatch):
+    fails(["--pp", "2", "--pipeline-layout", "Et|ttL"], isolated, capsys, "--pipeline-layout", 2, monkeypatch)
+
+
+def test_global_batch_not_divisible(isolated, capsys, monkeypatch):
+    fails(["--global-batch-size", "6", "--micro-batch-size", "2"], isolated, capsys, "--global-batch-size", 2, monkeypatch,
+          match="data-parallel size 2")
+
+
+def test_sequence_longer_than_the_model(isolated, capsys):
+    fails(["--seq-length", "128", "--max-position-embeddings", "64"], isolated, capsys, "--seq-length")
+
+
+def test_missing_data(isolated, capsys):
+    fails(["--data", str(isolated / "nope" / "corpus"), "--tokenizer-model", "x"], isolated, capsys, "--data", match="does not exist")
+
+
+def test_empty_data(isolated, capsys):
+    (isolated / "d").mkdir()
+    for ext in (".bin", ".idx"):
+        (isolated / "d" / f"corpus{ext}").write_bytes(b"")
+    fails(["--data", str(isolated / "d" / "corpus")], isolated, capsys, "--data", match="empty")
+
+
+def test_unreadable_tokenizer(isolated, capsys):
+    bad = isolated / "tokenizer.model"
+    bad.write_bytes(os.urandom(256))
+    fails(["--tokenizer-model", str(bad)], isolated, capsys, "--tokenizer-model")
+
+
+def test_unknown_preset(isolated, capsys):
+    fails(["--preset", "huge"], isolated, capsys, "--preset")
+
+
+def test_unknown_flag(isolated, capsys):
+    fails(["--tensor-parallel-degree", "2"], isolated, capsys, "--tensor-parallel-degree")
+
+
+def test_bad_epas_schedule(isolated, capsys):
+    fails(["--epas-target-layers", "3", "--epas-growth", "2"], isolated, capsys, "--epas-growth")
+    fails(["--epas-target-layers", "4"], isolated, capsys, "--epas-target-layers")
+    fails(["--epas-target-layers", "2", "--epas-interval", "60", "--train-iters", "100"], isolated, capsys, "--train-iters")
+
+
+def test_output_dir_holding_another_run(isolated, capsys):
+    out = isolated / "out"
+    out.mkdir()
+    (out / "config.yaml").write_text("model: {num_layers: 12}\n")
+    code = main([*TINY, "--output-dir", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "--output-dir" in err and "--load" in err, err
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml"]
+    assert not (isolated / "cache").exists()
+
+
+def test_resuming_a_checkpoint_of_another_model_shape(tmp_path, capsys, monkeypatch):
+    run = run_trainer([*TINY, "--train-iters", "2"], tmp_path / "first")
+    monkeypatch.setenv("EPAS_CACHE_DIR", str(tmp_path / "cache2"))
+    out = tmp_path / "second"
+    code = main([*TINY, "--hidden-size", "96", "--load", str(run.output_dir / "checkpoints"), "--output-dir", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "--load" in err and "--hidden-size: checkpoint 64, this run 96" in err, err
+    assert not out.exists() and not dist.is_initialized()
+
+
+def test_help_is_readable(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for expected in ("--epas-target-layers", "--tp", "--global-batch-size", "Deepest layers that will share",
+                     "parallel:", "epas:"):
+        assert expected in text, expected
