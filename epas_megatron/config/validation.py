@@ -222,6 +222,8 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
 
     # ---- data and tokenizer
     _check_data(cfg)
+    if cfg.data.data is not None and cfg.data.tokenizer_model is None:
+        raise ConfigError("--data needs --tokenizer-model (the tokenizer the data was preprocessed with)")
     if cfg.data.tokenizer_model is not None:
         from epas_megatron.data.tokenizer import load_tokenizer
 

@@ -91,6 +91,24 @@ def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_PAD_MULTIPLE) -> in
     return -(-vocab_size // multiple) * multiple
 
 
+def architecture_from_config(model_cfg) -> LlamaArchitecture:
+    """The architecture of a resolved ``ModelConfig`` (vocabulary padded, see above)."""
+    m = model_cfg
+    return LlamaArchitecture(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        ffn_hidden_size=m.ffn_hidden_size,
+        vocab_size=padded_vocab_size(m.vocab_size),
+        max_sequence_length=m.max_position_embeddings,
+        rotary_base=m.rotary_base,
+        norm_epsilon=m.norm_epsilon,
+        init_method_std=m.init_method_std,
+        tie_embeddings=not m.untie_embeddings_and_output_weights,
+    )
+
+
 def make_transformer_config(
     arch: LlamaArchitecture,
     *,

@@ -142,28 +142,10 @@ class Trainer:
         return p.vpp if p.vpp and p.vpp > 1 else None
 
     def _prepare_data(self) -> None:
-        from epas_megatron.data.default_data import default_cache_dir, prepare_default_data
-        from epas_megatron.data.tokenizer import load_tokenizer
+        from epas_megatron.data.setup import setup_data
 
-        d = self.cfg.data
-        self.cache_dir = Path(d.data_cache_dir) if d.data_cache_dir else default_cache_dir()
-        if d.data is None:
-            # One process per node builds the embedded corpus, tokenizer and dataset (file locks
-            # make concurrent builders safe); the others wait.
-            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-                prefix, tok_path = prepare_default_data(self.cache_dir, d.default_vocab_size)
-            dist.barrier()
-            prefix, tok_path = prepare_default_data(self.cache_dir, d.default_vocab_size)
-            self.data_prefixes = [prefix]
-            tokenizer_path = d.tokenizer_model or tok_path
-        else:
-            self.data_prefixes = list(d.data)
-            tokenizer_path = d.tokenizer_model
-            if tokenizer_path is None:
-                raise ConfigError("--data needs --tokenizer-model (the tokenizer the data was preprocessed with)")
-        self.tokenizer = load_tokenizer(tokenizer_path)
-        self.tokenizer_path = str(tokenizer_path)
-        vocab = self.cfg.model.vocab_size or self.tokenizer.vocab_size
+        self.data = setup_data(self.cfg.data)
+        vocab = self.cfg.model.vocab_size or self.data.tokenizer.vocab_size
         self.cfg = replace(self.cfg, model=replace(self.cfg.model, vocab_size=vocab))
         if self.run.load_meta is not None:
             saved_vocab = self.run.load_meta.get("model", {}).get("vocab_size")
@@ -204,22 +186,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ model
     def _arch(self):
-        from epas_megatron.model.builder import LlamaArchitecture, padded_vocab_size
+        from epas_megatron.model.builder import architecture_from_config
 
-        m = self.cfg.model
-        return LlamaArchitecture(
-            num_layers=m.num_layers,
-            hidden_size=m.hidden_size,
-            num_attention_heads=m.num_attention_heads,
-            num_query_groups=m.num_query_groups,
-            ffn_hidden_size=m.ffn_hidden_size,
-            vocab_size=padded_vocab_size(m.vocab_size),
-            max_sequence_length=m.max_position_embeddings,
-            rotary_base=m.rotary_base,
-            norm_epsilon=m.norm_epsilon,
-            init_method_std=m.init_method_std,
-            tie_embeddings=not m.untie_embeddings_and_output_weights,
-        )
+        return architecture_from_config(self.cfg.model)
 
     def _plan_layout(self, sharing_layers) -> Optional[str]:
         """The pipeline layout for a sharing region (fixed unless stages are rebalanced)."""
@@ -299,14 +268,14 @@ class Trainer:
         valid_samples = (t.eval_iters * t.global_batch_size) if t.eval_interval else 0
         remaining = t.train_iters * t.global_batch_size
         self.train_ds, self.valid_ds = build_gpt_datasets(
-            self.data_prefixes,
+            self.data.prefixes,
             self.cfg.data.split,
             seq_length=t.seq_length,
             train_samples=max(remaining, t.global_batch_size),
             valid_samples=valid_samples,
             seed=t.seed,
-            tokenizer=self.tokenizer,
-            cache_dir=self.cache_dir,
+            tokenizer=self.data.tokenizer,
+            cache_dir=self.data.cache_dir,
         )
 
     def _build_data_iterators(self) -> None:
@@ -336,7 +305,8 @@ class Trainer:
             "epas_schedule": self.run.schedule.state_dict(),
             "epas_share": self.cfg.epas.epas_share,
             "sharing_layers": list(self.sharing_layers),
-            "tokenizer_model": self.tokenizer_path,
+            "tokenizer_model": self.data.tokenizer_path,
+            "config": to_dict(self.cfg),
             "consumed_samples": self.consumed_samples,
             "backend": self.run.backend,
         }

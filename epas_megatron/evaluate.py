@@ -1,0 +1,187 @@
+"""``epas-eval``: validation loss and perplexity of one checkpoint at several sharing regions.
+
+One EPAS-trained model serves many compute budgets: the same weights run with any region length
+from 0 (every layer computes with its own, frozen Q/K) to the largest region it was trained with.
+For each requested length the deepest layers share; the model is rebuilt with those specs and
+the checkpoint loaded into it (the checkpoint format makes that exact), then the validation split
+of the training data (or ``--data``) is evaluated.
+
+    epas-eval --load runs/demo/checkpoints --regions 0,2,4
+    torchrun --nproc-per-node 2 -m epas_megatron.evaluate --load CKPT --regions 0,4 --tp 2
+
+Prints a markdown table and a final ``EVAL {json}`` line; ``--output FILE`` also writes the JSON.
+A region larger than the trained one is an error unless ``--allow-untrained-regions`` (which
+measures inference-time sharing on layers that never trained with it, as in the paper's
+baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional, Sequence
+
+from epas_megatron.errors import ConfigError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="epas-eval", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--load", required=True, help="checkpoint root (its latest checkpoint) or an iter_NNNNNNN directory")
+    p.add_argument("--regions", required=True, help="comma-separated sharing-region lengths, e.g. 0,2,4 ('max' = the trained region)")
+    p.add_argument("--eval-iters", type=int, default=8, help="validation batches of --eval-batch-size sequences per region")
+    p.add_argument("--eval-batch-size", type=int, default=None, help="sequences per validation batch (default: the run's global batch)")
+    p.add_argument("--micro-batch-size", type=int, default=None, help="default: the run's")
+    p.add_argument("--data", nargs="+", default=None, help="indexed dataset prefixes to evaluate on (default: the run's data)")
+    p.add_argument("--tokenizer-model", default=None, help="with --data: the tokenizer it was made with")
+    p.add_argument("--split", default=None, help="train/valid/test split weights (default: the run's); the valid share is evaluated")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--allow-untrained-regions", action="store_true", help="allow regions larger than the trained one")
+    p.add_argument("--output", default=None, help="also write the results as JSON here")
+    return p
+
+
+def parse_regions(text: str, trained: int, num_layers: int, allow_untrained: bool) -> list[int]:
+    """'0,2,max' -> [0, 2, trained]; ConfigError naming --regions for bad or too-large values."""
+    regions = []
+    for item in text.split(","):
+        item = item.strip()
+        if item == "max":
+            regions.append(trained)
+            continue
+        if not item.isdigit():
+            raise ConfigError(f"--regions: {item!r} is not a non-negative integer or 'max'")
+        regions.append(int(item))
+    for r in regions:
+        if r > num_layers - 1:
+            raise ConfigError(f"--regions: {r} layers cannot share in a {num_layers}-layer model (at most {num_layers - 1}; one layer must compute Q/K)")
+        if r > trained and not allow_untrained:
+            raise ConfigError(
+                f"--regions: {r} is larger than the region this checkpoint was trained with ({trained} layers); "
+                "layers beyond it never trained in sharing mode (pass --allow-untrained-regions to measure that anyway)"
+            )
+    return regions
+
+
+def evaluate_regions(args, checkpoint: Path, meta: dict) -> list[dict]:
+    """Validation loss per region (runs inside an initialised process group)."""
+    from megatron.core import parallel_state
+
+    from epas_megatron.checkpointing.checkpoint import load_checkpoint
+    from epas_megatron.config.cli import from_dict
+    from epas_megatron.data.datasets import build_data_iterator, build_gpt_datasets
+    from epas_megatron.data.setup import setup_data
+    from epas_megatron.model.builder import (
+        architecture_from_config,
+        build_model_chunks,
+        make_transformer_config,
+        pipeline_handoff_rows,
+    )
+    from epas_megatron.model.specs import layer_roles
+    from epas_megatron.sharing.schedule import region_layers
+    from epas_megatron.training.step import eval_step
+
+    cfg = from_dict(meta["config"])
+    data_cfg = cfg.data
+    if args.data is not None:
+        data_cfg = replace(data_cfg, data=args.data, tokenizer_model=args.tokenizer_model)
+    elif data_cfg.tokenizer_model is None and data_cfg.data is not None:
+        data_cfg = replace(data_cfg, tokenizer_model=meta.get("tokenizer_model"))
+    data = setup_data(data_cfg)
+    t = cfg.training
+    dp = parallel_state.get_data_parallel_world_size()
+    mbs = args.micro_batch_size or t.micro_batch_size
+    batch = args.eval_batch_size or t.global_batch_size
+    if batch % (mbs * dp):
+        raise ConfigError(f"--eval-batch-size {batch} is not divisible by --micro-batch-size {mbs} x data-parallel size {dp}")
+    _, valid = build_gpt_datasets(
+        data.prefixes, args.split or data_cfg.split, seq_length=t.seq_length, train_samples=batch,
+        valid_samples=batch * args.eval_iters, seed=t.seed, tokenizer=data.tokenizer, cache_dir=data.cache_dir,
+    )
+    arch = architecture_from_config(cfg.model)
+    share = meta.get("epas_share", "qk")
+    results = []
+    for region in args.region_list:
+        sharing = region_layers(arch.num_layers, region, flag="--regions")
+        config = make_transformer_config(arch, tp=args.tp, pp=args.pp)
+        chunks = build_model_chunks(config, arch, sharing, share=share)
+        hidden_rows, total_rows, schedule_seq = pipeline_handoff_rows(config, layer_roles(arch.num_layers, sharing), t.seq_length, share)
+        for chunk in chunks:
+            chunk.decoder.set_p2p_rows(hidden_rows, total_rows)
+        load_checkpoint(checkpoint, chunks, restore_rng=False)
+        iterators = [build_data_iterator(valid, mbs, parallel_state.get_data_parallel_rank(), dp, 0) for _ in chunks]
+        result = eval_step(chunks, iterators, num_microbatches=batch // (mbs * dp) * args.eval_iters,
+                           seq_length=schedule_seq, micro_batch_size=mbs)
+        results.append({"region": region, "sharing_layers": list(sharing), "lm_loss": result.lm_loss,
+                        "ppl": math.exp(min(result.lm_loss, 50.0)), "tokens": result.tokens})
+    return results
+
+
+def markdown_table(results: list[dict], trained: int) -> str:
+    """Region | sharing layers | loss | perplexity | vs region 0."""
+    base = next((r["lm_loss"] for r in results if r["region"] == 0), None)
+    lines = ["| region | sharing layers | val loss | perplexity | loss vs region 0 |", "|---|---|---|---|---|"]
+    for r in results:
+        layers = f"{r['sharing_layers'][0]}-{r['sharing_layers'][-1]}" if r["sharing_layers"] else "-"
+        delta = f"{r['lm_loss'] - base:+.4f}" if base is not None else "n/a"
+        mark = " (untrained)" if r["region"] > trained else ""
+        lines.append(f"| {r['region']}{mark} | {layers} | {r['lm_loss']:.4f} | {r['ppl']:.2f} | {delta} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from epas_megatron.runtime.quiet import quiet_library_noise
+
+    quiet_library_noise()
+    args = _parser().parse_args(argv)
+    try:
+        from epas_megatron.checkpointing.checkpoint import read_meta, resolve_checkpoint
+        from epas_megatron.runtime.distributed import world_size_from_env
+
+        checkpoint = resolve_checkpoint(args.load) if Path(args.load).exists() else None
+        if checkpoint is None:
+            raise ConfigError(f"--load {args.load}: no checkpoint there")
+        meta = read_meta(checkpoint)
+        if "config" not in meta:
+            raise ConfigError(f"--load {args.load}: checkpoint metadata has no run config (written by an older version)")
+        num_layers = meta["model"]["num_layers"]
+        trained = len(meta.get("sharing_layers", []))
+        args.region_list = parse_regions(args.regions, trained, num_layers, args.allow_untrained_regions)
+        world = world_size_from_env()
+        if world % (args.tp * args.pp):
+            raise ConfigError(f"--tp {args.tp} x --pp {args.pp} does not divide the {world} processes")
+        if num_layers % args.pp:
+            raise ConfigError(f"--pp {args.pp} does not divide the {num_layers} layers")
+        if args.data is not None and args.tokenizer_model is None:
+            raise ConfigError("--data needs --tokenizer-model")
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return ConfigError.exit_code
+
+    from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
+
+    dims = init_distributed(args.tp, args.pp, None, seed=0)
+    try:
+        results = evaluate_regions(args, checkpoint, meta)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return ConfigError.exit_code
+    finally:
+        destroy_distributed()
+    if dims.is_logging_rank:
+        payload = {"checkpoint": str(checkpoint), "iteration": meta["iteration"], "trained_region": trained, "results": results}
+        print(f"checkpoint {checkpoint} (iteration {meta['iteration']}, trained region {trained} layers)")
+        print(markdown_table(results, trained))
+        print("EVAL " + json.dumps(payload), flush=True)
+        if args.output:
+            Path(args.output).write_text(json.dumps(payload, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
