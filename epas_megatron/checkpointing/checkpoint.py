@@ -156,7 +156,9 @@ def save_checkpoint(
     meta: dict,
     keep_last: int = 0,
 ) -> Path:
-    """Save a full training state as ``root/iter_NNNNNNN``, then move the pointer to it."""
+    """Save a full training state as ``root/iter_NNNNNNN``, then move the pointer to it.
+
+    ``optimizer=None`` saves the model only (e.g. an imported model)."""
     from megatron.core import dist_checkpointing
 
     _use_thread_queue()
@@ -168,7 +170,7 @@ def save_checkpoint(
             shutil.rmtree(target)
         target.mkdir()
     _barrier()
-    state = sharded_state(model_chunks, optimizer, scheduler, train_state, loading=False)
+    state = sharded_state(model_chunks, optimizer, scheduler, train_state, loading=False, with_optimizer=optimizer is not None)
     dist_checkpointing.save(state, str(target))
     _barrier()
     if _rank0():

@@ -192,6 +192,11 @@ class CheckpointConfig:
     load: Optional[str] = None
     """Resume from this checkpoint directory (its latest checkpoint, or a given iter_NNNNNNN)."""
 
+    pretrained: Optional[str] = None
+    """Start from the model weights of this checkpoint (root or iter_ directory) with a fresh
+    optimizer, LR schedule and iteration 0: continual pretraining, e.g. of a Hugging Face model
+    imported with `epas-convert hf-import`. Ignored when --load holds a checkpoint (resume)."""
+
     save_interval: Optional[int] = None
     """Save every this many iterations (also at the end and on an exit signal)."""
 

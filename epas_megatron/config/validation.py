@@ -75,6 +75,9 @@ class ResolvedRun:
     load_meta: Optional[dict]
     """That checkpoint's run metadata."""
 
+    pretrained_dir: Optional[Path] = None
+    """Weights to start from when not resuming (--pretrained)."""
+
     warnings: tuple[str, ...] = ()
     """Things to print at start."""
 
@@ -245,7 +248,16 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
             diffs = model_shape_differences(load_meta.get("model", {}), _model_shape_of(replace(cfg, model=m)))
             if diffs:
                 raise ConfigError(f"--load {load_path}: the checkpoint holds a different model ({'; '.join(diffs)})")
-    elif (out / "config.yaml").exists():
+    pretrained_dir = None
+    if cfg.checkpoint.pretrained and load_dir is None:
+        pre = Path(cfg.checkpoint.pretrained)
+        pretrained_dir = resolve_checkpoint(pre) if pre.exists() else None
+        if pretrained_dir is None:
+            raise ConfigError(f"--pretrained {pre}: no checkpoint there")
+        diffs = model_shape_differences(read_meta(pretrained_dir).get("model", {}), _model_shape_of(replace(cfg, model=m)))
+        if diffs:
+            raise ConfigError(f"--pretrained {pre}: the checkpoint holds a different model ({'; '.join(diffs)})")
+    if not cfg.checkpoint.load and (out / "config.yaml").exists():
         raise ConfigError(f"--output-dir {out} already holds a run (config.yaml); resume it with --load {ckpt_root} or choose another --output-dir")
     _positive(cfg.checkpoint.keep_last, "--keep-last", minimum=0)
 
@@ -263,6 +275,7 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
         checkpoint_root=ckpt_root,
         load_dir=load_dir,
         load_meta=load_meta,
+        pretrained_dir=pretrained_dir,
         warnings=tuple(warnings),
     )
 

@@ -51,6 +51,9 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+_ENV_WE_SET: list[str] = []
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -62,10 +65,9 @@ def init_distributed(tp: int, pp: int, vpp: Optional[int], seed: int, timeout_mi
     cpu_compat.activate()
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # a single process started without torchrun
-            os.environ.update(
-                RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-            )
+            single = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+            _ENV_WE_SET.extend(k for k in single if k not in os.environ)
+            os.environ.update(single)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -115,3 +117,6 @@ def destroy_distributed() -> None:
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    # A world of one set these itself; leaving them would make child processes join it.
+    while _ENV_WE_SET:
+        os.environ.pop(_ENV_WE_SET.pop(), None)

@@ -124,10 +124,13 @@ class Trainer:
         self.layout = self._plan_layout(self.sharing_layers)
         if run.schedule.enabled:
             self.print(run.schedule.describe(cfg.training.train_iters))
-        self.build(initialize=run.load_dir is None)
+        self.build(initialize=run.load_dir is None and run.pretrained_dir is None)
         if run.load_dir is not None:
             self._load(run.load_dir)
             self.print(f"resumed from {run.load_dir} at iteration {self.iteration} ({self.consumed_samples} samples consumed)")
+        elif run.pretrained_dir is not None:
+            ckpt.load_checkpoint(run.pretrained_dir, self.model, restore_rng=False)
+            self.print(f"initialised from the weights of {run.pretrained_dir} (fresh optimizer, iteration 0)")
         self._build_data_iterators()
         self.metrics = self._metrics_logger()
         self.exit_signal.install()
@@ -147,10 +150,11 @@ class Trainer:
         self.data = setup_data(self.cfg.data)
         vocab = self.cfg.model.vocab_size or self.data.tokenizer.vocab_size
         self.cfg = replace(self.cfg, model=replace(self.cfg.model, vocab_size=vocab))
-        if self.run.load_meta is not None:
-            saved_vocab = self.run.load_meta.get("model", {}).get("vocab_size")
+        source_meta = self.run.load_meta or (ckpt.read_meta(self.run.pretrained_dir) if self.run.pretrained_dir else None)
+        if source_meta is not None:
+            saved_vocab = source_meta.get("model", {}).get("vocab_size")
             if saved_vocab is not None and saved_vocab != vocab:
-                raise ConfigError(f"--load: the checkpoint's vocabulary is {saved_vocab}, this run's tokenizer has {vocab}; pass the same --tokenizer-model")
+                raise ConfigError(f"--load/--pretrained: the checkpoint's vocabulary is {saved_vocab}, this run's tokenizer has {vocab}; pass the same --tokenizer-model")
 
     def _write_run_dir(self) -> None:
         if self.dims.is_logging_rank:

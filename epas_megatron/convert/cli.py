@@ -1,0 +1,167 @@
+"""``epas-convert``: Hugging Face LLaMA <-> epas-megatron distributed checkpoints.
+
+    epas-convert hf-import --hf-dir TinyLlama-1.1B --output ckpts/tinyllama
+    epas-train --preset 1b --pretrained ckpts/tinyllama --tokenizer-model ckpts/tinyllama/tokenizer.model \\
+               --data data/corpus --epas-target-layers 5 ...          # continual pretraining with EPAS
+    epas-convert hf-export --load runs/x/checkpoints --output hf/x       # any sharing region -> plain LLaMA
+
+Both run as one process (whole tensors, TP=1/PP=1); the checkpoint then loads into any layout.
+Import checks what the architecture supports (no RoPE scaling, no biases, SiLU). The vocabulary
+is padded to a multiple of 128 inside the checkpoint and cut back on export. A ``tokenizer.model``
+found next to the weights is copied along. Needs ``transformers`` (``pip install .[hf]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional, Sequence
+
+from epas_megatron.errors import ConfigError
+
+
+def _model_config_from_hf(hf_config):
+    from epas_megatron.config.schema import ModelConfig
+
+    rope = getattr(hf_config, "rope_scaling", None) or getattr(hf_config, "rope_parameters", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ConfigError(f"--hf-dir: RoPE scaling {rope} is not supported (plain RoPE only)")
+    rope_theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
+        raise ConfigError("--hf-dir: attention/MLP biases are not supported (LLaMA has none)")
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ConfigError(f"--hf-dir: activation {hf_config.hidden_act!r} is not SwiGLU/SiLU")
+    return ModelConfig(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+        ffn_hidden_size=hf_config.intermediate_size,
+        vocab_size=hf_config.vocab_size,
+        max_position_embeddings=hf_config.max_position_embeddings,
+        rotary_base=int(rope_theta),
+        norm_epsilon=hf_config.rms_norm_eps,
+        untie_embeddings_and_output_weights=not hf_config.tie_word_embeddings,
+        transformer_impl="local",
+    )
+
+
+def _shape(model_cfg):
+    from epas_megatron.convert.hf_llama import LlamaShape
+
+    return LlamaShape(model_cfg.num_layers, model_cfg.num_attention_heads, model_cfg.num_query_groups,
+                      model_cfg.hidden_size // model_cfg.num_attention_heads, model_cfg.vocab_size)
+
+
+def hf_import(hf_dir: Path, output: Path) -> Path:
+    """Hugging Face directory -> checkpoint root with iteration 0 (model weights only)."""
+    import torch
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from epas_megatron.checkpointing.checkpoint import save_checkpoint
+    from epas_megatron.config.cli import to_dict
+    from epas_megatron.config.schema import RunConfig
+    from epas_megatron.config.validation import _model_shape_of
+    from epas_megatron.convert.hf_llama import hf_to_megatron
+    from epas_megatron.model.builder import architecture_from_config, build_model_chunks, make_transformer_config
+    from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
+
+    model_cfg = _model_config_from_hf(AutoConfig.from_pretrained(hf_dir))
+    hf_state = LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).state_dict()
+    tokenizer = hf_dir / "tokenizer.model"
+    cfg = replace(RunConfig(), model=model_cfg)
+    cfg = replace(cfg, training=replace(cfg.training, seq_length=model_cfg.max_position_embeddings))
+    init_distributed(1, 1, None, seed=0)
+    try:
+        arch = architecture_from_config(model_cfg)
+        model = build_model_chunks(make_transformer_config(arch), arch, ())[0]
+        model.load_state_dict(hf_to_megatron(hf_state, _shape(model_cfg), arch.vocab_size), strict=False)
+        output.mkdir(parents=True, exist_ok=True)
+        if tokenizer.is_file():
+            shutil.copy(tokenizer, output / "tokenizer.model")
+        meta = {
+            "model": _model_shape_of(cfg),
+            "config": to_dict(cfg),
+            "sharing_layers": [],
+            "tokenizer_model": str(output / "tokenizer.model") if tokenizer.is_file() else None,
+            "imported_from": str(hf_dir),
+        }
+        return save_checkpoint(output, 0, [model], None, None, {"iteration": 0}, meta)
+    finally:
+        destroy_distributed()
+
+
+def hf_export(load: Path, output: Path) -> Path:
+    """Checkpoint (any sharing region) -> Hugging Face LlamaForCausalLM directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from epas_megatron.checkpointing.checkpoint import load_checkpoint, read_meta, resolve_checkpoint
+    from epas_megatron.config.cli import from_dict
+    from epas_megatron.convert.hf_llama import hf_config_kwargs, megatron_to_hf, strip_extra_state
+    from epas_megatron.model.builder import architecture_from_config, build_model_chunks, make_transformer_config
+    from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
+
+    checkpoint = resolve_checkpoint(load) if load.exists() else None
+    if checkpoint is None:
+        raise ConfigError(f"--load {load}: no checkpoint there")
+    meta = read_meta(checkpoint)
+    if "config" not in meta:
+        raise ConfigError(f"--load {load}: checkpoint metadata has no run config")
+    cfg = from_dict(meta["config"])
+    m = cfg.model
+    init_distributed(1, 1, None, seed=0)
+    try:
+        arch = architecture_from_config(m)
+        model = build_model_chunks(make_transformer_config(arch), arch, tuple(meta.get("sharing_layers", [])),
+                                   share=meta.get("epas_share", "qk"))[0]
+        load_checkpoint(checkpoint, [model], restore_rng=False)
+        hf_state = megatron_to_hf(strip_extra_state(model.state_dict()), _shape(m))
+    finally:
+        destroy_distributed()
+    config = LlamaConfig(**hf_config_kwargs(m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups,
+                                            m.ffn_hidden_size, m.vocab_size, m.max_position_embeddings, m.rotary_base,
+                                            m.norm_epsilon, not m.untie_embeddings_and_output_weights))
+    hf = LlamaForCausalLM(config)
+    hf.load_state_dict(hf_state, strict=not config.tie_word_embeddings)
+    output.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(output, safe_serialization=True)
+    tokenizer = meta.get("tokenizer_model")
+    if tokenizer and Path(tokenizer).is_file():
+        shutil.copy(tokenizer, output / "tokenizer.model")
+    return output
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from epas_megatron.runtime.quiet import quiet_library_noise
+
+    quiet_library_noise()
+    parser = argparse.ArgumentParser(prog="epas-convert", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    imp = commands.add_parser("hf-import", help="Hugging Face LLaMA directory -> checkpoint (iteration 0)")
+    imp.add_argument("--hf-dir", required=True, type=Path, help="directory with config.json and weights")
+    imp.add_argument("--output", required=True, type=Path, help="checkpoint root to create")
+    exp = commands.add_parser("hf-export", help="checkpoint -> Hugging Face LLaMA directory")
+    exp.add_argument("--load", required=True, type=Path, help="checkpoint root or iter_ directory")
+    exp.add_argument("--output", required=True, type=Path, help="directory to write")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "hf-import":
+            if not (args.hf_dir / "config.json").is_file():
+                raise ConfigError(f"--hf-dir {args.hf_dir}: no config.json")
+            if args.output.exists() and any(args.output.iterdir()):
+                raise ConfigError(f"--output {args.output} is not empty")
+            path = hf_import(args.hf_dir, args.output)
+        else:
+            path = hf_export(args.load, args.output)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return ConfigError.exit_code
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
