@@ -42,3 +42,21 @@ def test_parallel_run_matches_single_process(name, reference, tmp_path):
     assert [s["sharing_layers"] for s in run.switches] == [[3], [2, 3]]
     assert_close(run.losses, reference.losses, 1e-5, f"{name} loss")
     assert_close(run.grad_norms, reference.grad_norms, 1e-5, f"{name} grad norm")
+
+
+@pytest.mark.parametrize("recompute", [["--recompute", "full", "--recompute-num-layers", "1"],
+                                       ["--recompute", "full", "--recompute-method", "block", "--recompute-num-layers", "3"],
+                                       ["--recompute", "selective"]],
+                         ids=["full_uniform_1", "full_block_3", "selective"])
+def test_activation_recompute_matches(recompute, reference, tmp_path):
+    """Recompute groups that split the source from its sharing layers replay the same hand-off."""
+    run = run_trainer([*ARGS, *recompute], tmp_path / "run")
+    assert_close(run.losses, reference.losses, 1e-6, "recompute loss")
+    assert_close(run.grad_norms, reference.grad_norms, 1e-6, "recompute grad norm")
+
+
+def test_pipeline_with_full_recompute(reference, tmp_path):
+    run = run_trainer([*ARGS, "--pp", "2", "--epas-rebalance", "off", "--recompute", "full", "--recompute-num-layers", "1"],
+                      tmp_path / "run", nproc=2)
+    assert_close(run.losses, reference.losses, 1e-5, "pp2 recompute loss")
+    assert_close(run.grad_norms, reference.grad_norms, 1e-5, "pp2 recompute grad norm")
