@@ -1,0 +1,42 @@
+"""The README's commands: the main job (shortened by flags) trains with EPAS switching, and its
+loss falls; the test command is what .ci/run runs."""
+
+import re
+import shlex
+
+from epas_testing import REPO, run_trainer
+
+
+def readme_commands() -> list[str]:
+    text = (REPO / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    return [line.strip() for block in blocks[:2] for line in block.strip().splitlines()]
+
+
+def test_ci_runs_the_readme_test_command():
+    test_command = readme_commands()[1]
+    assert test_command.startswith("bash tools/setup_env.sh && ")
+    assert test_command in (REPO / ".ci" / "run").read_text()
+
+
+def test_main_command_trains_with_epas_switches_and_loss_falls(tmp_path):
+    main_command = readme_commands()[0]
+    setup, train = [part.strip() for part in main_command.split("&&")]
+    assert setup == "bash tools/setup_env.sh"
+    argv = shlex.split(train)
+    assert argv[0].endswith("epas-train")
+    args = [a for a in argv[1:]]
+    out_flag = args.index("--output-dir")
+    del args[out_flag:out_flag + 2]
+    shorten = ["--train-iters", "24", "--seq-length", "64", "--global-batch-size", "4", "--micro-batch-size", "4",
+               "--lr-warmup-iters", "2", "--epas-interval", "4", "--eval-interval", "12", "--log-interval", "1",
+               "--save-interval", "24"]
+    run = run_trainer([*args, *shorten], tmp_path / "demo")
+    # The demo config has EPAS on: 4 of the small model's 8 layers switch, one every 4 iterations here.
+    assert [s["sharing_layers"] for s in run.switches] == [[7], [6, 7], [5, 6, 7], [4, 5, 6, 7]]
+    assert "EPAS switch at iteration 4: sharing layers [7]" in run.stdout
+    assert "EPAS schedule" in run.stdout
+    losses = run.losses
+    first, last = sum(losses[i] for i in range(1, 5)) / 4, sum(losses[i] for i in range(21, 25)) / 4
+    assert last < first - 0.5, (first, last)
+    assert run.summary["iterations"] == 24 and run.summary["final_valid_lm_loss"] is not None
