@@ -103,6 +103,7 @@ def get_preset(name: str) -> Preset:
         ) from None
 
 
-def default_ffn_hidden_size(hidden_size: int) -> int:
-    """LLaMA's SwiGLU width: 8/3 of the hidden size, rounded up to a multiple of 64."""
-    return ((8 * hidden_size // 3) + 63) // 64 * 64
+def default_ffn_hidden_size(hidden_size: int, multiple_of: int = 256) -> int:
+    """LLaMA's SwiGLU width: 8/3 of the hidden size rounded up to a multiple of 256 (4096 ->
+    11008, 2048 -> 5632, 768 -> 2048)."""
+    return -(-(8 * hidden_size // 3) // multiple_of) * multiple_of

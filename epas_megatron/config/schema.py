@@ -35,7 +35,7 @@ class ModelConfig:
     """Number of key/value heads (GQA). Default: equal to --num-attention-heads (MHA)."""
 
     ffn_hidden_size: Optional[int] = None
-    """SwiGLU inner size. Default: 8/3 * hidden rounded up to a multiple of 64."""
+    """SwiGLU inner size. Default: 8/3 * hidden rounded up to a multiple of 256 (LLaMA)."""
 
     vocab_size: Optional[int] = None
     """Vocabulary size. Default: the tokenizer's."""

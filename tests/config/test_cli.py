@@ -1,0 +1,59 @@
+"""Flags, YAML and presets combine with precedence defaults < preset < YAML < flags."""
+
+import pytest
+
+from epas_megatron.config.cli import build_parser, dump_yaml, from_dict, parse_config, to_dict
+from epas_megatron.config.presets import PRESETS, default_ffn_hidden_size
+from epas_megatron.errors import ConfigError
+
+
+def test_every_field_is_a_flag_with_help():
+    parser = build_parser()
+    flags = {a.option_strings[0]: a.help for a in parser._actions if a.option_strings}
+    for flag in ("--train-iters", "--micro-batch-size", "--global-batch-size", "--seq-length", "--tp", "--pp", "--vpp",
+                 "--lr", "--data", "--output-dir", "--save-interval", "--load", "--seed", "--wandb",
+                 "--epas-interval", "--epas-growth", "--epas-target-layers", "--epas-share", "--epas-rebalance"):
+        assert flag in flags and flags[flag], flag
+
+
+def test_precedence(tmp_path):
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("model:\n  preset: small\n  hidden_size: 512\ntraining:\n  lr: 0.01\n  train_iters: 7\n")
+    cfg = parse_config(["--config", str(yaml_file), "--lr", "0.02"])
+    assert cfg.model.hidden_size == 512          # YAML over preset
+    assert cfg.model.num_layers == PRESETS["small"].num_layers  # preset over default
+    assert cfg.training.lr == 0.02               # flag over YAML
+    assert cfg.training.train_iters == 7
+    assert cfg.training.micro_batch_size == 8    # preset's training default
+
+
+def test_flat_yaml_keys_and_round_trip(tmp_path):
+    yaml_file = tmp_path / "flat.yaml"
+    yaml_file.write_text("tp: 2\nepas_target_layers: '0.5'\ndata: [a, b]\n")
+    cfg = parse_config(["--config", str(yaml_file)])
+    assert cfg.parallel.tp == 2 and cfg.epas.epas_target_layers == "0.5" and cfg.data.data == ["a", "b"]
+    assert from_dict(to_dict(cfg)) == cfg
+    assert "epas_target_layers: '0.5'" in dump_yaml(cfg)
+
+
+def test_bad_yaml_values_name_the_flag(tmp_path):
+    yaml_file = tmp_path / "bad.yaml"
+    yaml_file.write_text("training:\n  train_iters: many\n")
+    with pytest.raises(ConfigError, match="--train-iters expects int"):
+        parse_config(["--config", str(yaml_file)])
+    yaml_file.write_text("bogus_key: 1\n")
+    with pytest.raises(ConfigError, match="bogus_key"):
+        parse_config(["--config", str(yaml_file)])
+    with pytest.raises(ConfigError, match="no such file"):
+        parse_config(["--config", str(tmp_path / "missing.yaml")])
+
+
+def test_boolean_flags():
+    assert parse_config(["--wandb"]).logging.wandb is True
+    assert parse_config(["--no-tensorboard"]).logging.tensorboard is False
+
+
+def test_default_ffn_size_is_llama_swiglu():
+    assert default_ffn_hidden_size(4096) == 11008
+    assert default_ffn_hidden_size(768) == 2048
+    assert default_ffn_hidden_size(2048) == 5632  # TinyLLaMA
