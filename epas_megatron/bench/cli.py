@@ -1,0 +1,92 @@
+"""``epas-bench``: throughput benchmarks that print ratios measured in one run.
+
+    epas-bench train --preset small --region 4 --iters 20
+    epas-bench train --preset 125m --region 6 --iters 12 --seq-length 512 --micro-batch-size 2
+    torchrun --nproc-per-node 2 -m epas_megatron.bench.cli pipeline --preset small --region 4
+
+``train``: baseline vs EPAS with a fixed region, same model and process (see
+:mod:`epas_megatron.bench.train_bench`). ``pipeline``: PP=2 baseline vs EPAS without and with
+stage rebalancing, plus a model-predicted table for 7B on PP=4/8 (see
+:mod:`epas_megatron.bench.pipeline_bench`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from epas_megatron.errors import ConfigError
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="small", help="model preset")
+    p.add_argument("--region", type=int, default=None, help="sharing layers of the EPAS model (default: half the layers)")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per model")
+    p.add_argument("--blocks", type=int, default=4, help="alternating timed blocks per model")
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations per model first")
+    p.add_argument("--seq-length", type=int, default=None, help="default: the preset's")
+    p.add_argument("--micro-batch-size", type=int, default=None, help="default: the preset's")
+    p.add_argument("--num-microbatches", type=int, default=1, help="micro-batches per iteration")
+    p.add_argument("--share", default="qk", choices=["qk", "kv"])
+    p.add_argument("--seed", type=int, default=1234)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from epas_megatron.runtime.quiet import quiet_library_noise
+
+    quiet_library_noise()
+    parser = argparse.ArgumentParser(prog="epas-bench", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="EPAS vs baseline training throughput")
+    _common(train)
+    train.add_argument("--tp", type=int, default=1)
+    train.add_argument("--pp", type=int, default=1)
+    pipe = commands.add_parser("pipeline", help="PP=2: baseline, EPAS without and with rebalancing")
+    _common(pipe)
+    pipe.add_argument("--pp", type=int, default=2)
+    pipe.add_argument("--vpp", type=int, default=None)
+    args = parser.parse_args(argv)
+
+    from epas_megatron.config.presets import get_preset
+    from epas_megatron.runtime.distributed import destroy_distributed, init_distributed, world_size_from_env
+
+    try:
+        preset = get_preset(args.preset)
+        region = preset.num_layers // 2 if args.region is None else args.region
+        if not 0 < region < preset.num_layers:
+            raise ConfigError(f"--region must be between 1 and {preset.num_layers - 1} for the {args.preset} preset")
+        tp = getattr(args, "tp", 1)
+        if world_size_from_env() % (tp * args.pp):
+            raise ConfigError(f"--tp {tp} x --pp {args.pp} does not divide the {world_size_from_env()} processes")
+        if args.iters < args.blocks:
+            raise ConfigError("--iters must be at least --blocks")
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return ConfigError.exit_code
+    seq = args.seq_length or preset.seq_length
+    mbs = args.micro_batch_size or preset.training_defaults.get("micro_batch_size", 1)
+    dims = init_distributed(tp, args.pp, getattr(args, "vpp", None), seed=args.seed)
+    log = print if dims.is_logging_rank else (lambda *a, **k: None)
+    try:
+        if args.command == "train":
+            from epas_megatron.bench.train_bench import TrainBenchConfig, format_record, run_train_bench
+
+            cfg = TrainBenchConfig(args.preset, region, args.iters, args.blocks, args.warmup, seq, mbs,
+                                   args.num_microbatches, tp, args.pp, args.share, args.seed)
+            record = run_train_bench(cfg, log=log)
+        else:
+            from epas_megatron.bench.pipeline_bench import PipelineBenchConfig, run_pipeline_bench
+            from epas_megatron.bench.train_bench import format_record
+
+            cfg = PipelineBenchConfig(args.preset, region, args.iters, args.blocks, args.warmup, seq, mbs,
+                                      max(args.num_microbatches, 2 * args.pp), args.pp, args.vpp, args.share, args.seed)
+            record = run_pipeline_bench(cfg, log=log)
+        log(format_record(record))
+    finally:
+        destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
