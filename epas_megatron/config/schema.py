@@ -79,7 +79,7 @@ class ParallelConfig:
     layer, 'L' loss, '|' stage boundary). Default: even split (rebalanced at EPAS switches)."""
 
     sequence_parallel: bool = False
-    """Sequence parallelism (needs TP > 1 and the Transformer Engine backend)."""
+    """Sequence parallelism: norms and dropout work on a 1/TP slice of the sequence (needs TP > 1)."""
 
     use_distributed_optimizer: Optional[bool] = None
     """Shard optimizer state over data-parallel ranks. Default: on with CUDA, off on CPU (the

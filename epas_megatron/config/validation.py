@@ -185,8 +185,6 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
         backend = "transformer_engine" if cuda and _have_te() else "local"
     if backend == "transformer_engine" and not cuda:
         raise ConfigError("--transformer-impl transformer_engine needs a GPU; use --transformer-impl local on CPU")
-    if p.sequence_parallel and backend == "local":
-        raise ConfigError("--sequence-parallel needs --transformer-impl transformer_engine (the local RMSNorm has no sequence-parallel mode)")
     use_dist_opt = cuda if p.use_distributed_optimizer is None else p.use_distributed_optimizer
     if use_dist_opt and not cuda:
         raise ConfigError("--use-distributed-optimizer needs CUDA; use --no-use-distributed-optimizer on CPU")

@@ -26,7 +26,6 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
@@ -37,6 +36,7 @@ from epas_megatron.model.attention import (
     SharedAttentionSubmodules,
 )
 from epas_megatron.model.layer import EpasTransformerLayer
+from epas_megatron.model.norm import RMSNorm
 from epas_megatron.sharing.schedule import layer_modes
 
 ROLES = ("compute", "source", "share")
@@ -73,7 +73,7 @@ LOCAL = Backend(
     row_parallel_linear=RowParallelLinear,
     norm_column_parallel_linear=None,
     core_attention=DotProductAttention,
-    norm=WrappedTorchNorm,
+    norm=RMSNorm,
 )
 
 TRANSFORMER_ENGINE = Backend(

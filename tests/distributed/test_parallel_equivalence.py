@@ -1,4 +1,5 @@
-"""TP=2, PP=2 (1F1B), PP=2 x VPP=2 and DP=2 runs equal the single-process run from the same seed.
+"""TP=2 (with and without sequence parallelism), PP=2 (1F1B), PP=2 x VPP=2 and DP=2 runs equal
+the single-process run from the same seed.
 
 EPAS switching is on (layers 3, then 2-3 share from iterations 3 and 5), so this also checks that
 sharing with TP=2 equals sharing with TP=1 and that the QK hand-off crosses pipeline stages
@@ -19,6 +20,7 @@ ARGS = [*TINY, "--train-iters", "6", "--global-batch-size", "4", "--micro-batch-
 
 VARIANTS = {
     "tp2": ["--tp", "2"],
+    "tp2_sequence_parallel": ["--tp", "2", "--sequence-parallel"],
     "pp2": ["--pp", "2", "--epas-rebalance", "off"],
     "pp2_vpp2": ["--pp", "2", "--vpp", "2", "--epas-rebalance", "off"],
     "dp2_overlap_grad_reduce": ["--overlap-grad-reduce"],
