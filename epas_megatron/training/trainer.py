@@ -124,6 +124,11 @@ class Trainer:
         self.layout = self._plan_layout(self.sharing_layers)
         if run.schedule.enabled:
             self.print(run.schedule.describe(cfg.training.train_iters))
+            if run.rebalance:
+                from epas_megatron.parallel.stage_plan import describe_schedule_layouts
+
+                self.print("pipeline stages, rebalanced at every switch (predicted costs from the FLOPs model):")
+                self.print(describe_schedule_layouts(self._arch(), cfg, run.schedule))
         self.build(initialize=run.load_dir is None and run.pretrained_dir is None)
         if run.load_dir is not None:
             self._load(run.load_dir)

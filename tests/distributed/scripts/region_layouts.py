@@ -1,0 +1,80 @@
+"""Under torchrun (2 processes): one training step of an 8-layer model for every sharing-region
+size 0..7 under several pipeline layouts; prints one RESULT line per (layout, region) from rank 0.
+
+The data-parallel layout (PP=1, DP=2) is the reference: with a per-token loss over the global
+batch it computes exactly what one process computes."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from epas_megatron.runtime.distributed import init_distributed, seed_everything
+
+LAYOUTS = {
+    "pp1": dict(pp=1),
+    "pp2": dict(pp=2),
+    "pp2_vpp2": dict(pp=2, vpp=2),
+    "uneven_6_2": dict(pp=2, layout="Etttttt|ttL"),
+    "uneven_1_7": dict(pp=2, layout="Et|tttttttL"),
+    "uneven_vpp_2_3_1_2": dict(pp=2, layout="Ett|ttt|t|ttL"),
+}
+GLOBAL_BATCH, SEQ = 4, 32
+
+
+def batches(dp_rank, dp_size, vocab):
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    for i in range(GLOBAL_BATCH // dp_size):
+        t = tokens[i * dp_size + dp_rank: i * dp_size + dp_rank + 1]
+        yield {"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(1, SEQ),
+               "position_ids": torch.arange(SEQ).unsqueeze(0)}
+
+
+def main():
+    from megatron.core import parallel_state
+
+    from epas_megatron.model.builder import (LlamaArchitecture, build_model_chunks, make_transformer_config,
+                                             pipeline_handoff_rows)
+    from epas_megatron.model.specs import layer_roles
+    from epas_megatron.sharing.schedule import region_layers
+    from epas_megatron.training.optimizer import OptimizerSettings, build_optimizer, build_scheduler, wrap_ddp
+    from epas_megatron.training.step import train_step
+
+    only = sys.argv[1:] or list(LAYOUTS)
+    arch = LlamaArchitecture(8, 64, 4, 2, 176, 256, SEQ, init_method_std=0.2)
+    settings = OptimizerSettings(lr=1e-3, min_lr=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+                                 clip_grad=0.0, bf16=False, use_distributed_optimizer=False, overlap_grad_reduce=False,
+                                 warmup_iters=0, decay_iters=10, decay_style="constant")
+    init_distributed(1, 1, None, seed=0)
+    for name in only:
+        spec = LAYOUTS[name]
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=1, pipeline_model_parallel_size=spec["pp"],
+            virtual_pipeline_model_parallel_size=spec.get("vpp") or (2 if spec.get("layout", "").count("|") == 3 else None))
+        seed_everything(0)
+        dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+        for region in range(8):
+            sharing = region_layers(8, region)
+            config = make_transformer_config(arch, pp=spec["pp"], vpp=spec.get("vpp"), pipeline_layout=spec.get("layout"))
+            chunks = build_model_chunks(config, arch, sharing, seed=7)
+            hidden_rows, total_rows, seq = pipeline_handoff_rows(config, layer_roles(8, sharing), SEQ, "qk")
+            for chunk in chunks:
+                chunk.decoder.set_p2p_rows(hidden_rows, total_rows)
+            model = wrap_ddp(chunks, config, settings)
+            optimizer = build_optimizer(model, settings)
+            scheduler = build_scheduler(optimizer, settings)
+            iterators = [batches(dp_rank, dp, arch.vocab_size) for _ in model]
+            result = train_step(model, optimizer, scheduler, iterators, num_microbatches=GLOBAL_BATCH // dp,
+                                seq_length=seq, micro_batch_size=1)
+            if dist.get_rank() == 0:
+                print("RESULT " + json.dumps({"layout": name, "region": region, "loss": result.lm_loss,
+                                              "grad_norm": result.grad_norm, "p2p_rows": total_rows}), flush=True)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
