@@ -140,6 +140,14 @@ def sharded_state(model_chunks: Sequence[torch.nn.Module], optimizer, scheduler,
     return state
 
 
+def optimizer_has_state(optimizer) -> bool:
+    """Whether any parameter has optimizer state yet (none before the first step)."""
+    if optimizer is None:
+        return False
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return any(len(getattr(getattr(o, "optimizer", o), "state", {})) > 0 for o in parts)
+
+
 def _unwrap(module):
     while hasattr(module, "module"):
         module = module.module
@@ -170,11 +178,13 @@ def save_checkpoint(
             shutil.rmtree(target)
         target.mkdir()
     _barrier()
-    state = sharded_state(model_chunks, optimizer, scheduler, train_state, loading=False, with_optimizer=optimizer is not None)
+    with_optimizer = optimizer_has_state(optimizer)
+    state = sharded_state(model_chunks, optimizer, scheduler, train_state, loading=False, with_optimizer=with_optimizer)
     dist_checkpointing.save(state, str(target))
     _barrier()
     if _rank0():
-        (target / META).write_text(json.dumps({**meta, "iteration": iteration}, indent=1, sort_keys=True))
+        record = {**meta, "iteration": iteration, "has_optimizer_state": with_optimizer}
+        (target / META).write_text(json.dumps(record, indent=1, sort_keys=True))
         tmp = root / (POINTER + ".tmp")
         tmp.write_text(str(iteration))
         os.replace(tmp, root / POINTER)
@@ -209,7 +219,8 @@ def load_checkpoint(
     """
     from megatron.core import dist_checkpointing
 
-    with_optimizer = optimizer is not None
+    # Before the first optimizer step there is no optimizer state to restore (fresh == saved).
+    with_optimizer = optimizer is not None and read_meta(checkpoint_dir).get("has_optimizer_state", True)
     state = sharded_state(model_chunks, optimizer, scheduler, {}, loading=True, with_optimizer=with_optimizer, with_rng=restore_rng)
     if not with_optimizer:
         state.pop("opt_param_scheduler", None)

@@ -1,0 +1,64 @@
+"""Switches with stage rebalancing on PP=2 follow the PP=1 run at every iteration, the layout in
+metrics.jsonl changes at the switches as planned, and a run resumes after a re-layout with the
+same or a different PP size."""
+
+import pytest
+
+from epas_testing import assert_close, run_trainer
+from epas_megatron.model.builder import LlamaArchitecture
+from epas_megatron.parallel.stage_plan import flops_layer_costs, plan_for_region
+
+pytestmark = pytest.mark.distributed
+
+# A shape where attention projections dominate (ffn 64), so sharing moves the balance: the
+# planner puts 5|3 layers at region 0 (LM head on the last stage), 4|4 from region 2, 5|3 at 7.
+SHAPE = ["--num-layers", "8", "--hidden-size", "128", "--num-attention-heads", "4", "--num-query-groups", "4",
+         "--ffn-hidden-size", "64", "--default-vocab-size", "1024", "--seq-length", "64"]
+ARGS = ["--eval-interval", "0", "--no-tensorboard", "--log-interval", "1", *SHAPE, "--train-iters", "9",
+        "--global-batch-size", "4", "--micro-batch-size", "1", "--epas-target-layers", "7", "--epas-interval", "1",
+        "--seed", "11", "--init-method-std", "0.1", "--save-interval", "3", "--keep-last", "0"]
+
+
+def planned_layouts(max_region=7):
+    """The planner's layout per region, each breaking ties toward the previous one (as the
+    trainer asks it at every switch)."""
+    costs = flops_layer_costs(LlamaArchitecture(8, 128, 4, 4, 64, 1024, 64), 64)
+    layouts, previous = {}, None
+    for region in range(max_region + 1):
+        previous = plan_for_region(costs, 8, 2, None, tuple(range(8 - region, 8)), previous).to_layout_string()
+        layouts[region] = previous
+    return layouts
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("rebalance")
+    single = run_trainer(ARGS, base / "pp1")
+    pp2 = run_trainer([*ARGS, "--pp", "2", "--epas-rebalance", "on"], base / "pp2", nproc=2)
+    return single, pp2
+
+
+def test_rebalanced_pp2_matches_pp1_every_iteration(runs):
+    single, pp2 = runs
+    assert_close(pp2.losses, single.losses, 1e-5, "loss")
+    assert_close(pp2.grad_norms, single.grad_norms, 1e-5, "grad norm")
+
+
+def test_layout_changes_at_switches_as_planned(runs):
+    _, pp2 = runs
+    planned = planned_layouts()
+    layouts = {r["iteration"]: r["layout"] for r in pp2.train_records}
+    assert layouts == {it: planned[min(it, 7)] for it in range(1, 10)}
+    assert len(set(layouts.values())) >= 2  # the plan does move layers
+    switch_layouts = {s["iteration"]: s["layout"] for s in pp2.switches}
+    assert switch_layouts == {it: planned[it] for it in range(1, 8)}
+    assert "pipeline stages, rebalanced at every switch" in pp2.stdout
+
+
+@pytest.mark.parametrize("nproc,extra", [(2, ["--pp", "2", "--epas-rebalance", "on"]), (1, [])], ids=["pp2", "pp1"])
+def test_resume_after_a_relayout(runs, tmp_path, nproc, extra):
+    single, pp2 = runs
+    ckpt = pp2.output_dir / "checkpoints" / "iter_0000003"  # taken after the re-layout at 2
+    run = run_trainer([*ARGS, *extra, "--load", str(ckpt)], tmp_path / "resumed", nproc=nproc)
+    expected = {k: v for k, v in single.losses.items() if k > 3}
+    assert_close(run.losses, expected, 1e-5, "resumed loss")
