@@ -1,0 +1,232 @@
+"""``epas-bench pipeline``: what stage rebalancing buys EPAS under pipeline parallelism.
+
+Run under torchrun with PP ranks (CPU: ``torchrun --nproc-per-node 2``). In one process group,
+from the same weights and synthetic tokens, it times (alternating blocks, medians):
+
+* ``baseline``: no sharing, Megatron's even split;
+* ``epas_norebalance``: the deepest ``--region`` layers share, even split kept;
+* ``epas_rebalanced``: the same region, layers re-partitioned by the planner;
+* ``pp1``: baseline and EPAS with PP=1 (data parallel over the same ranks), the gain that
+  rebalancing tries to keep under PP.
+
+It also times each stage's compute alone (forward + backward of the rank's chunk on synthetic
+input, no communication) for every variant, and prints the cost model's prediction for 7B on
+PP=4 and PP=8 (half the layers sharing) with and without rebalancing. Last line:
+``BENCH {json}`` with ``baseline_tokens_per_s``, ``epas_norebalance_tokens_per_s``,
+``epas_rebalanced_tokens_per_s``, the PP=1 numbers, and ``rebalanced_gain_retained`` = (PP
+rebalanced gain - 1) / (PP=1 gain - 1).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class PipelineBenchConfig:
+    """What to measure."""
+
+    preset: str
+    """Model preset."""
+
+    region: int
+    """Sharing layers of the EPAS variants."""
+
+    iters: int
+    """Timed iterations per variant."""
+
+    blocks: int
+    """Alternating timed blocks."""
+
+    warmup: int
+    """Untimed iterations per variant first."""
+
+    seq_length: int
+    """Sequence length."""
+
+    micro_batch_size: int
+    """Micro-batch size."""
+
+    num_microbatches: int
+    """Micro-batches per iteration (>= 2 x PP keeps the pipeline full)."""
+
+    pp: int
+    """Pipeline ranks."""
+
+    vpp: Optional[int] = None
+    """Virtual stages per rank."""
+
+    share: str = "qk"
+    """'qk' or 'kv'."""
+
+    seed: int = 1234
+    """Initialisation seed."""
+
+
+def _variant(cfg, arch, sharing, layout, pp, vpp):
+    from epas_megatron.bench.train_bench import _Synthetic
+    from epas_megatron.model.builder import build_model_chunks, make_transformer_config, pipeline_handoff_rows
+    from epas_megatron.model.specs import layer_roles
+    from epas_megatron.training.optimizer import OptimizerSettings, build_optimizer, build_scheduler, wrap_ddp
+
+    config = make_transformer_config(arch, pp=pp, vpp=vpp if layout is None else None, pipeline_layout=layout)
+    chunks = build_model_chunks(config, arch, sharing, share=cfg.share, seed=cfg.seed)
+    hidden_rows, total_rows, seq = pipeline_handoff_rows(config, layer_roles(arch.num_layers, sharing), cfg.seq_length, cfg.share)
+    for chunk in chunks:
+        chunk.decoder.set_p2p_rows(hidden_rows, total_rows)
+    settings = OptimizerSettings(lr=1e-4, min_lr=1e-5, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+                                 clip_grad=1.0, bf16=False, use_distributed_optimizer=False, overlap_grad_reduce=False,
+                                 warmup_iters=1, decay_iters=10**6, decay_style="constant")
+    model = wrap_ddp(chunks, config, settings)
+    optimizer = build_optimizer(model, settings)
+    data = [_Synthetic(arch.vocab_size, cfg.seq_length, cfg.micro_batch_size, cfg.seed + 1) for _ in model]
+    return {"model": model, "optimizer": optimizer, "scheduler": build_scheduler(optimizer, settings), "seq": seq,
+            "data": data, "rows": (hidden_rows, total_rows), "layout": layout, "config": config}
+
+
+def _iteration(state, num_microbatches, mbs):
+    from epas_megatron.training.step import train_step
+
+    train_step(state["model"], state["optimizer"], state["scheduler"], state["data"],
+               num_microbatches=num_microbatches, seq_length=state["seq"], micro_batch_size=mbs)
+
+
+def _stage_compute_seconds(state, cfg, arch, repeats: int = 3) -> float:
+    """Forward + backward of this rank's chunks alone on synthetic input (no communication)."""
+    from epas_megatron.checkpointing.checkpoint import _unwrap
+
+    total = 0.0
+    for chunk, data in zip(state["model"], state["data"]):
+        module = _unwrap(chunk)
+        hidden_rows, total_rows = state["rows"]
+        times = []
+        for _ in range(repeats + 1):
+            batch = next(data)
+            if not module.pre_process:
+                module.set_input_tensor(torch.randn(total_rows, cfg.micro_batch_size, arch.hidden_size, requires_grad=True))
+            t0 = time.perf_counter()
+            out = module(batch["tokens"], batch["position_ids"], None, labels=batch["labels"] if module.post_process else None)
+            out.backward(torch.ones_like(out) if module.post_process else torch.randn_like(out))
+            times.append(time.perf_counter() - t0)
+            module.zero_grad(set_to_none=True)
+            chunk.zero_grad_buffer()
+        total += statistics.median(times[1:])
+    return total
+
+
+def _predicted_7b_table(log) -> list[dict]:
+    from epas_megatron.config.presets import get_preset
+    from epas_megatron.model.builder import LlamaArchitecture
+    from epas_megatron.parallel.planner import predict_pipeline_speedup
+    from epas_megatron.parallel.stage_plan import flops_layer_costs
+
+    p7 = get_preset("7b")
+    arch = LlamaArchitecture(p7.num_layers, p7.hidden_size, p7.num_attention_heads, p7.num_query_groups,
+                             p7.ffn_hidden_size, p7.vocab_size, p7.seq_length)
+    costs = flops_layer_costs(arch, p7.seq_length)
+    rows = []
+    log("predicted for 7b (32 layers, seq 2048), 16 sharing layers, bottleneck model:")
+    log("| PP | EPAS gain, even split | EPAS gain, rebalanced | rebalancing alone (no EPAS) | total-FLOP ratio |")
+    log("|---|---|---|---|---|")
+    for pp in (4, 8):
+        s = predict_pipeline_speedup(costs, arch.num_layers, pp, 1, 16)
+        rows.append({"pp": pp, "gain_even_split": s.speedup_without_rebalancing, "gain_rebalanced": s.speedup_with_rebalancing,
+                     "gain_rebalancing_only": s.baseline_bottleneck / s.baseline_rebalanced_bottleneck, "ideal": s.ideal_speedup})
+        log(f"| {pp} | {s.speedup_without_rebalancing:.4f} | {s.speedup_with_rebalancing:.4f} | "
+            f"{s.baseline_bottleneck / s.baseline_rebalanced_bottleneck:.4f} | {s.ideal_speedup:.4f} |")
+    log("(gains above the total-FLOP ratio come from the baseline's imbalance: the LM head makes the "
+        "last stage the slowest, and the cheaper sharing layers there relieve it)")
+    return rows
+
+
+def run_pipeline_bench(cfg: PipelineBenchConfig, log=print) -> dict:
+    """Measure the variants (inside a process group of PP ranks x DP); returns the BENCH record."""
+    from megatron.core import parallel_state
+
+    from epas_megatron.config.presets import get_preset
+    from epas_megatron.model.builder import LlamaArchitecture, padded_vocab_size
+    from epas_megatron.parallel.stage_plan import flops_layer_costs, plan_for_region
+    from epas_megatron.runtime.distributed import seed_everything
+    from epas_megatron.sharing.schedule import region_layers
+
+    preset = get_preset(cfg.preset)
+    arch = LlamaArchitecture(preset.num_layers, preset.hidden_size, preset.num_attention_heads, preset.num_query_groups,
+                             preset.ffn_hidden_size, padded_vocab_size(preset.vocab_size or 8192),
+                             max(cfg.seq_length, preset.seq_length))
+    sharing = region_layers(arch.num_layers, cfg.region, flag="--region")
+    costs = flops_layer_costs(arch, cfg.seq_length, cfg.share)
+    rebalanced = plan_for_region(costs, arch.num_layers, cfg.pp, cfg.vpp, sharing).to_layout_string()
+    world = dist.get_world_size()
+    tokens = cfg.seq_length * cfg.micro_batch_size * cfg.num_microbatches * (world // cfg.pp)
+    log(f"bench pipeline: {cfg.preset}, region {cfg.region} {list(sharing)}, PP {cfg.pp}"
+        f"{f' VPP {cfg.vpp}' if cfg.vpp else ''}, {cfg.num_microbatches} micro-batches of {cfg.micro_batch_size} x seq {cfg.seq_length}; "
+        f"rebalanced layout {rebalanced}")
+    variants = {
+        "baseline": _variant(cfg, arch, (), None, cfg.pp, cfg.vpp),
+        "epas_norebalance": _variant(cfg, arch, sharing, None, cfg.pp, cfg.vpp),
+        "epas_rebalanced": _variant(cfg, arch, sharing, rebalanced, cfg.pp, cfg.vpp),
+    }
+    results = _measure(variants, cfg, tokens, log)
+    stage = {name: _stage_compute_seconds(state, cfg, arch) for name, state in variants.items()}
+    stage_all = {}
+    for name, seconds in stage.items():
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (parallel_state.get_pipeline_model_parallel_rank(), seconds))
+        stage_all[name] = {rank: s for rank, s in sorted(set(gathered))}
+    del variants
+
+    # PP=1 over the same processes (data parallel): the gain rebalancing tries to keep.
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(1, 1)
+    seed_everything(cfg.seed)
+    dp_micro = max(1, cfg.num_microbatches * cfg.pp // world)
+    pp1_cfg = PipelineBenchConfig(**{**cfg.__dict__, "num_microbatches": dp_micro, "pp": 1, "vpp": None})
+    pp1_tokens = cfg.seq_length * cfg.micro_batch_size * dp_micro * world
+    pp1 = _measure({"pp1_baseline": _variant(pp1_cfg, arch, (), None, 1, None),
+                    "pp1_epas": _variant(pp1_cfg, arch, sharing, None, 1, None)}, pp1_cfg, pp1_tokens, log)
+
+    log("per-stage compute (forward+backward of one micro-batch, seconds): " + "; ".join(
+        f"{name}: " + ", ".join(f"stage {r} {s:.4f}" for r, s in stages.items()) for name, stages in stage_all.items()))
+    predicted = _predicted_7b_table(log)
+    gain_pp1 = pp1["pp1_epas"] / pp1["pp1_baseline"]
+    gain_rebal = results["epas_rebalanced"] / results["baseline"]
+    gain_fixed = results["epas_norebalance"] / results["baseline"]
+    retained = (gain_rebal - 1) / (gain_pp1 - 1) if gain_pp1 != 1 else float("nan")
+    log(f"tokens/s: baseline {results['baseline']:.1f}, EPAS even split {results['epas_norebalance']:.1f} ({gain_fixed:.4f}x), "
+        f"EPAS rebalanced {results['epas_rebalanced']:.1f} ({gain_rebal:.4f}x); PP=1: {gain_pp1:.4f}x; "
+        f"rebalanced keeps {retained:.1%} of the PP=1 gain")
+    return {
+        "preset": cfg.preset, "region": cfg.region, "pp": cfg.pp, "vpp": cfg.vpp, "rebalanced_layout": rebalanced,
+        "baseline_tokens_per_s": results["baseline"], "epas_norebalance_tokens_per_s": results["epas_norebalance"],
+        "epas_rebalanced_tokens_per_s": results["epas_rebalanced"],
+        "pp1_baseline_tokens_per_s": pp1["pp1_baseline"], "pp1_epas_tokens_per_s": pp1["pp1_epas"],
+        "gain_norebalance": gain_fixed, "gain_rebalanced": gain_rebal, "gain_pp1": gain_pp1,
+        "rebalanced_gain_retained": retained, "stage_compute_s": stage_all, "predicted_7b": predicted,
+    }
+
+
+def _measure(variants: dict, cfg, tokens_per_iteration: int, log) -> dict:
+    """Alternating timed blocks of every variant; median tokens/s each."""
+    for state in variants.values():
+        for _ in range(cfg.warmup):
+            _iteration(state, cfg.num_microbatches, cfg.micro_batch_size)
+    per_block = max(1, cfg.iters // cfg.blocks)
+    times = {name: [] for name in variants}
+    names = list(variants)
+    for block in range(cfg.blocks):
+        order = names if block % 2 == 0 else names[::-1]
+        for name in order:
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(per_block):
+                _iteration(variants[name], cfg.num_microbatches, cfg.micro_batch_size)
+            dist.barrier()
+            times[name].append((time.perf_counter() - start) / per_block)
+        log(f"  block {block + 1}/{cfg.blocks}: " + ", ".join(f"{n} {tokens_per_iteration / times[n][-1]:.1f} tok/s" for n in names))
+    return {name: tokens_per_iteration / statistics.median(t) for name, t in times.items()}
