@@ -415,7 +415,8 @@ class Trainer:
         if t.exit_interval:
             stop_at = min(stop_at, start_iteration + t.exit_interval)
         wall_start = time.perf_counter()
-        interval_start, interval_iters, interval_time = time.perf_counter(), 0, 0.0
+        interval_iters, interval_time = 0, 0.0
+        last_step_time = None
         loss_sum, loss_count = 0.0, 0
         last_loss, last_valid = float("nan"), None
         total_train_time, timed_iters = 0.0, 0
@@ -427,11 +428,16 @@ class Trainer:
             if tuple(target) != self.sharing_layers:
                 info = self.apply_switch(target)
                 source = run.schedule.source_layer(next_iteration)
+                in_iterations = info["seconds"] / last_step_time if last_step_time else None
+                cost = f" (= {in_iterations:.1f} iterations)" if in_iterations is not None else ""
+                relayout = f"; pipeline layout {info['previous_layout']} -> {info['layout']}" if info["layout"] != info["previous_layout"] else ""
                 self.print(
                     f"EPAS switch at iteration {next_iteration}: sharing layers {list(target)} (source layer {source}); "
-                    f"rebuilt in {info['seconds']:.2f}s" + (f"; pipeline layout {info['previous_layout']} -> {info['layout']}" if info["layout"] != info["previous_layout"] else "")
+                    f"save/rebuild/load took {info['seconds']:.2f}s{cost}{relayout}"
                 )
-                self.metrics.log({"kind": "switch", "iteration": next_iteration, "sharing_layers": list(target), "source_layer": source, "layout": info["layout"], "switch_seconds": info["seconds"]}, step=next_iteration, prefix="epas")
+                self.metrics.log({"kind": "switch", "iteration": next_iteration, "sharing_layers": list(target), "source_layer": source,
+                                  "layout": info["layout"], "previous_layout": info["previous_layout"], "switch_seconds": info["seconds"],
+                                  "switch_cost_iterations": in_iterations}, step=next_iteration, prefix="epas")
             step_start = time.perf_counter()
             result = train_step(
                 self.model,
@@ -443,6 +449,7 @@ class Trainer:
                 micro_batch_size=t.micro_batch_size,
             )
             step_time = time.perf_counter() - step_start
+            last_step_time = step_time
             self.iteration = next_iteration
             self.consumed_samples += t.global_batch_size
             interval_iters += 1

@@ -57,6 +57,24 @@ def test_activation_recompute_matches(recompute, reference, tmp_path):
     assert_close(run.grad_norms, reference.grad_norms, 1e-6, "recompute grad norm")
 
 
+@pytest.fixture(scope="module")
+def kv_reference(tmp_path_factory):
+    return run_trainer([*ARGS, "--epas-share", "kv"], tmp_path_factory.mktemp("kv") / "run")
+
+
+def test_kv_variant_differs_from_qk_after_the_first_switch(kv_reference, reference):
+    assert all(kv_reference.losses[i] == reference.losses[i] for i in (1, 2))
+    assert all(kv_reference.losses[i] != reference.losses[i] for i in (4, 5, 6))
+
+
+@pytest.mark.parametrize("extra", [["--tp", "2"], ["--pp", "2", "--epas-rebalance", "off"]], ids=["tp2", "pp2"])
+def test_kv_sharing_variant_is_layout_independent(kv_reference, tmp_path, extra):
+    """--epas-share kv (own Q, source's K and V) gives the same run on any layout."""
+    run = run_trainer([*ARGS, "--epas-share", "kv", *extra], tmp_path / "run", nproc=2)
+    assert_close(run.losses, kv_reference.losses, 1e-5, "kv loss")
+    assert_close(run.grad_norms, kv_reference.grad_norms, 1e-5, "kv grad norm")
+
+
 def test_pipeline_with_full_recompute(reference, tmp_path):
     run = run_trainer([*ARGS, "--pp", "2", "--epas-rebalance", "off", "--recompute", "full", "--recompute-num-layers", "1"],
                       tmp_path / "run", nproc=2)
