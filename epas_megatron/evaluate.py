@@ -76,13 +76,7 @@ def evaluate_regions(args, checkpoint: Path, meta: dict) -> list[dict]:
     from epas_megatron.config.cli import from_dict
     from epas_megatron.data.datasets import build_data_iterator, build_gpt_datasets
     from epas_megatron.data.setup import setup_data
-    from epas_megatron.model.builder import (
-        architecture_from_config,
-        build_model_chunks,
-        make_transformer_config,
-        pipeline_handoff_rows,
-    )
-    from epas_megatron.model.specs import layer_roles
+    from epas_megatron.model.builder import architecture_from_config, build_model
     from epas_megatron.sharing.schedule import region_layers
     from epas_megatron.training.step import eval_step
 
@@ -108,11 +102,8 @@ def evaluate_regions(args, checkpoint: Path, meta: dict) -> list[dict]:
     results = []
     for region in args.region_list:
         sharing = region_layers(arch.num_layers, region, flag="--regions")
-        config = make_transformer_config(arch, tp=args.tp, pp=args.pp)
-        chunks = build_model_chunks(config, arch, sharing, share=share)
-        hidden_rows, total_rows, schedule_seq = pipeline_handoff_rows(config, layer_roles(arch.num_layers, sharing), t.seq_length, share)
-        for chunk in chunks:
-            chunk.decoder.set_p2p_rows(hidden_rows, total_rows)
+        built = build_model(arch, sharing, seq_length=t.seq_length, tp=args.tp, pp=args.pp, share=share)
+        chunks, schedule_seq = built.chunks, built.schedule_seq_length
         load_checkpoint(checkpoint, chunks, restore_rng=False)
         iterators = [build_data_iterator(valid, mbs, parallel_state.get_data_parallel_rank(), dp, 0) for _ in chunks]
         result = eval_step(chunks, iterators, num_microbatches=batch // (mbs * dp) * args.eval_iters,

@@ -69,54 +69,26 @@ class PipelineBenchConfig:
     """Initialisation seed."""
 
 
-def _variant(cfg, arch, sharing, layout, pp, vpp):
-    from epas_megatron.bench.train_bench import _Synthetic
-    from epas_megatron.model.builder import build_model_chunks, make_transformer_config, pipeline_handoff_rows
-    from epas_megatron.model.specs import layer_roles
-    from epas_megatron.training.optimizer import OptimizerSettings, build_optimizer, build_scheduler, wrap_ddp
-
-    config = make_transformer_config(arch, pp=pp, vpp=vpp if layout is None else None, pipeline_layout=layout)
-    chunks = build_model_chunks(config, arch, sharing, share=cfg.share, seed=cfg.seed)
-    hidden_rows, total_rows, seq = pipeline_handoff_rows(config, layer_roles(arch.num_layers, sharing), cfg.seq_length, cfg.share)
-    for chunk in chunks:
-        chunk.decoder.set_p2p_rows(hidden_rows, total_rows)
-    settings = OptimizerSettings(lr=1e-4, min_lr=1e-5, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
-                                 clip_grad=1.0, bf16=False, use_distributed_optimizer=False, overlap_grad_reduce=False,
-                                 warmup_iters=1, decay_iters=10**6, decay_style="constant")
-    model = wrap_ddp(chunks, config, settings)
-    optimizer = build_optimizer(model, settings)
-    data = [_Synthetic(arch.vocab_size, cfg.seq_length, cfg.micro_batch_size, cfg.seed + 1) for _ in model]
-    return {"model": model, "optimizer": optimizer, "scheduler": build_scheduler(optimizer, settings), "seq": seq,
-            "data": data, "rows": (hidden_rows, total_rows), "layout": layout, "config": config}
-
-
-def _iteration(state, num_microbatches, mbs):
-    from epas_megatron.training.step import train_step
-
-    train_step(state["model"], state["optimizer"], state["scheduler"], state["data"],
-               num_microbatches=num_microbatches, seq_length=state["seq"], micro_batch_size=mbs)
-
-
-def _stage_compute_seconds(state, cfg, arch, repeats: int = 3) -> float:
+def _stage_compute_seconds(state, hidden_size: int, repeats: int = 3) -> float:
     """Forward + backward of this rank's chunks alone on synthetic input (no communication)."""
     from epas_megatron.checkpointing.checkpoint import _unwrap
 
     total = 0.0
     for chunk, data in zip(state["model"], state["data"]):
         module = _unwrap(chunk)
-        hidden_rows, total_rows = state["rows"]
+        rows = module.decoder.p2p_rows[1] if module.decoder.p2p_rows else data.seq
         times = []
         for _ in range(repeats + 1):
             batch = next(data)
             if not module.pre_process:
-                module.set_input_tensor(torch.randn(total_rows, cfg.micro_batch_size, arch.hidden_size, requires_grad=True))
-            t0 = time.perf_counter()
+                module.set_input_tensor(torch.randn(rows, data.batch, hidden_size, requires_grad=True))
+            start = time.perf_counter()
             out = module(batch["tokens"], batch["position_ids"], None, labels=batch["labels"] if module.post_process else None)
             out.backward(torch.ones_like(out) if module.post_process else torch.randn_like(out))
-            times.append(time.perf_counter() - t0)
+            times.append(time.perf_counter() - start)
             module.zero_grad(set_to_none=True)
             chunk.zero_grad_buffer()
-        total += statistics.median(times[1:])
+        total += statistics.median(times[1:])  # the first repeat warms up
     return total
 
 
@@ -149,6 +121,7 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, log=print) -> dict:
     """Measure the variants (inside a process group of PP ranks x DP); returns the BENCH record."""
     from megatron.core import parallel_state
 
+    from epas_megatron.bench.common import alternating_throughput, training_state
     from epas_megatron.config.presets import get_preset
     from epas_megatron.model.builder import LlamaArchitecture, padded_vocab_size
     from epas_megatron.parallel.stage_plan import flops_layer_costs, plan_for_region
@@ -167,13 +140,16 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, log=print) -> dict:
     log(f"bench pipeline: {cfg.preset}, region {cfg.region} {list(sharing)}, PP {cfg.pp}"
         f"{f' VPP {cfg.vpp}' if cfg.vpp else ''}, {cfg.num_microbatches} micro-batches of {cfg.micro_batch_size} x seq {cfg.seq_length}; "
         f"rebalanced layout {rebalanced}")
+    timing = dict(iters=cfg.iters, blocks=cfg.blocks, warmup=cfg.warmup, log=log)
+    common = dict(seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size, seed=cfg.seed, share=cfg.share)
+    pipelined = dict(common, num_microbatches=cfg.num_microbatches, pp=cfg.pp, vpp=cfg.vpp)
     variants = {
-        "baseline": _variant(cfg, arch, (), None, cfg.pp, cfg.vpp),
-        "epas_norebalance": _variant(cfg, arch, sharing, None, cfg.pp, cfg.vpp),
-        "epas_rebalanced": _variant(cfg, arch, sharing, rebalanced, cfg.pp, cfg.vpp),
+        "baseline": training_state(arch, (), **pipelined),
+        "epas_norebalance": training_state(arch, sharing, **pipelined),
+        "epas_rebalanced": training_state(arch, sharing, layout=rebalanced, **pipelined),
     }
-    results = _measure(variants, cfg, tokens, log)
-    stage = {name: _stage_compute_seconds(state, cfg, arch) for name, state in variants.items()}
+    results = alternating_throughput(variants, tokens, **timing)
+    stage = {name: _stage_compute_seconds(state, arch.hidden_size) for name, state in variants.items()}
     stage_all = {}
     for name, seconds in stage.items():
         gathered = [None] * world
@@ -186,10 +162,10 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, log=print) -> dict:
     parallel_state.initialize_model_parallel(1, 1)
     seed_everything(cfg.seed)
     dp_micro = max(1, cfg.num_microbatches * cfg.pp // world)
-    pp1_cfg = PipelineBenchConfig(**{**cfg.__dict__, "num_microbatches": dp_micro, "pp": 1, "vpp": None})
     pp1_tokens = cfg.seq_length * cfg.micro_batch_size * dp_micro * world
-    pp1 = _measure({"pp1_baseline": _variant(pp1_cfg, arch, (), None, 1, None),
-                    "pp1_epas": _variant(pp1_cfg, arch, sharing, None, 1, None)}, pp1_cfg, pp1_tokens, log)
+    single = dict(common, num_microbatches=dp_micro)
+    pp1 = alternating_throughput({"pp1_baseline": training_state(arch, (), **single),
+                                  "pp1_epas": training_state(arch, sharing, **single)}, pp1_tokens, **timing)
 
     log("per-stage compute (forward+backward of one micro-batch, seconds): " + "; ".join(
         f"{name}: " + ", ".join(f"stage {r} {s:.4f}" for r, s in stages.items()) for name, stages in stage_all.items()))
@@ -209,24 +185,3 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, log=print) -> dict:
         "gain_norebalance": gain_fixed, "gain_rebalanced": gain_rebal, "gain_pp1": gain_pp1,
         "rebalanced_gain_retained": retained, "stage_compute_s": stage_all, "predicted_7b": predicted,
     }
-
-
-def _measure(variants: dict, cfg, tokens_per_iteration: int, log) -> dict:
-    """Alternating timed blocks of every variant; median tokens/s each."""
-    for state in variants.values():
-        for _ in range(cfg.warmup):
-            _iteration(state, cfg.num_microbatches, cfg.micro_batch_size)
-    per_block = max(1, cfg.iters // cfg.blocks)
-    times = {name: [] for name in variants}
-    names = list(variants)
-    for block in range(cfg.blocks):
-        order = names if block % 2 == 0 else names[::-1]
-        for name in order:
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(per_block):
-                _iteration(variants[name], cfg.num_microbatches, cfg.micro_batch_size)
-            dist.barrier()
-            times[name].append((time.perf_counter() - start) / per_block)
-        log(f"  block {block + 1}/{cfg.blocks}: " + ", ".join(f"{n} {tokens_per_iteration / times[n][-1]:.1f} tok/s" for n in names))
-    return {name: tokens_per_iteration / statistics.median(t) for name, t in times.items()}

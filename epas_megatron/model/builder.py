@@ -304,3 +304,52 @@ def build_model_chunks(
             initialize_model(model, seed, arch.init_method_std, arch.num_layers)
         chunks.append(model)
     return chunks
+
+
+@dataclass
+class BuiltModel:
+    """Model chunks of this rank plus what running them through Megatron's schedules needs."""
+
+    chunks: list
+    """This rank's model chunks (one per virtual stage)."""
+
+    config: TransformerConfig
+    """Their TransformerConfig (the schedules' hooks get installed on it)."""
+
+    schedule_seq_length: int
+    """The ``seq_length`` to give Megatron's schedules: the p2p tensor rows, which include the
+    QK hand-off while it crosses stages (see :func:`pipeline_handoff_rows`)."""
+
+
+def build_model(
+    arch: LlamaArchitecture,
+    sharing_layers: Sequence[int] = (),
+    *,
+    seq_length: int,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: Optional[int] = None,
+    pipeline_layout: Optional[str] = None,
+    sequence_parallel: bool = False,
+    bf16: bool = False,
+    recompute: str = "none",
+    recompute_method: str = "uniform",
+    recompute_num_layers: int = 1,
+    backend: str = "local",
+    share: str = "qk",
+    detach_shared: bool = False,
+    seed: Optional[int] = None,
+) -> BuiltModel:
+    """Config, chunks and p2p geometry for one sharing region and pipeline layout: the one place
+    the trainer, evaluation and benchmarks assemble a model."""
+    config = make_transformer_config(
+        arch, tp=tp, pp=pp, vpp=vpp if pipeline_layout is None else None, pipeline_layout=pipeline_layout,
+        sequence_parallel=sequence_parallel, bf16=bf16, recompute=recompute, recompute_method=recompute_method,
+        recompute_num_layers=recompute_num_layers,
+    )
+    chunks = build_model_chunks(config, arch, sharing_layers, backend=backend, share=share,
+                                detach_shared=detach_shared, seed=seed)
+    hidden_rows, total_rows, schedule_seq = pipeline_handoff_rows(config, layer_roles(arch.num_layers, sharing_layers), seq_length, share)
+    for chunk in chunks:
+        chunk.decoder.set_p2p_rows(hidden_rows, total_rows)
+    return BuiltModel(chunks, config, schedule_seq)

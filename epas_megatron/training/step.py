@@ -72,20 +72,27 @@ def _schedule_iterators(data_iterators: Sequence[Iterator]):
     return data_iterators[0] if len(data_iterators) == 1 else list(data_iterators)
 
 
-def train_step(model_chunks, optimizer, scheduler, data_iterators, *, num_microbatches: int, seq_length: int, micro_batch_size: int) -> StepResult:
-    """Forward/backward over a global batch, optimizer step, LR schedule step."""
-    for chunk in model_chunks:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    losses = get_forward_backward_func()(
+def _run_schedule(model_chunks, data_iterators, num_microbatches, seq_length, micro_batch_size, forward_only):
+    return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=_schedule_iterators(data_iterators),
         model=list(model_chunks),
         num_microbatches=num_microbatches,
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
-        forward_only=False,
+        forward_only=forward_only,
     )
+
+
+def train_step(model_chunks, optimizer, scheduler, data_iterators, *, num_microbatches: int, seq_length: int, micro_batch_size: int) -> StepResult:
+    """Forward/backward over a global batch, optimizer step, LR schedule step.
+
+    ``seq_length`` is what Megatron's schedules size p2p tensors with (see
+    ``BuiltModel.schedule_seq_length``)."""
+    for chunk in model_chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = _run_schedule(model_chunks, data_iterators, num_microbatches, seq_length, micro_batch_size, False)
     update_successful, grad_norm, _ = optimizer.step()
     scheduler.step(increment=1)
     loss, tokens = _reduce_losses(losses)
@@ -103,15 +110,7 @@ def eval_step(model_chunks, data_iterators, *, num_microbatches: int, seq_length
     for chunk in model_chunks:
         chunk.eval()
     try:
-        losses = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=_schedule_iterators(data_iterators),
-            model=list(model_chunks),
-            num_microbatches=num_microbatches,
-            seq_length=seq_length,
-            micro_batch_size=micro_batch_size,
-            forward_only=True,
-        )
+        losses = _run_schedule(model_chunks, data_iterators, num_microbatches, seq_length, micro_batch_size, True)
     finally:
         for chunk in model_chunks:
             chunk.train()

@@ -212,40 +212,31 @@ class Trainer:
 
         ``initialize=False`` skips the (layout-independent) weight initialisation when a
         checkpoint load follows."""
-        from epas_megatron.model.builder import build_model_chunks, make_transformer_config, pipeline_handoff_rows
-        from epas_megatron.model.specs import layer_roles
+        from epas_megatron.model.builder import build_model
         from epas_megatron.training.optimizer import build_optimizer, build_scheduler, wrap_ddp
 
         p = self.cfg.parallel
-        arch = self._arch()
-        self.tf_config = make_transformer_config(
-            arch,
+        built = build_model(
+            self._arch(),
+            self.sharing_layers,
+            seq_length=self.cfg.training.seq_length,
             tp=p.tp,
             pp=p.pp,
-            vpp=self._vpp() if self.layout is None else None,
+            vpp=self._vpp(),
             pipeline_layout=self.layout,
             sequence_parallel=p.sequence_parallel,
             bf16=self.run.bf16,
             recompute=p.recompute,
             recompute_method=p.recompute_method,
             recompute_num_layers=p.recompute_num_layers,
-        )
-        chunks = build_model_chunks(
-            self.tf_config,
-            arch,
-            self.sharing_layers,
             backend=self.run.backend,
             share=self.cfg.epas.epas_share,
             detach_shared=self.cfg.epas.epas_detach_shared,
             seed=self.cfg.training.seed if initialize else None,
         )
-        hidden_rows, total_rows, self.schedule_seq_length = pipeline_handoff_rows(
-            self.tf_config, layer_roles(arch.num_layers, self.sharing_layers), self.cfg.training.seq_length, self.cfg.epas.epas_share
-        )
-        for chunk in chunks:
-            chunk.decoder.set_p2p_rows(hidden_rows, total_rows)
+        self.tf_config, self.schedule_seq_length = built.config, built.schedule_seq_length
         settings = self._optimizer_settings()
-        self.model = wrap_ddp(chunks, self.tf_config, settings)
+        self.model = wrap_ddp(built.chunks, self.tf_config, settings)
         self.optimizer = build_optimizer(self.model, settings)
         self.scheduler = build_scheduler(self.optimizer, settings)
 

@@ -35,9 +35,7 @@ def batches(dp_rank, dp_size, vocab):
 def main():
     from megatron.core import parallel_state
 
-    from epas_megatron.model.builder import (LlamaArchitecture, build_model_chunks, make_transformer_config,
-                                             pipeline_handoff_rows)
-    from epas_megatron.model.specs import layer_roles
+    from epas_megatron.model.builder import LlamaArchitecture, build_model
     from epas_megatron.sharing.schedule import region_layers
     from epas_megatron.training.optimizer import OptimizerSettings, build_optimizer, build_scheduler, wrap_ddp
     from epas_megatron.training.step import train_step
@@ -58,12 +56,10 @@ def main():
         dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         for region in range(8):
             sharing = region_layers(8, region)
-            config = make_transformer_config(arch, pp=spec["pp"], vpp=spec.get("vpp"), pipeline_layout=spec.get("layout"))
-            chunks = build_model_chunks(config, arch, sharing, seed=7)
-            hidden_rows, total_rows, seq = pipeline_handoff_rows(config, layer_roles(8, sharing), SEQ, "qk")
-            for chunk in chunks:
-                chunk.decoder.set_p2p_rows(hidden_rows, total_rows)
-            model = wrap_ddp(chunks, config, settings)
+            built = build_model(arch, sharing, seq_length=SEQ, pp=spec["pp"], vpp=spec.get("vpp"),
+                                pipeline_layout=spec.get("layout"), seed=7)
+            seq = built.schedule_seq_length
+            model = wrap_ddp(built.chunks, built.config, settings)
             optimizer = build_optimizer(model, settings)
             scheduler = build_scheduler(optimizer, settings)
             iterators = [batches(dp_rank, dp, arch.vocab_size) for _ in model]
@@ -71,7 +67,7 @@ def main():
                                 seq_length=seq, micro_batch_size=1)
             if dist.get_rank() == 0:
                 print("RESULT " + json.dumps({"layout": name, "region": region, "loss": result.lm_loss,
-                                              "grad_norm": result.grad_norm, "p2p_rows": total_rows}), flush=True)
+                                              "grad_norm": result.grad_norm, "p2p_rows": seq}), flush=True)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 

@@ -1,0 +1,96 @@
+"""What both benchmarks share: a trainable model on synthetic tokens, and A/B timing.
+
+Timing on shared machines drifts by several percent between blocks (and the first block after
+warm-up is often off), so variants are timed in alternating blocks after warm-up iterations and
+each variant's throughput is the median over its blocks.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from epas_megatron.training.optimizer import OptimizerSettings
+
+BENCH_OPTIMIZER = dict(lr=1e-4, min_lr=1e-5, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+                       clip_grad=1.0, overlap_grad_reduce=False, warmup_iters=1, decay_iters=10**6, decay_style="constant")
+
+
+class SyntheticTokens:
+    """Endless micro-batches of random tokens; equal seeds give equal streams."""
+
+    def __init__(self, vocab: int, seq: int, batch: int, seed: int):
+        self.g = torch.Generator().manual_seed(seed)
+        self.vocab, self.seq, self.batch = vocab, seq, batch
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        tokens = torch.randint(0, self.vocab, (self.batch, self.seq + 1), generator=self.g)
+        return {
+            "tokens": tokens[:, :-1],
+            "labels": tokens[:, 1:],
+            "loss_mask": torch.ones(self.batch, self.seq),
+            "position_ids": torch.arange(self.seq).expand(self.batch, -1),
+        }
+
+
+def training_state(arch, sharing, *, seq_length: int, micro_batch_size: int, num_microbatches: int, seed: int,
+                   tp: int = 1, pp: int = 1, vpp=None, layout=None, share: str = "qk", backend: str = "local") -> dict:
+    """Model (built from ``seed``, so every variant starts from the same weights), DDP,
+    optimizer and one synthetic token stream per model chunk."""
+    from epas_megatron.model.builder import build_model
+    from epas_megatron.training.optimizer import build_optimizer, build_scheduler, wrap_ddp
+
+    cuda = torch.cuda.is_available()
+    built = build_model(arch, sharing, seq_length=seq_length, tp=tp, pp=pp, vpp=vpp, pipeline_layout=layout,
+                        bf16=cuda, backend=backend, share=share, seed=seed)
+    settings = OptimizerSettings(bf16=cuda, use_distributed_optimizer=cuda, **BENCH_OPTIMIZER)
+    model = wrap_ddp(built.chunks, built.config, settings)
+    optimizer = build_optimizer(model, settings)
+    return {
+        "model": model, "optimizer": optimizer, "scheduler": build_scheduler(optimizer, settings),
+        "schedule_seq": built.schedule_seq_length, "micro_batch_size": micro_batch_size,
+        "num_microbatches": num_microbatches,
+        "data": [SyntheticTokens(arch.vocab_size, seq_length, micro_batch_size, seed + 1) for _ in model],
+    }
+
+
+def run_iteration(state: dict) -> None:
+    """One training iteration of a :func:`training_state`."""
+    from epas_megatron.training.step import train_step
+
+    train_step(state["model"], state["optimizer"], state["scheduler"], state["data"],
+               num_microbatches=state["num_microbatches"], seq_length=state["schedule_seq"],
+               micro_batch_size=state["micro_batch_size"])
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def alternating_throughput(variants: dict, tokens_per_iteration: int, *, iters: int, blocks: int, warmup: int, log) -> dict:
+    """Median tokens/s of each variant over alternating timed blocks (after ``warmup`` each)."""
+    for state in variants.values():
+        for _ in range(warmup):
+            run_iteration(state)
+    per_block = max(1, iters // blocks)
+    names = list(variants)
+    times = {name: [] for name in names}
+    for block in range(blocks):
+        for name in names if block % 2 == 0 else names[::-1]:
+            _sync()
+            start = time.perf_counter()
+            for _ in range(per_block):
+                run_iteration(variants[name])
+            _sync()
+            times[name].append((time.perf_counter() - start) / per_block)
+        log(f"  block {block + 1}/{blocks}: " + ", ".join(f"{n} {tokens_per_iteration / times[n][-1]:.1f} tok/s" for n in names))
+    return {name: tokens_per_iteration / statistics.median(t) for name, t in times.items()}
