@@ -51,10 +51,10 @@ from dataclasses import dataclass
 from epas_megatron.errors import ConfigError
 from epas_megatron.parallel.cost_model import LayerCosts, costs_for_modes
 
-DEFAULT_SEARCH_BUDGET = 40_000
-"""Work units per search phase (about 10 microseconds each on one CPU core) before
-:func:`plan_layout` settles for the best layout found so far. Counted, not timed, so every rank
-that plans the same inputs gets the same layout."""
+DEFAULT_SEARCH_BUDGET = 60_000
+"""Work units per search phase (3-7 microseconds each on one CPU core, so at most about 0.4 s)
+before :func:`plan_layout` settles for the best layout found so far. Counted, not timed, so
+every rank that plans the same inputs gets the same layout."""
 
 _REL_TOL = 1e-9
 """Bottlenecks within this fraction of the total cost count as equal (tie-breaking applies)."""
@@ -583,7 +583,7 @@ class _Search:
 
     def last_round_feasible(self, i: int, sums: list[float], bound: float) -> list[int] | None:
         """Ends of a last round from layer ``i`` keeping every rank <= ``bound``, or None."""
-        self.tick(1 + self.p * (self.n - i) // 50)
+        self.tick(1 + self.p * (self.n - i) // 25)
         caps = [bound - s for s in sums]
         if min(caps) < -self.eps:
             return None
@@ -707,11 +707,12 @@ class _Search:
         """(bottleneck, ends, lower bound, proven); ends is None when no split satisfies the
         constraints (then proven is True).
 
-        A branch and bound over the blocks before the last round, run as up to two dives that
-        differ only in which block size they try first: sizes that keep the rank on course for
-        an even finish, then the largest sizes first (which finds the lopsided optima where,
-        e.g., a whole round sits in the compute layers). Either dive proves optimality if it
-        finishes; both stop at once when the incumbent meets the lower bound.
+        ``v == 2``: the pair-state dynamic program. Otherwise a branch and bound over the blocks
+        before the last round, run as up to two dives that differ only in which block size they
+        try first: sizes that keep the rank on course for an even finish, then the largest
+        sizes first (which finds the lopsided optima where, e.g., a whole round sits in the
+        compute layers). Either dive proves optimality if it finishes; both stop at once when
+        the incumbent meets the lower bound.
         """
         floor = self.lower_bound()
         best = [math.inf, None]
@@ -722,7 +723,7 @@ class _Search:
         proven = False
         if self.v == 2:
             try:
-                self.two_round_min_bottleneck(best)
+                self.two_round_min_bottleneck(best, floor)
                 proven = True
             except _SearchBudgetExceeded:
                 pass
@@ -749,10 +750,12 @@ class _Search:
         return best[0], best[1], min(floor, best[0]), proven
 
     def _dive(self, order: str, floor: float, best: list):
+        """One branch and bound, improving ``best = [bottleneck, ends]`` in place; raises
+        :class:`_SearchFinished` when it meets ``floor``."""
         p, v, n, m, P, allowed = self.p, self.v, self.n, self.m, self.P, self.allowed
         last_round = p * (v - 1)
         seen: set[tuple] = set()
-        charge = 2 + p // 2
+        charge = 2 + p
 
         def visit(k: int, i: int, sums: list[float], ends: list[int]):
             if best[0] <= floor + self.tol:
@@ -843,11 +846,14 @@ class _Search:
                 y2 += 1
         return steps
 
-    def two_round_min_bottleneck(self, best: list) -> None:
-        """Improve ``best = [bottleneck, ends]`` to the optimum (exact)."""
+    def two_round_min_bottleneck(self, best: list, floor: float) -> None:
+        """Improve ``best = [bottleneck, ends]`` to the optimum (exact); nothing is below
+        ``floor``."""
         p, n = self.p, self.n
         inf = math.inf
         for split in self._round_ends():
+            if best[0] <= floor + self.tol:
+                return
             bound = best[0] - self.tol if best[0] < inf else inf
             frontier: dict[tuple[int, int], float] = {(0, split): -inf}
             parents: list[dict] = []
@@ -856,7 +862,7 @@ class _Search:
                 parent: dict[tuple[int, int], tuple[int, int]] = {}
                 for state, worst in frontier.items():
                     steps = self._pair_steps(r, *state, split, bound)
-                    self.tick(1 + len(steps) // 3)
+                    self.tick(1 + len(steps) // 4)
                     for x2, y2, load in steps:
                         value = max(worst, load)
                         if value < reached.get((x2, y2), inf):
@@ -881,14 +887,21 @@ class _Search:
         p, n = self.p, self.n
         inf = math.inf
         best = None
-        for split in sorted(self._round_ends()):
+        # Layers between this split and an anchor's change rounds, so they move whatever else
+        # happens: visit splits by that bound and stop once it exceeds the best score.
+        def bound(split):
+            return sum(weight * abs(split - ends[p - 1]) for weight, ends in self.anchor_ends)
+
+        for split in sorted(self._round_ends(), key=lambda split: (bound(split), split)):
+            if best is not None and bound(split) > best[0]:
+                break
             # Forward: reachable pair states per rank.
             layers = [{(0, split)}]
             for r in range(p):
                 reached = set()
                 for x, y in layers[-1]:
                     steps = self._pair_steps(r, x, y, split, cap)
-                    self.tick(1 + len(steps) // 3)
+                    self.tick(1 + len(steps) // 4)
                     reached.update((x2, y2) for x2, y2, _ in steps)
                 layers.append(reached)
                 if not reached:
@@ -902,7 +915,7 @@ class _Search:
                 here: dict[tuple[int, int], float] = {}
                 for x, y in layers[r]:
                     steps = self._pair_steps(r, x, y, split, cap)
-                    self.tick(1 + len(steps) // 3)
+                    self.tick(1 + len(steps) // 4)
                     best_here, options = inf, []
                     for x2, y2, _ in steps:
                         rest = togo.get((x2, y2))
@@ -948,6 +961,8 @@ class _Search:
             fallback_score += self.moves(k, start, e)
             start = e
         fallback = (fallback_score, self.canonical(0, fallback_ends), tuple(fallback_ends))
+        if fallback_score == 0:  # it is every anchor itself: nothing else scores 0
+            return fallback[2], True
         if v == 2:
             try:
                 result = self.two_round_min_moves(cap)
@@ -959,7 +974,7 @@ class _Search:
 
         last_round = p * (v - 1)
         best = [fallback]  # best complete split seen, for running out of budget
-        charge = 2 + p // 2
+        charge = 1 + p // 2
         memo: dict[tuple, tuple] = {}
 
         def note(score, prefix, completion):
@@ -1170,9 +1185,12 @@ def sharing_spans(num_layers: int, sharing_layers: Iterable[int]) -> list[tuple[
 
 
 def _modes(num_layers: int, sharing_layers: Iterable[int]) -> list[str]:
+    """Per-layer modes: the sharing layers, the source before each run of them, compute."""
     share = set(sharing_layers)
     if any(not 0 <= layer < num_layers for layer in share):
         raise ValueError(f"sharing layers {sorted(share)} outside 0..{num_layers - 1}")
+    if 0 in share:
+        raise ValueError("layer 0 cannot share: no source layer precedes it")
     modes = ["share" if layer in share else "compute" for layer in range(num_layers)]
     for layer in range(1, num_layers):
         if modes[layer] == "share" and modes[layer - 1] == "compute":

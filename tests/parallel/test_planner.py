@@ -478,6 +478,8 @@ def test_plan_schedule_rejects_unordered_iterations_and_bad_layers():
         plan_schedule(COSTS_7B, 8, 2, 1, [(10, []), (10, [7])])
     with pytest.raises(ValueError, match="outside"):
         plan_schedule(COSTS_7B, 8, 2, 1, [(0, [8])])
+    with pytest.raises(ValueError, match="layer 0 cannot share"):
+        plan_schedule(COSTS_7B, 8, 2, 1, [(0, [0, 1])])
     with pytest.raises(ValueError, match="no source"):
         sharing_spans(8, [0, 1])
 
