@@ -263,6 +263,15 @@ class EpasConfig:
     """Re-partition pipeline stages at every switch: 'on', 'off', or 'auto' (on when PP > 1
     and no explicit --pipeline-layout)."""
 
+    epas_cost_model: str = "flops"
+    """Layer costs the rebalancing planner uses: 'flops' (sharing-aware FLOPs model) or
+    'measured' (forward times of computing layers, sharing layers and the LM head timed in the
+    running model for --epas-cost-timing-iters iterations after each rebuild; kinds not measured
+    yet keep their FLOPs cost)."""
+
+    epas_cost_timing_iters: int = 3
+    """Iterations timed after each (re)build with --epas-cost-model measured."""
+
 
 @dataclass
 class RunConfig:

@@ -28,6 +28,7 @@ _CHOICES = {
     "lr_decay_style": ("cosine", "linear", "constant"),
     "epas_share": ("qk", "kv"),
     "epas_rebalance": ("auto", "on", "off"),
+    "epas_cost_model": ("flops", "measured"),
 }
 
 

@@ -54,9 +54,14 @@ def plan_for_region(
     )
 
 
-def plan_stage_layout(arch, cfg, sharing_layers: Sequence[int], previous: Optional[str] = None) -> str:
-    """The Megatron ``pipeline_model_parallel_layout`` string for a run config and region."""
-    costs = flops_layer_costs(arch, cfg.training.seq_length, cfg.epas.epas_share)
+def plan_stage_layout(arch, cfg, sharing_layers: Sequence[int], previous: Optional[str] = None, timer=None) -> str:
+    """The Megatron ``pipeline_model_parallel_layout`` string for a run config and region.
+
+    With a :class:`~epas_megatron.parallel.layer_timing.LayerTimer` (``--epas-cost-model
+    measured``) the FLOPs costs are calibrated by its measurements (a collective call)."""
+    from epas_megatron.parallel.layer_timing import calibrated_costs
+
+    costs = calibrated_costs(flops_layer_costs(arch, cfg.training.seq_length, cfg.epas.epas_share), timer)
     layout = plan_for_region(costs, arch.num_layers, cfg.parallel.pp, cfg.parallel.vpp, sharing_layers, previous)
     return layout.to_layout_string()
 

@@ -93,6 +93,8 @@ class Trainer:
         self.metrics = None
         self.exit_signal = ExitSignal()
         self.switch_seconds: list[float] = []
+        self.layer_timer = None
+        self.timed_iterations = 0
 
     # ------------------------------------------------------------------ output
     def print(self, *args) -> None:
@@ -205,7 +207,7 @@ class Trainer:
             return self.cfg.parallel.pipeline_layout
         from epas_megatron.parallel.stage_plan import plan_stage_layout
 
-        return plan_stage_layout(self._arch(), self.cfg, sharing_layers, previous=self.layout)
+        return plan_stage_layout(self._arch(), self.cfg, sharing_layers, previous=self.layout, timer=self.layer_timer)
 
     def build(self, initialize: bool = True) -> None:
         """Model chunks, DDP, optimizer and LR schedule for the current region and layout.
@@ -239,6 +241,12 @@ class Trainer:
         self.model = wrap_ddp(built.chunks, self.tf_config, settings)
         self.optimizer = build_optimizer(self.model, settings)
         self.scheduler = build_scheduler(self.optimizer, settings)
+        if self.run.rebalance and self.cfg.epas.epas_cost_model == "measured":
+            from epas_megatron.parallel.layer_timing import LayerTimer
+
+            self.layer_timer = self.layer_timer or LayerTimer()
+            self.layer_timer.attach(self.model)
+            self.timed_iterations = 0
 
     def _optimizer_settings(self):
         from epas_megatron.training.optimizer import OptimizerSettings
@@ -441,6 +449,10 @@ class Trainer:
             )
             step_time = time.perf_counter() - step_start
             last_step_time = step_time
+            if self.layer_timer is not None and self.layer_timer.attached:
+                self.timed_iterations += 1
+                if self.timed_iterations >= self.cfg.epas.epas_cost_timing_iters:
+                    self.layer_timer.detach()
             self.iteration = next_iteration
             self.consumed_samples += t.global_batch_size
             interval_iters += 1

@@ -62,3 +62,15 @@ def test_resume_after_a_relayout(runs, tmp_path, nproc, extra):
     run = run_trainer([*ARGS, *extra, "--load", str(ckpt)], tmp_path / "resumed", nproc=nproc)
     expected = {k: v for k, v in single.losses.items() if k > 3}
     assert_close(run.losses, expected, 1e-5, "resumed loss")
+
+
+def test_measured_cost_model_rebalances_and_matches_pp1(runs, tmp_path):
+    """--epas-cost-model measured: layer forward times from the running model drive the plan;
+    the layout is whatever they say, the losses still equal PP=1."""
+    single, _ = runs
+    run = run_trainer([*ARGS, "--pp", "2", "--epas-rebalance", "on", "--epas-cost-model", "measured",
+                       "--epas-cost-timing-iters", "1", "--exit-interval", "6"],
+                      tmp_path / "measured", nproc=2)
+    expected = {k: v for k, v in single.losses.items() if k <= 6}
+    assert_close(run.losses, expected, 1e-5, "measured-cost loss")
+    assert all(record["layout"].startswith("E") and record["layout"].endswith("L") for record in run.train_records)
