@@ -35,6 +35,7 @@ from epas_megatron.errors import ConfigError
 
 POINTER = "latest_checkpointed_iteration.txt"
 META = "run_meta.json"
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
 
 def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
@@ -124,7 +125,10 @@ def sharded_state(model_chunks: Sequence[torch.nn.Module], optimizer, scheduler,
         models["model" if i == 0 else f"model{i}"] = _unwrap(chunk).sharded_state_dict()
     state: dict[str, Any] = dict(models)
     if with_optimizer and optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(models, is_loading=loading)
+        # Model-space optimizer states (one tensor per parameter, keyed like the parameter), so
+        # that they follow the parameters through TP/PP/DP changes and EPAS switches; for the
+        # distributed optimizer that is its 'fully_reshardable' format (gathered over DP).
+        state["optimizer"] = optimizer.sharded_state_dict(models, is_loading=loading, metadata=OPTIMIZER_METADATA)
         state["opt_param_scheduler"] = scheduler.state_dict()
     state["train_state"] = dict(train_state)
     if with_rng:

@@ -18,7 +18,6 @@ import time
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 KINDS = ("compute", "share", "output_layer")
 
@@ -74,15 +73,10 @@ class LayerTimer:
 
     def measured(self) -> dict[str, float]:
         """Mean forward seconds per kind over every rank that measured it (collective)."""
-        totals = torch.tensor([self.sums[k] for k in KINDS] + [float(self.counts[k]) for k in KINDS], dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(totals)
-        means = {}
-        for i, kind in enumerate(KINDS):
-            count = totals[len(KINDS) + i].item()
-            if count > 0:
-                means[kind] = totals[i].item() / count
-        return means
+        from epas_megatron.runtime.distributed import all_reduce_values
+
+        totals = all_reduce_values([self.sums[k] for k in KINDS] + [float(self.counts[k]) for k in KINDS])
+        return {kind: totals[i] / totals[len(KINDS) + i] for i, kind in enumerate(KINDS) if totals[len(KINDS) + i] > 0}
 
 
 def calibrated_costs(flops_costs, timer: Optional[LayerTimer]):

@@ -92,6 +92,19 @@ def init_distributed(tp: int, pp: int, vpp: Optional[int], seed: int, timeout_mi
     )
 
 
+def collective_device() -> torch.device:
+    """Where small tensors for collectives live: the GPU under NCCL, the CPU under gloo."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def all_reduce_values(values, op=None) -> list[float]:
+    """All-reduce a short list of numbers over the world (a no-op without a process group)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=collective_device())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
+    return tensor.cpu().tolist()
+
+
 def seed_everything(seed: int) -> None:
     """Python, NumPy and torch RNGs, plus Megatron's tensor-parallel RNG tracker.
 

@@ -14,7 +14,6 @@ from functools import partial
 from typing import Iterator, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -59,12 +58,12 @@ def _reduce_losses(losses: Sequence[dict]) -> tuple[float, int]:
     Only last-stage ranks hold losses; TP replicas hold copies, which scales sum and count alike,
     so the ratio is exact on every rank.
     """
+    from epas_megatron.runtime.distributed import all_reduce_values
+
     total = torch.zeros(2, dtype=torch.float64)
     for entry in losses:
-        total += entry["lm loss"].to(torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(total)
-    loss_sum, tokens = total.tolist()
+        total += entry["lm loss"].detach().to("cpu", torch.float64)
+    loss_sum, tokens = all_reduce_values(total.tolist())
     return loss_sum / max(tokens, 1.0), int(round(tokens))
 
 

@@ -64,10 +64,10 @@ class ExitSignal:
         self.received = signum
 
     def agreed(self) -> bool:
-        flag = torch.tensor([1 if self.received is not None else 0], dtype=torch.int32)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        from epas_megatron.runtime.distributed import all_reduce_values
+
+        (flag,) = all_reduce_values([1.0 if self.received is not None else 0.0], op=dist.ReduceOp.MAX)
+        return flag > 0
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
