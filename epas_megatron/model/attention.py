@@ -37,7 +37,6 @@ from megatron.core.transformer.attention import Attention, SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.typed_torch import apply_module
 
-from epas_megatron.sharing import handoff as qk_handoff
 
 SHARE_MODES = ("qk", "kv")
 
@@ -101,14 +100,6 @@ class _AttentionOps:
             "k": self.num_query_groups_per_partition,
             "v": self.num_query_groups_per_partition,
         }
-
-    def _unpack(self, handoff: Tensor, parts: tuple[str, str], batch: int):
-        heads = self._heads
-        per_token = (heads[parts[0]] + heads[parts[1]]) * self.hidden_size_per_attention_head
-        seq = handoff.numel() // (batch * per_token)
-        return qk_handoff.unpack(
-            handoff, seq, batch, heads[parts[0]], heads[parts[1]], self.hidden_size_per_attention_head
-        )
 
 
 def _part_rows_per_group(queries_per_group: int) -> dict[str, int]:
@@ -205,8 +196,8 @@ class ComputingAttention(_AttentionOps, SelfAttention):
         rotary_pos_emb=None,
         attention_bias: Optional[Tensor] = None,
         packed_seq_params=None,
-    ) -> tuple[tuple[Tensor, Optional[Tensor]], Tensor]:
-        """Attention output and bias, plus the flat hand-off (post-RoPE Q|K, or K|V)."""
+    ) -> tuple[tuple[Tensor, Optional[Tensor]], tuple[Tensor, Tensor]]:
+        """Attention output and bias, plus the hand-off: post-RoPE (Q, K), or (K, V)."""
         assert self.hand_off is not None
         # [sq, b, h] -> [sq, b, np, hn], [sq, b, ng, hn], [sq, b, ng, hn]
         query, key, value = self.get_query_key_value_tensors(hidden_states)
@@ -214,15 +205,10 @@ class ComputingAttention(_AttentionOps, SelfAttention):
         if pos is not None:
             query = self._rope(query, pos[0])
             key = self._rope(key, pos[1])
-        batch = hidden_states.size(1)
-        if self.hand_off == "qk":
-            shared = qk_handoff.pack(query, key)
-            query, key = self._unpack(shared, ("q", "k"), batch)
-        else:
-            shared = qk_handoff.pack(key, value)
-            key, value = self._unpack(shared, ("k", "v"), batch)
+        # The hand-off is these very tensors: no copy, the sharing layers read them as they are.
+        shared = (query, key) if self.hand_off == "qk" else (key, value)
         output = self._attend_and_project(query, key, value, attention_mask, attention_bias, packed_seq_params)
-        return output, (shared.detach() if self.detach_shared else shared)
+        return output, tuple(t.detach() for t in shared) if self.detach_shared else shared
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
@@ -345,31 +331,29 @@ class SharedAttention(_AttentionOps, Attention):
         self,
         hidden_states: Tensor,
         attention_mask: Optional[Tensor],
-        shared: Tensor,
+        shared: tuple[Tensor, Tensor],
         rotary_pos_emb=None,
         attention_bias: Optional[Tensor] = None,
         packed_seq_params=None,
-    ) -> tuple[tuple[Tensor, Optional[Tensor]], Tensor]:
+    ) -> tuple[tuple[Tensor, Optional[Tensor]], tuple[Tensor, Tensor]]:
         """Attention output and bias, and the hand-off passed on unchanged."""
         if shared is None:
             raise RuntimeError(
                 f"layer {self.layer_number} is in sharing mode but received no Q/K hand-off: "
                 "the layer before it is neither a source nor a sharing layer"
             )
-        batch = hidden_states.size(1)
-        source = shared.detach() if self.detach_shared else shared
+        first, second = (t.detach() for t in shared) if self.detach_shared else shared
         # [sq, b, h] -> [sq, b, own heads * hn]
         own, _ = apply_module(self.own_projection)(hidden_states)
         heads = self._heads[self.own_part]
         # [sq, b, own heads * hn] -> [sq, b, own heads, hn]
         own = own.view(own.size(0), own.size(1), heads, self.hidden_size_per_attention_head)
         if self.share == "qk":
-            query, key = self._unpack(source, ("q", "k"), batch)
-            value = own
+            query, key, value = first, second, own
         else:
             pos = _rope_pair(rotary_pos_emb)
             query = self._rope(own, pos[0]) if pos is not None else own
-            key, value = self._unpack(source, ("k", "v"), batch)
+            key, value = first, second
         output = self._attend_and_project(query, key, value, attention_mask, attention_bias, packed_seq_params)
         return output, shared
 

@@ -29,29 +29,32 @@ from epas_megatron.sharing import handoff as qk_handoff
 class EpasTransformerBlock(TransformerBlock):
     """A ``TransformerBlock`` that carries the QK hand-off within and across stages."""
 
-    def __init__(self, *args, receives_handoff: bool = False, sends_handoff: bool = False, handoff_width: int = 0, **kwargs):
+    def __init__(self, *args, receives_handoff: bool = False, sends_handoff: bool = False, handoff_heads: tuple = (0, 0), **kwargs):
         super().__init__(*args, **kwargs)
         self.receives_handoff = receives_handoff
         """The first layer of this chunk shares Q/K computed on a previous stage."""
         self.sends_handoff = sends_handoff
         """The layer after this chunk (on the next stage) shares Q/K: send them along."""
-        self.handoff_width = handoff_width
-        """Hand-off elements per token on this TP rank."""
+        self.handoff_heads = tuple(handoff_heads)
+        """Heads (on this TP rank) of the two hand-off tensors: (np, ng) for Q/K, (ng, ng) for K/V."""
         self.p2p_rows = None
         """(hidden rows, total rows) of the p2p tensor while hand-offs cross stages, else None."""
         self.input_handoff = None
 
     def set_p2p_rows(self, hidden_rows: int, total_rows: int) -> None:
-        """Pack stage outputs as ``[total_rows, b, h]`` (see :mod:`epas_megatron.sharing.handoff`)."""
+        """Stage outputs are ``[total_rows, b, h]`` (see :mod:`epas_megatron.sharing.handoff`)."""
         self.p2p_rows = None if total_rows == hidden_rows else (hidden_rows, total_rows)
 
     def set_input_tensor(self, input_tensor):
         self.input_handoff = None
         if self.p2p_rows is not None and input_tensor is not None:
             hidden_rows = self.p2p_rows[0]
-            seq = hidden_rows * (self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1)
-            numel = seq * input_tensor.size(1) * self.handoff_width if self.receives_handoff else 0
-            input_tensor, self.input_handoff = qk_handoff.unpack_from_p2p(input_tensor, hidden_rows, numel)
+            shapes = None
+            if self.receives_handoff:
+                seq = hidden_rows * (self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1)
+                # [s, b, heads, hn] per hand-off tensor (full sequence even under SP).
+                shapes = [(seq, input_tensor.size(1), heads, self.config.kv_channels) for heads in self.handoff_heads]
+            input_tensor, self.input_handoff = qk_handoff.unpack_from_p2p(input_tensor, hidden_rows, shapes)
         self.input_tensor = input_tensor
 
     def _run_layers(self, start, end, hidden_states, handoff, attention_mask, rotary_pos_emb, attention_bias, packed_seq_params):
@@ -109,16 +112,20 @@ class EpasTransformerBlock(TransformerBlock):
         with rng_context:
             if self.config.recompute_granularity == "full" and self.training:
                 for start, end, checkpointed in self._recompute_chunks():
-                    def run(hidden, shared, mask, rope, start=start, end=end):
-                        return self._run_layers(start, end, hidden, shared, mask, rope, attention_bias, packed_seq_params)
+                    # The hand-off pair enters and leaves each chunk as two tensor arguments, so
+                    # the checkpoint saves them and recomputation replays the same tensors.
+                    def run(hidden, first, second, mask, rope, start=start, end=end):
+                        shared = None if first is None else (first, second)
+                        hidden, shared = self._run_layers(start, end, hidden, shared, mask, rope, attention_bias, packed_seq_params)
+                        return (hidden, None, None) if shared is None else (hidden, *shared)
 
+                    first, second = handoff if handoff is not None else (None, None)
+                    args = (hidden_states, first, second, attention_mask, rotary_pos_emb)
                     if checkpointed:
-                        hidden_states, handoff = tensor_parallel.checkpoint(
-                            run, self.config.distribute_saved_activations,
-                            hidden_states, handoff, attention_mask, rotary_pos_emb,
-                        )
+                        hidden_states, first, second = tensor_parallel.checkpoint(run, self.config.distribute_saved_activations, *args)
                     else:
-                        hidden_states, handoff = run(hidden_states, handoff, attention_mask, rotary_pos_emb)
+                        hidden_states, first, second = run(*args)
+                    handoff = None if first is None else (first, second)
             else:
                 hidden_states, handoff = self._run_layers(
                     0, len(self.layers), hidden_states, handoff, attention_mask, rotary_pos_emb,

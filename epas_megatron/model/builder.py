@@ -231,13 +231,11 @@ def chunk_placements(config: TransformerConfig, roles: Sequence[str], pp_rank: O
     return placements
 
 
-def handoff_width(config: TransformerConfig, share: str) -> int:
-    """Hand-off elements per token on one TP rank: post-RoPE Q and K ('qk') or K and V ('kv')."""
+def handoff_heads(config: TransformerConfig, share: str) -> tuple[int, int]:
+    """Heads on one TP rank of the two hand-off tensors: (np, ng) for Q/K, (ng, ng) for K/V."""
     tp = config.tensor_model_parallel_size
-    head_dim = config.kv_channels
-    heads = config.num_attention_heads // tp
-    groups = config.num_query_groups // tp
-    return (heads + groups) * head_dim if share == "qk" else 2 * groups * head_dim
+    heads, groups = config.num_attention_heads // tp, config.num_query_groups // tp
+    return (heads, groups) if share == "qk" else (groups, groups)
 
 
 def pipeline_handoff_rows(config: TransformerConfig, roles: Sequence[str], seq_length: int, share: str) -> tuple[int, int, int]:
@@ -256,7 +254,8 @@ def pipeline_handoff_rows(config: TransformerConfig, roles: Sequence[str], seq_l
     )
     if not crossing:
         return hidden_rows, hidden_rows, seq_length
-    extra = qk_handoff.extra_p2p_rows(handoff_width(config, share), seq_length, config.hidden_size)
+    width = sum(handoff_heads(config, share)) * config.kv_channels
+    extra = qk_handoff.extra_p2p_rows(width, seq_length, config.hidden_size)
     total = hidden_rows + extra
     return hidden_rows, total, total * sp_tp
 
@@ -295,7 +294,7 @@ def build_model_chunks(
             rotary_base=arch.rotary_base,
             receives_handoff=placement.receives_handoff,
             sends_handoff=placement.sends_handoff,
-            handoff_width=handoff_width(config, share),
+            handoff_heads=handoff_heads(config, share),
             vp_stage=placement.vp_stage,
         )
         if torch.cuda.is_available():

@@ -45,7 +45,7 @@ class EpasGPTModel(LanguageModule):
         rotary_base: int = 10000,
         receives_handoff: bool = False,
         sends_handoff: bool = False,
-        handoff_width: int = 0,
+        handoff_heads: tuple = (0, 0),
         vp_stage: Optional[int] = None,
         pg_collection=None,
     ):
@@ -86,7 +86,7 @@ class EpasGPTModel(LanguageModule):
             vp_stage=vp_stage,
             receives_handoff=receives_handoff,
             sends_handoff=sends_handoff,
-            handoff_width=handoff_width,
+            handoff_heads=handoff_heads,
         )
         if post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
