@@ -20,7 +20,12 @@ from epas_megatron.errors import ConfigError
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse, validate, train; returns the exit status."""
     from epas_megatron.runtime.quiet import quiet_library_noise
+    from epas_megatron.training.trainer import ExitSignal
 
+    # Installed first: a SIGTERM/SIGUSR1 that arrives during setup is honoured after the first
+    # iteration (checkpoint, exit 0) instead of killing the process or being lost.
+    exit_signal = ExitSignal()
+    exit_signal.install()
     quiet_library_noise()
     from epas_megatron.config.cli import parse_config
     from epas_megatron.config.validation import resolve_run
@@ -28,12 +33,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         run = resolve_run(parse_config(argv))
     except ConfigError as error:
+        exit_signal.restore()
         print(f"error: {error}", file=sys.stderr, flush=True)
         return ConfigError.exit_code
 
     from epas_megatron.training.trainer import Trainer
 
-    trainer = Trainer(run)
+    trainer = Trainer(run, exit_signal=exit_signal)
     try:
         trainer.setup()
         trainer.train()

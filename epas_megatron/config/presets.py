@@ -74,7 +74,7 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             "1b", 22, 2048, 32, 4, 5632, 32000, 2048,
-            "TinyLLaMA-1.1B shapes (GQA 32/4). One H100 per replica (TP=1, PP=1), micro-batch 8;"
+            "TinyLLaMA-1.1B shapes (GQA 32/4). One H100 per replica (TP=1, PP=1), micro-batch 4;"
             " the paper's continual-pretraining model.",
             {"micro_batch_size": 4},
         ),

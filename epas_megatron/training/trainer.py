@@ -77,7 +77,7 @@ class ExitSignal:
 class Trainer:
     """Owns process groups, data iterators, model chunks, optimizer and metrics of one run."""
 
-    def __init__(self, run: ResolvedRun):
+    def __init__(self, run: ResolvedRun, exit_signal: Optional[ExitSignal] = None):
         self.run = run
         self.cfg = run.cfg
         self.out = Path(self.cfg.logging.output_dir)
@@ -91,7 +91,8 @@ class Trainer:
         self.sharing_layers: tuple[int, ...] = ()
         self.layout: Optional[str] = self.cfg.parallel.pipeline_layout
         self.metrics = None
-        self.exit_signal = ExitSignal()
+        self.exit_signal = exit_signal or ExitSignal()
+        self._own_signal_handler = exit_signal is None
         self.switch_seconds: list[float] = []
         self.layer_timer = None
         self.timed_iterations = 0
@@ -140,7 +141,8 @@ class Trainer:
             self.print(f"initialised from the weights of {run.pretrained_dir} (fresh optimizer, iteration 0)")
         self._build_data_iterators()
         self.metrics = self._metrics_logger()
-        self.exit_signal.install()
+        if self._own_signal_handler:
+            self.exit_signal.install()
 
     def _vpp(self) -> Optional[int]:
         p = self.cfg.parallel
@@ -424,7 +426,8 @@ class Trainer:
         while self.iteration < stop_at:
             next_iteration = self.iteration + 1
             target = run.schedule.sharing_layers(next_iteration)
-            if tuple(target) != self.sharing_layers:
+            just_rebuilt = tuple(target) != self.sharing_layers
+            if just_rebuilt:
                 info = self.apply_switch(target)
                 source = run.schedule.source_layer(next_iteration)
                 in_iterations = info["seconds"] / last_step_time if last_step_time else None
@@ -457,7 +460,7 @@ class Trainer:
             self.consumed_samples += t.global_batch_size
             interval_iters += 1
             interval_time += step_time
-            if self.iteration > start_iteration + 1:  # the first step pays one-off costs
+            if self.iteration > start_iteration + 1 and not just_rebuilt:  # first steps after a (re)build pay one-off costs
                 total_train_time += step_time
                 timed_iters += 1
             last_loss = result.lm_loss
@@ -516,13 +519,22 @@ class Trainer:
             exit_reason = "exit_interval"
         wall = time.perf_counter() - wall_start
         per_iter = total_train_time / timed_iters if timed_iters else float("nan")
+        d = self.dims
         summary = {
             "iterations": self.iteration,
+            "train_iters": t.train_iters,
             "iterations_this_run": self.iteration - start_iteration,
             "final_lm_loss": last_loss,
             "final_valid_lm_loss": last_valid,
             "tokens_per_s": tokens_per_iteration / per_iter if timed_iters else None,
             "wall_s": wall,
+            "world_size": d.world_size,
+            "tp": d.tp,
+            "pp": d.pp,
+            "vpp": d.vpp,
+            "dp": d.dp,
+            "global_batch_size": t.global_batch_size,
+            "seq_length": t.seq_length,
             "sharing_layers": list(self.sharing_layers),
             "layout": self.layout,
             "switch_seconds": self.switch_seconds,
