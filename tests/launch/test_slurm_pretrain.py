@@ -1,0 +1,175 @@
+"""slurm/pretrain.sbatch on a real two-node Slurm cluster (CPU, gloo, 1 process per node).
+
+The reference for every job is an independent local run of the same config and seed:
+``torchrun --standalone --nproc-per-node 2 -m epas_megatron.train`` (tests/epas_testing.py),
+which never goes through the launcher or Slurm. Training on CPU is bit-exact, so the per-
+iteration losses of the Slurm jobs (metrics.jsonl) must equal it exactly, including jobs that
+were signalled, saved, requeued and resumed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from epas_testing import read_metrics, run_trainer  # noqa: E402
+from local_slurm import wait_until  # noqa: E402
+
+pytestmark = [pytest.mark.slurm, pytest.mark.distributed]
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "launch" / "configs" / "tiny.yaml"
+TRAIN_ITERS = 100
+SWITCHES = [20, 40]  # --epas-interval 20 with tiny.yaml's target 0.5 (2 of 4 layers), growth 1
+ARGS = ["--train-iters", str(TRAIN_ITERS), "--epas-interval", "20", "--eval-interval", "0", "--log-interval", "1", "--no-tensorboard", "--seed", "1234"]
+JOB_TIMEOUT = 240
+
+
+def train_losses(metrics: list[dict]) -> dict[int, float]:
+    records = [m for m in metrics if "kind" not in m]
+    iterations = [m["iteration"] for m in records]
+    assert len(iterations) == len(set(iterations)), f"iterations logged twice: {sorted(iterations)}"
+    return {m["iteration"]: m["lm_loss"] for m in records}
+
+
+def switch_iterations(metrics: list[dict]) -> list[int]:
+    return [m["iteration"] for m in metrics if m.get("kind") == "switch"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted local torchrun run (2 processes) of the same config."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    run = run_trainer(["--config", str(CONFIG), *ARGS], out, nproc=2, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert switch_iterations(run.metrics) == SWITCHES
+    losses = train_losses(run.metrics)
+    assert sorted(losses) == list(range(1, TRAIN_ITERS + 1))
+    return losses
+
+
+def submit(cluster, work: Path, name: str, *trainer_args: str) -> tuple[str, Path, Path]:
+    """sbatch slurm/pretrain.sbatch on both nodes; returns (job id, output dir, job log)."""
+    out = work / "run"
+    env = {
+        "CONFIG": str(CONFIG),
+        "OUTPUT_DIR": str(out),
+        "OMP_NUM_THREADS": "1",
+        "PYTHON": sys.executable,
+        "EPAS_CACHE_DIR": os.environ["EPAS_CACHE_DIR"],
+    }
+    result = cluster.command(
+        "sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0", "--time=15", f"--job-name={name}",
+        f"--output={work}/%x-%j.out", str(REPO / "slurm" / "pretrain.sbatch"), *ARGS, *trainer_args,
+        cwd=REPO, env=env,
+    )
+    job = result.stdout.strip().split(";")[0]
+    return job, out, work / f"{name}-{job}.out"
+
+
+def job_log(path: Path) -> str:
+    return path.read_text(errors="replace") if path.is_file() else f"(no job log {path})"
+
+
+def assert_completed(cluster, job: str, log: Path, restarts: int) -> None:
+    info = cluster.job_info(job)
+    tail = job_log(log)[-3000:] + f"\n--- scontrol: {info}\n--- daemons:\n{cluster.daemon_log(job)}"
+    assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", f"job {job}: {info.get('JobState')} {info.get('ExitCode')}\n{tail}"
+    assert info.get("Restarts") == str(restarts), f"job {job} restarted {info.get('Restarts')} times, expected {restarts}\n{tail}"
+
+
+def summaries(log_text: str) -> list[dict]:
+    return [json.loads(line.split("SUMMARY ", 1)[1]) for line in log_text.splitlines() if line.startswith("SUMMARY ")]
+
+
+def test_two_node_job_matches_local_torchrun(cluster, reference, tmp_path):
+    job, out, log = submit(cluster, tmp_path, "epas-a")
+    cluster.wait_for([job], timeout=JOB_TIMEOUT)
+    assert_completed(cluster, job, log, restarts=0)
+    text = job_log(log)
+
+    # One launcher per node, c10d rendezvous on the first node of the allocation.
+    first = cluster.nodes[0]
+    for node in cluster.nodes:
+        assert f"[launch {node}] command: " in text, text[-3000:]
+    assert f"--rdzv-backend c10d --rdzv-endpoint {first}:" in text
+    assert f"--rdzv-id {job}" in text
+    assert "world 2 = TP 1 x PP 1 x DP 2" in text
+    assert [s["exit_reason"] for s in summaries(text)] == ["completed"]
+
+    metrics = read_metrics(out)
+    assert switch_iterations(metrics) == SWITCHES
+    assert train_losses(metrics) == reference
+    assert (out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(TRAIN_ITERS)
+
+
+def wait_for_training(out: Path, cluster, job: str, iterations: int) -> None:
+    """Until rank 0 logged ``iterations`` training steps (both ranks are past setup then)."""
+
+    def trained() -> bool:
+        if len(train_losses(read_metrics(out))) >= iterations:
+            return True
+        state = cluster.job_state(job)
+        assert state in ("", "PENDING", "CONFIGURING", "RUNNING"), f"job {job} is {state} before it could be signalled"
+        return False
+
+    wait_until(trained, timeout=JOB_TIMEOUT, poll=0.1, what=f"{iterations} logged iterations")
+
+
+def wait_for_requeue(cluster, job: str) -> None:
+    """Until the job has been requeued and runs again (it waits cred_expire seconds first)."""
+
+    def restarted() -> bool:
+        info = cluster.job_info(job)
+        return info.get("Restarts") == "1" and info.get("JobState") in ("RUNNING", "COMPLETING", "COMPLETED")
+
+    wait_until(restarted, timeout=JOB_TIMEOUT, poll=0.3, what=f"job {job} requeued and running again")
+
+
+@pytest.mark.parametrize(
+    "how, signal_name",
+    [
+        pytest.param("usr1", "signal 10", id="scancel-signal-USR1"),
+        pytest.param("requeue", "signal 15", id="scontrol-requeue"),
+    ],
+)
+def test_preempted_job_resumes_to_the_same_losses(cluster, reference, tmp_path, how, signal_name):
+    """USR1 (as --signal=USR1@T sends it): the trainer saves and exits 0, the batch script sees
+    the run unfinished and requeues itself. ``scontrol requeue`` (what preemption with
+    PreemptMode=REQUEUE does): Slurm sends SIGTERM, the trainer saves, Slurm requeues. Either
+    way the requeued job resumes from <output-dir>/checkpoints and ends where an uninterrupted
+    run ends."""
+    job, out, log = submit(cluster, tmp_path, f"epas-b-{how}")
+    wait_for_training(out, cluster, job, iterations=3)
+    if how == "usr1":
+        cluster.command("scancel", "--signal=USR1", job)
+    else:
+        cluster.command("scontrol", "requeue", job)
+    wait_for_requeue(cluster, job)
+    cluster.wait_for([job], timeout=JOB_TIMEOUT)
+    assert_completed(cluster, job, log, restarts=1)
+
+    text = job_log(log)
+    runs = summaries(text)
+    assert [s["exit_reason"] for s in runs] == [signal_name, "completed"], text[-4000:]
+    stopped_at = runs[0]["iterations"]
+    assert 3 <= stopped_at < TRAIN_ITERS
+    assert f"resumed from {out}/checkpoints/iter_{stopped_at:07d} at iteration {stopped_at}" in text
+    assert runs[1]["iterations_this_run"] == TRAIN_ITERS - stopped_at
+    if how == "usr1":
+        assert "not finished: requeueing job" in text
+        assert "forwarded SIGUSR1" in text
+
+    metrics = read_metrics(out)
+    losses = train_losses(metrics)  # each iteration exactly once across both segments
+    assert sorted(losses) == list(range(1, TRAIN_ITERS + 1))
+    assert losses[TRAIN_ITERS] == reference[TRAIN_ITERS]
+    assert losses == reference
+    assert switch_iterations(metrics) == SWITCHES  # logged by whichever segment crossed them
