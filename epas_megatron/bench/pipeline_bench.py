@@ -6,6 +6,8 @@ from the same weights and synthetic tokens, it times (alternating blocks, median
 * ``baseline``: no sharing, Megatron's even split;
 * ``epas_norebalance``: the deepest ``--region`` layers share, even split kept;
 * ``epas_rebalanced``: the same region, layers re-partitioned by the planner;
+* ``baseline_rebalanced``: no sharing, the planner's layout for it (what rebalancing alone buys,
+  e.g. for the LM head on the last stage), so EPAS's own share of the gain is visible;
 * ``pp1``: baseline and EPAS with PP=1 (data parallel over the same ranks), the gain that
   rebalancing tries to keep under PP.
 
@@ -135,6 +137,7 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, log=print) -> dict:
     sharing = region_layers(arch.num_layers, cfg.region, flag="--region")
     costs = flops_layer_costs(arch, cfg.seq_length, cfg.share)
     rebalanced = plan_for_region(costs, arch.num_layers, cfg.pp, cfg.vpp, sharing).to_layout_string()
+    baseline_planned = plan_for_region(costs, arch.num_layers, cfg.pp, cfg.vpp, ()).to_layout_string()
     world = dist.get_world_size()
     tokens = cfg.seq_length * cfg.micro_batch_size * cfg.num_microbatches * (world // cfg.pp)
     log(f"bench pipeline: {cfg.preset}, region {cfg.region} {list(sharing)}, PP {cfg.pp}"
@@ -147,6 +150,7 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, log=print) -> dict:
         "baseline": training_state(arch, (), **pipelined),
         "epas_norebalance": training_state(arch, sharing, **pipelined),
         "epas_rebalanced": training_state(arch, sharing, layout=rebalanced, **pipelined),
+        "baseline_rebalanced": training_state(arch, (), layout=baseline_planned, **pipelined),
     }
     results = alternating_throughput(variants, tokens, **timing)
     stage = {name: _stage_compute_seconds(state, arch.hidden_size) for name, state in variants.items()}
@@ -174,13 +178,16 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, log=print) -> dict:
     gain_rebal = results["epas_rebalanced"] / results["baseline"]
     gain_fixed = results["epas_norebalance"] / results["baseline"]
     retained = (gain_rebal - 1) / (gain_pp1 - 1) if gain_pp1 != 1 else float("nan")
+    gain_own = results["epas_rebalanced"] / results["baseline_rebalanced"]
     log(f"tokens/s: baseline {results['baseline']:.1f}, EPAS even split {results['epas_norebalance']:.1f} ({gain_fixed:.4f}x), "
         f"EPAS rebalanced {results['epas_rebalanced']:.1f} ({gain_rebal:.4f}x); PP=1: {gain_pp1:.4f}x; "
-        f"rebalanced keeps {retained:.1%} of the PP=1 gain")
+        f"rebalanced keeps {retained:.1%} of the PP=1 gain; against a baseline rebalanced too ({baseline_planned}): {gain_own:.4f}x")
     return {
         "preset": cfg.preset, "region": cfg.region, "pp": cfg.pp, "vpp": cfg.vpp, "rebalanced_layout": rebalanced,
         "baseline_tokens_per_s": results["baseline"], "epas_norebalance_tokens_per_s": results["epas_norebalance"],
         "epas_rebalanced_tokens_per_s": results["epas_rebalanced"],
+        "baseline_rebalanced_tokens_per_s": results["baseline_rebalanced"], "baseline_rebalanced_layout": baseline_planned,
+        "gain_over_rebalanced_baseline": gain_own,
         "pp1_baseline_tokens_per_s": pp1["pp1_baseline"], "pp1_epas_tokens_per_s": pp1["pp1_epas"],
         "gain_norebalance": gain_fixed, "gain_rebalanced": gain_rebal, "gain_pp1": gain_pp1,
         "rebalanced_gain_retained": retained, "stage_compute_s": stage_all, "predicted_7b": predicted,
