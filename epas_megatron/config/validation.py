@@ -7,7 +7,6 @@ and exit with status 2, leaving nothing written).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional

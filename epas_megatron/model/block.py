@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
-import torch
-
 from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import make_viewless_tensor
@@ -139,7 +137,7 @@ class EpasTransformerBlock(TransformerBlock):
         if self.p2p_rows is not None and not self.post_process:
             if self.sends_handoff and handoff is None:
                 raise RuntimeError("this stage must send the QK hand-off but produced none")
-            # [s, b, h] + flat hand-off + padding -> [s + r, b, h]
+            # [s, b, h] + hand-off + padding -> [s + r, b, h]
             return qk_handoff.pack_for_p2p(hidden_states, handoff if self.sends_handoff else None, self.p2p_rows[1])
 
         if not self.pre_process and len(self.layers) == 0 and self.final_layernorm is None:

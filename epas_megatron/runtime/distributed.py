@@ -73,7 +73,7 @@ def init_distributed(tp: int, pp: int, vpp: Optional[int], seed: int, timeout_mi
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
 
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,

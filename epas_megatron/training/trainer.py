@@ -22,7 +22,6 @@ import math
 import os
 import shutil
 import signal
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path

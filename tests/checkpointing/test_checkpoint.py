@@ -5,7 +5,7 @@ import torch
 
 from epas_testing import build
 from epas_megatron.checkpointing import checkpoint as ckpt
-from epas_megatron.model.builder import LlamaArchitecture, make_transformer_config
+from epas_megatron.model.builder import LlamaArchitecture
 from epas_megatron.training.optimizer import OptimizerSettings, build_optimizer, build_scheduler, wrap_ddp
 
 pytestmark = pytest.mark.usefixtures("single_process")

@@ -1,7 +1,6 @@
 """Every bad input: exit status 2, a message naming the flag, before any process group or data
 work, and nothing written."""
 
-import json
 import os
 
 import pytest

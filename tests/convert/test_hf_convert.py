@@ -1,7 +1,6 @@
 """Hugging Face import -> continual pretraining with EPAS -> export, checked against transformers."""
 
 import json
-import os
 
 import pytest
 import torch

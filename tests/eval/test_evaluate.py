@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from epas_testing import TINY, REPO, run_trainer, trainer_command
+from epas_testing import TINY, run_trainer
 from epas_megatron.evaluate import main
 
 ARGS = [*TINY, "--train-iters", "8", "--global-batch-size", "4", "--micro-batch-size", "2",

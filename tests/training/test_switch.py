@@ -2,7 +2,6 @@
 directly with the new region, optimizer state is carried exactly, frozen weights are outside the
 optimizer and the gradient buffers."""
 
-import pytest
 import torch
 
 from epas_testing import TINY
@@ -49,10 +48,8 @@ def test_switch_carries_state_exactly_and_freezes_qk(tmp_path):
     trainer = trainer_for([*ARGS, "--exit-interval", "5", "--output-dir", str(out)])
     try:
         trainer.train()
-        qkv = layer(trainer, 2).self_attention.linear_qkv.weight
         before = {name: (p.detach().clone(), {k: v.clone() for k, v in (optimizer_state(trainer, p) or {}).items() if torch.is_tensor(v)})
                   for name, p in trainer.model[0].module.named_parameters()}
-        qkv_state = optimizer_state(trainer, qkv)
     finally:
         trainer.close()
 
