@@ -485,6 +485,7 @@ class Trainer:
                     "iteration_time_s": per_iter,
                     "consumed_samples": self.consumed_samples,
                     "sharing_layers": list(self.sharing_layers),
+                    "region_size": len(self.sharing_layers),
                     "layout": self.layout,
                 }
                 self.metrics.log(record, step=self.iteration)
