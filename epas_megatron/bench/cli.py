@@ -70,17 +70,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     log = print if dims.is_logging_rank else (lambda *a, **k: None)
     try:
         if args.command == "train":
-            from epas_megatron.bench.train_bench import TrainBenchConfig, format_record, run_train_bench
+            from epas_megatron.bench.common import BenchConfig
+            from epas_megatron.bench.train_bench import format_record, run_train_bench
 
-            cfg = TrainBenchConfig(args.preset, region, args.iters, args.blocks, args.warmup, seq, mbs,
-                                   args.num_microbatches, tp, args.pp, args.share, args.seed)
+            cfg = BenchConfig(args.preset, region, args.iters, args.blocks, args.warmup, seq, mbs,
+                             args.num_microbatches, tp=tp, pp=args.pp, share=args.share, seed=args.seed)
             record = run_train_bench(cfg, log=log)
         else:
-            from epas_megatron.bench.pipeline_bench import PipelineBenchConfig, run_pipeline_bench
+            from epas_megatron.bench.common import BenchConfig
+            from epas_megatron.bench.pipeline_bench import run_pipeline_bench
             from epas_megatron.bench.train_bench import format_record
 
-            cfg = PipelineBenchConfig(args.preset, region, args.iters, args.blocks, args.warmup, seq, mbs,
-                                      max(args.num_microbatches, 2 * args.pp), args.pp, args.vpp, args.share, args.seed)
+            cfg = BenchConfig(args.preset, region, args.iters, args.blocks, args.warmup, seq, mbs,
+                                max(args.num_microbatches, 2 * args.pp), pp=args.pp, vpp=args.vpp,
+                                share=args.share, seed=args.seed)
             record = run_pipeline_bench(cfg, log=log)
         log(format_record(record))
     finally:

@@ -9,11 +9,57 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from epas_megatron.training.optimizer import OptimizerSettings
+
+@dataclass
+class BenchConfig:
+    """What a benchmark measures (both benchmarks)."""
+
+    preset: str
+    """Model preset."""
+
+    region: int
+    """Sharing layers of the EPAS variants (the deepest ones)."""
+
+    iters: int
+    """Timed iterations per variant (split into blocks)."""
+
+    blocks: int
+    """Alternating timed blocks per variant."""
+
+    warmup: int
+    """Untimed iterations per variant first."""
+
+    seq_length: int
+    """Sequence length."""
+
+    micro_batch_size: int
+    """Micro-batch size."""
+
+    num_microbatches: int
+    """Micro-batches per iteration."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+
+    pp: int = 1
+    """Pipeline-parallel size."""
+
+    vpp: Optional[int] = None
+    """Virtual pipeline stages per rank."""
+
+    share: str = "qk"
+    """'qk' or 'kv'."""
+
+    seed: int = 1234
+    """Initialisation seed (every variant gets the same weights)."""
+
 
 BENCH_OPTIMIZER = dict(lr=1e-4, min_lr=1e-5, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
                        clip_grad=1.0, overlap_grad_reduce=False, warmup_iters=1, decay_iters=10**6, decay_style="constant")

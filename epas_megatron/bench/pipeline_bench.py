@@ -23,52 +23,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-
-@dataclass
-class PipelineBenchConfig:
-    """What to measure."""
-
-    preset: str
-    """Model preset."""
-
-    region: int
-    """Sharing layers of the EPAS variants."""
-
-    iters: int
-    """Timed iterations per variant."""
-
-    blocks: int
-    """Alternating timed blocks."""
-
-    warmup: int
-    """Untimed iterations per variant first."""
-
-    seq_length: int
-    """Sequence length."""
-
-    micro_batch_size: int
-    """Micro-batch size."""
-
-    num_microbatches: int
-    """Micro-batches per iteration (>= 2 x PP keeps the pipeline full)."""
-
-    pp: int
-    """Pipeline ranks."""
-
-    vpp: Optional[int] = None
-    """Virtual stages per rank."""
-
-    share: str = "qk"
-    """'qk' or 'kv'."""
-
-    seed: int = 1234
-    """Initialisation seed."""
+from epas_megatron.bench.common import BenchConfig
 
 
 def _stage_compute_seconds(state, hidden_size: int, repeats: int = 3) -> float:
@@ -119,7 +78,7 @@ def _predicted_7b_table(log) -> list[dict]:
     return rows
 
 
-def run_pipeline_bench(cfg: PipelineBenchConfig, log=print) -> dict:
+def run_pipeline_bench(cfg: BenchConfig, log=print) -> dict:
     """Measure the variants (inside a process group of PP ranks x DP); returns the BENCH record."""
     from megatron.core import parallel_state
 

@@ -16,53 +16,13 @@ Last line: ``BENCH {json}``.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass
-class TrainBenchConfig:
-    """What to measure."""
-
-    preset: str
-    """Model preset."""
-
-    region: int
-    """Sharing layers of the EPAS model (the deepest ones)."""
-
-    iters: int
-    """Timed iterations per model (split into blocks)."""
-
-    blocks: int
-    """Alternating timed blocks per model."""
-
-    warmup: int
-    """Untimed iterations per model before timing."""
-
-    seq_length: int
-    """Sequence length."""
-
-    micro_batch_size: int
-    """Micro-batch size."""
-
-    num_microbatches: int
-    """Micro-batches per iteration."""
-
-    tp: int
-    """Tensor-parallel size."""
-
-    pp: int
-    """Pipeline-parallel size."""
-
-    share: str = "qk"
-    """'qk' or 'kv'."""
-
-    seed: int = 1234
-    """Initialisation seed (both models get the same weights)."""
+from epas_megatron.bench.common import BenchConfig
 
 
-def run_train_bench(cfg: TrainBenchConfig, log=print) -> dict:
+def run_train_bench(cfg: BenchConfig, log=print) -> dict:
     """Measure both models; returns the BENCH record (call inside an initialised process group)."""
     import torch.distributed as dist
 
