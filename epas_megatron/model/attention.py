@@ -69,26 +69,21 @@ class _AttentionOps:
 
     def _attend_and_project(self, query, key, value, attention_mask, attention_bias, packed_seq_params):
         # query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, np * hn]
-        if self.checkpoint_core_attention and self.training:
-            context = self._checkpointed_attention_forward(
-                query,
-                key,
-                value,
-                attention_mask,
-                attn_mask_type=self.attn_mask_type,
-                attention_bias=attention_bias,
-                packed_seq_params=packed_seq_params,
-            )
-        else:
-            context = apply_module(self.core_attention)(
-                query,
-                key,
-                value,
-                attention_mask,
-                attn_mask_type=self.attn_mask_type,
-                attention_bias=attention_bias,
-                packed_seq_params=packed_seq_params,
-            )
+        # Selective recompute (core_attn) re-runs the same kernel from the same inputs.
+        attend = (
+            self._checkpointed_attention_forward
+            if self.checkpoint_core_attention and self.training
+            else apply_module(self.core_attention)
+        )
+        context = attend(
+            query,
+            key,
+            value,
+            attention_mask,
+            attn_mask_type=self.attn_mask_type,
+            attention_bias=attention_bias,
+            packed_seq_params=packed_seq_params,
+        )
         # [sq, b, np * hn] -> [sq, b, h]
         return apply_module(self.linear_proj)(context)
 
