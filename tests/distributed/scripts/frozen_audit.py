@@ -1,5 +1,5 @@
 """Run under torchrun (DP=2, overlapped gradient reduction): train through EPAS switches and
-report, per rank, where frozen Q/K weights are (they must be in no optimizer group, no DDP
+report (one JSON file per rank in the output directory) where frozen Q/K weights are (they must be in no optimizer group, no DDP
 bucket, have no gradient) and whether they moved after their switch."""
 
 import json
@@ -43,7 +43,9 @@ def main(argv):
             "trainable_in_buckets": all(id(p) in in_buckets for p in module.parameters() if p.requires_grad),
             "overlap_grad_reduce": trainer.model[0].ddp_config.overlap_grad_reduce,
         }
-        print("AUDIT " + json.dumps(report), flush=True)
+        # One file per rank: two ranks printing to one pipe can interleave their lines.
+        out = trainer.out / f"audit_rank{dist.get_rank()}.json"
+        out.write_text(json.dumps(report))
     finally:
         trainer.close()
 
