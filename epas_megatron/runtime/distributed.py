@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from epas_megatron.runtime import cpu_compat
+from epas_megatron.runtime import cpu_compat, megatron_fixes
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,7 @@ def _free_port() -> int:
 def init_distributed(tp: int, pp: int, vpp: Optional[int], seed: int, timeout_minutes: int = 30) -> ParallelDims:
     """Initialise torch.distributed and Megatron-Core's model-parallel groups, and seed RNGs."""
     cpu_compat.activate()
+    megatron_fixes.apply()
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # a single process started without torchrun
             single = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
