@@ -16,23 +16,40 @@ are rewritten only inside the Megatron-Core modules listed in :data:`_MODULES_WI
 PyTorch are not slowed down or changed.
 
 5. gradient clipping inside the Megatron optimizer asserts CUDA gradients: replaced by the same
-   scaling without the assertion.
+   scaling without the assertion;
+6. the mixed-precision optimizer (bf16/fp16 with fp32 main parameters) and the distributed
+   optimizer accept only parameters whose ``Tensor.type()`` is a ``torch.cuda.*Tensor`` name:
+   while those constructors run, CPU tensors report the CUDA name of their dtype (the math
+   is device-agnostic; gloo has the reduce-scatter and all-gather the distributed optimizer uses).
 
-What cannot run on CPU even with these patches (see STACK.md): the distributed optimizer,
-fused kernels (bias/dropout/RoPE/cross-entropy fusion, which the trainer switches off on CPU).
+**The stand-in device.** CUDA maps to ``cpu`` by default. :func:`activate` with
+``stand_in="meta"`` maps it to PyTorch's ``meta`` device instead: every tensor Megatron would put
+on the GPU (parameters, buffers, masks, counters) lands on ``meta``, so a CPU tensor that reaches
+the model without being moved to the model's device fails just as it would against a CUDA model
+(see :mod:`epas_megatron.runtime.device_guard`). Meta tensors hold no data, so only shapes flow:
+a meta process can run forward and backward passes, not optimizer steps.
+
+What does not run on CPU even with these patches: CUDA kernels (fused bias/dropout/RoPE/
+softmax/cross-entropy, gradient-accumulation fusion; :mod:`epas_megatron.model.fusions` turns
+them off without CUDA) and Transformer Engine.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import logging
 import types
+from typing import Optional
 
 import torch
 
-__all__ = ["activate", "is_active", "cuda_available"]
+__all__ = ["activate", "is_active", "cuda_available", "stand_in_device"]
 
 _ACTIVE = False
+_STAND_IN = torch.device("cpu")
+STAND_INS = ("cpu", "meta")
 
 # Megatron-Core modules whose functions create tensors on a literal "cuda" device.
 _MODULES_WITH_CUDA_LITERALS = (
@@ -68,15 +85,20 @@ def is_active() -> bool:
     return _ACTIVE
 
 
+def stand_in_device() -> torch.device:
+    """The device that stands in for the GPU: ``cpu``, or ``meta`` for device-placement checks."""
+    return _STAND_IN
+
+
 def _cpu_device(device):
     if device is None:
         return None
     if isinstance(device, int):
-        return torch.device("cpu")
+        return _STAND_IN
     if isinstance(device, str) and device.startswith("cuda"):
-        return torch.device("cpu")
+        return _STAND_IN
     if isinstance(device, torch.device) and device.type == "cuda":
-        return torch.device("cpu")
+        return _STAND_IN
     return device
 
 
@@ -136,7 +158,7 @@ class _CpuStream:
 def _patch_torch_cuda():
     """Process-wide CUDA stand-ins; only installed when CUDA is absent, where they would raise."""
     cuda = torch.cuda
-    cuda.current_device = lambda: "cpu"
+    cuda.current_device = lambda: str(_STAND_IN)
     cuda.synchronize = lambda *a, **k: None
     # torch.manual_seed itself calls the (lazy, no-op) cuda.manual_seed_all: leave that one alone.
     cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(seed)
@@ -154,7 +176,7 @@ def _patch_torch_cuda():
     cuda.memory_allocated = lambda *a, **k: 0
     cuda.max_memory_allocated = lambda *a, **k: 0
     cuda.reset_peak_memory_stats = lambda *a, **k: None
-    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.Tensor.cuda = lambda self, *a, **k: self.to(_STAND_IN)
 
 
 def _patch_rng_tracker():
@@ -208,16 +230,62 @@ def _patch_grad_clipping():
             module.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
 
 
-def activate() -> bool:
-    """Install the CPU stand-ins if no CUDA device is present. Returns True if active."""
-    global _ACTIVE
+@contextlib.contextmanager
+def _cuda_type_names():
+    """Inside: ``Tensor.type()`` (no arguments) of a stand-in tensor names the CUDA type."""
+    original = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and self.device.type == _STAND_IN.type:
+            name = original(self)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+        return original(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _patch_optimizer_type_checks():
+    """Megatron's mixed-precision and distributed optimizers check ``param.type()`` against CUDA
+    type names in their constructors: run those constructors with CUDA names reported."""
+    for module_name, class_name in (
+        ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params"),
+        ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer"),
+    ):
+        cls = getattr(importlib.import_module(module_name), class_name)
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self, *args, __init=init, **kwargs):
+            with _cuda_type_names():
+                __init(self, *args, **kwargs)
+
+        cls.__init__ = __init__
+
+
+def activate(stand_in: Optional[str] = None) -> bool:
+    """Install the CPU stand-ins if no CUDA device is present. Returns True if active.
+
+    ``stand_in``: the device that takes the GPU's place, ``"cpu"`` (run for real; the default)
+    or ``"meta"`` (shapes only, to check device placement). Fixed by the first activation of a
+    process; later calls without ``stand_in`` keep it."""
+    global _ACTIVE, _STAND_IN
+    if stand_in is not None and stand_in not in STAND_INS:
+        raise ValueError(f"stand_in must be one of {STAND_INS}, got {stand_in!r}")
     if _ACTIVE:
+        if stand_in is not None and stand_in != _STAND_IN.type:
+            raise RuntimeError(f"the CPU stand-ins are already active with the {_STAND_IN.type!r} device")
         return True
     if cuda_available():
         return False
+    _STAND_IN = torch.device(stand_in or "cpu")
     _patch_torch_cuda()
     _patch_rng_tracker()
     _patch_module_factories()
     _patch_grad_clipping()
+    _patch_optimizer_type_checks()
     _ACTIVE = True
     return True
