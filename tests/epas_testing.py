@@ -109,9 +109,10 @@ def assert_close(a: dict, b: dict, rel: float = 1e-5, what: str = "") -> None:
         assert abs(a[k] - b[k]) <= rel * max(abs(a[k]), abs(b[k]), 1e-12), f"{what} at {k}: {a[k]!r} vs {b[k]!r}"
 
 
-def build(arch, sharing=(), share="qk", seed=11, detach=False):
+def build(arch, sharing=(), share="qk", seed=11, detach=False, core_attention="sdpa", precision="fp32"):
     """One in-process model chunk (needs an initialised world of one)."""
     from epas_megatron.model.builder import build_model_chunks, make_transformer_config
 
-    config = make_transformer_config(arch)
-    return build_model_chunks(config, arch, sharing, share=share, seed=seed, detach_shared=detach)[0]
+    config = make_transformer_config(arch, precision=precision)
+    return build_model_chunks(config, arch, sharing, share=share, seed=seed, detach_shared=detach,
+                              core_attention=core_attention)[0]

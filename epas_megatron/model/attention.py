@@ -8,8 +8,11 @@
   ``'qk'``, Q for ``'kv'``) with a TP-sharded ``linear_v`` / ``linear_q`` whose rows are exactly
   the V (Q) rows of the fused QKV it replaces, takes the other two from the hand-off, and runs
   the same ``core_attention`` and ``linear_proj``. The Q/K (K/V) rows of the fused QKV stay in the
-  module as a frozen ``linear_qk`` (``linear_kv``): never used in the forward, never given to the
-  optimizer, kept so that the checkpoint can run with a smaller region.
+  module as a frozen ``linear_qk`` (``linear_kv``, a :class:`FrozenProjection`): never used in the
+  forward, never given to the optimizer, kept so that the checkpoint can run with a smaller region.
+  It is a plain TP-sharded weight holder on every backend -- a GEMM module that never runs would
+  only add what a running GEMM needs (Transformer Engine's FP8 ``_extra_state``, a userbuffer
+  name for TP-communication overlap, a gradient-accumulation-fusion hook).
 
 Checkpoint format (both modes, both backends): the fused QKV is stored as three tensors per layer,
 ``self_attention.linear_q.weight`` ``[np*hn, h]``, ``linear_k.weight`` and ``linear_v.weight``
@@ -33,8 +36,10 @@ from torch import Tensor
 
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.attention import Attention, SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.typed_torch import apply_module
 
 
@@ -219,6 +224,38 @@ class ComputingAttention(_AttentionOps, SelfAttention):
         return state
 
 
+class FrozenProjection(torch.nn.Module):
+    """The frozen rows of a sharing layer's former fused QKV: ``weight [out / tp, in]``, sharded
+    over TP along rows like a column-parallel GEMM, ``requires_grad=False``, never run."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, tp_group, name: Optional[str] = None, **unused):
+        super().__init__()
+        tp = tp_group.size()
+        if output_size % tp:
+            raise ValueError(f"frozen projection rows {output_size} are not divisible by TP {tp}")
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        weight = torch.empty(output_size // tp, input_size, dtype=config.params_dtype, device=device)
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=0, stride=1)
+        self.tp_group = tp_group
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a sharing layer's frozen Q/K (K/V) projection is kept for other regions, never run")
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """The weight as a ShardedTensor, TP-sharded along rows (as ColumnParallelLinear's)."""
+        return make_sharded_tensors_for_checkpoint(
+            {"weight": self.weight}, prefix, {"weight": 0}, sharded_offsets, tp_group=self.tp_group,
+            dp_cp_group=_dp_cp_group(),
+        )
+
+
+def _dp_cp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+
 @dataclass
 class SharedAttentionSubmodules:
     """Submodules of a sharing layer's attention (names as in ``SelfAttentionSubmodules``)."""
@@ -228,7 +265,8 @@ class SharedAttentionSubmodules:
     LayerNorm-fused where the backend fuses norm and GEMM."""
 
     linear_frozen: object
-    """The frozen remainder of the fused QKV (Q|K for 'qk', K|V for 'kv'); column-parallel."""
+    """The frozen remainder of the fused QKV (Q|K for 'qk', K|V for 'kv'):
+    :class:`FrozenProjection` on every backend."""
 
     core_attention: object
     """Same core attention as the computing layers."""
@@ -282,32 +320,33 @@ class SharedAttention(_AttentionOps, Attention):
             "v": self.kv_projection_size,
         }
 
-        def projection(builder, out_size, tag):
-            return builder(
-                self.config.hidden_size,
-                out_size,
-                config=self.config,
-                init_method=self.config.init_method,
-                gather_output=False,
-                bias=self.config.add_bias_linear or self.config.add_qkv_bias,
-                skip_bias_add=False,
-                is_expert=False,
-                tp_comm_buffer_name="qkv",
-                tp_group=self.pg_collection.tp,
-                name=(name + f".{tag}") if name is not None else None,
-            )
-
         own_name = f"linear_{self.own_part}"
         frozen_name = "linear_" + "".join(self.frozen_parts)
-        setattr(self, own_name, projection(submodules.linear_own, sizes[self.own_part], own_name))
-        setattr(
-            self,
-            frozen_name,
-            projection(submodules.linear_frozen, sum(sizes[p] for p in self.frozen_parts), frozen_name),
+        # The own GEMM takes the fused QKV's place, including its TP-overlap userbuffer ('qkv').
+        own = submodules.linear_own(
+            self.config.hidden_size,
+            sizes[self.own_part],
+            config=self.config,
+            init_method=self.config.init_method,
+            gather_output=False,
+            bias=self.config.add_bias_linear or self.config.add_qkv_bias,
+            skip_bias_add=False,
+            is_expert=False,
+            tp_comm_buffer_name="qkv",
+            tp_group=self.pg_collection.tp,
+            name=(name + f".{own_name}") if name is not None else None,
         )
+        frozen = submodules.linear_frozen(
+            self.config.hidden_size,
+            sum(sizes[p] for p in self.frozen_parts),
+            config=self.config,
+            tp_group=self.pg_collection.tp,
+        )
+        if self.config.add_bias_linear or self.config.add_qkv_bias:
+            raise ValueError("QK sharing supports bias-free QKV projections only (LLaMA); got add_qkv_bias/add_bias_linear")
+        setattr(self, own_name, own)
+        setattr(self, frozen_name, frozen)
         self._own_name, self._frozen_name = own_name, frozen_name
-        for param in self.frozen_projection.parameters():
-            param.requires_grad_(False)
 
     @property
     def own_projection(self):
@@ -358,7 +397,10 @@ class SharedAttention(_AttentionOps, Attention):
         fused_key = f"{prefix}linear_qkv.weight"
         if fused_key in state_dict:
             fused = state_dict.pop(fused_key)
-            state_dict.pop(f"{prefix}linear_qkv._extra_state", None)
+            # The fused GEMM's extra state (TE's FP8 metadata) belongs to the GEMM that runs.
+            extra_key = f"{prefix}linear_qkv._extra_state"
+            if extra_key in state_dict:
+                state_dict[f"{prefix}{self._own_name}._extra_state"] = state_dict.pop(extra_key)
             groups, qpg, hn = self.num_query_groups_per_partition, self._queries_per_group, self.hidden_size_per_attention_head
             parts = split_qkv_rows(fused, ("q", "k", "v"), groups, qpg, hn)
             state_dict[f"{prefix}{self._own_name}.weight"] = parts[self.own_part]
@@ -382,8 +424,7 @@ class SharedAttention(_AttentionOps, Attention):
             sharded_offsets,
         )
         # `_extra_state` (FP8 metadata under Transformer Engine, empty otherwise): the own GEMM's
-        # is saved under the computing layer's key; the frozen GEMM never runs and has none.
-        state.pop(f"{prefix}{self._frozen_name}._extra_state", None)
+        # is saved under the computing layer's key (the frozen projection has none).
         own_extra = state.get(f"{prefix}{self._own_name}._extra_state")
         if own_extra is not None:
             own_extra.key = own_extra.key.replace(f"{self._own_name}._extra_state", "linear_qkv._extra_state")

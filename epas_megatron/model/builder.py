@@ -4,6 +4,11 @@ The decoder is described by one *global* list of layer specs (a role per layer, 
 sharing region); each pipeline stage / virtual stage takes the slice of its own layers, found with
 the same Megatron-Core functions ``TransformerBlock`` uses (``get_transformer_layer_offset``,
 ``get_num_layers_to_build``), so even, uneven and explicit-layout pipelines all agree.
+
+Chunks are built on :func:`epas_megatron.runtime.device.compute_device` (the GPU, or what stands
+in for it on CPU). In bf16/fp16 the parameters are created in that dtype and each chunk is wrapped
+in Megatron-Core's ``Float16Module`` (as Megatron-LM does): per-token losses leave the last stage
+in fp32; the optimizer keeps fp32 main parameters (:mod:`epas_megatron.training.optimizer`).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
+from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
@@ -23,10 +29,15 @@ from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from epas_megatron.model.fusions import KernelAvailability, fusion_settings
 from epas_megatron.model.gpt import EpasGPTModel
 from epas_megatron.model.init import initialize_model
+from epas_megatron.model.specs import decoder_layer_specs, get_backend, layer_roles
+from epas_megatron.runtime.device import compute_device
 from epas_megatron.sharing import handoff as qk_handoff
-from epas_megatron.model.specs import BACKENDS, decoder_layer_specs, layer_roles
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""Training precisions and their parameter dtypes."""
 
 
 @dataclass(frozen=True)
@@ -117,15 +128,21 @@ def make_transformer_config(
     vpp: Optional[int] = None,
     pipeline_layout: Optional[str] = None,
     sequence_parallel: bool = False,
-    bf16: bool = False,
+    precision: str = "fp32",
     recompute: str = "none",
     recompute_method: str = "uniform",
     recompute_num_layers: int = 1,
-    on_cuda: Optional[bool] = None,
+    deterministic: bool = False,
+    kernels: Optional[KernelAvailability] = None,
 ) -> TransformerConfig:
-    """A Megatron ``TransformerConfig`` for a LLaMA decoder."""
-    on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    """A Megatron ``TransformerConfig`` for a LLaMA decoder.
+
+    ``kernels``: the fused kernels to use where they help (default: what this process can load,
+    :mod:`epas_megatron.model.fusions`)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    kernels = KernelAvailability.detect() if kernels is None else kernels
+    dtype = PRECISIONS[precision]
     kwargs = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -147,20 +164,17 @@ def make_transformer_config(
         sequence_parallel=sequence_parallel,
         pipeline_dtype=dtype,
         params_dtype=dtype,
-        bf16=bf16,
-        use_cpu_initialization=not on_cuda,
-        # Fusions are CUDA kernels: on CPU every op is the plain PyTorch one.
-        bias_activation_fusion=on_cuda,
-        bias_dropout_fusion=on_cuda,
-        masked_softmax_fusion=on_cuda,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        # Weights are created where the model runs (the CPU, or the GPU / its meta stand-in).
+        use_cpu_initialization=compute_device().type == "cpu",
         # Loss is a per-token mean over the whole global batch (DP and micro-batch invariant).
         calculate_per_token_loss=True,
         # gloo computes wrong gradients with batched p2p under interleaving (STACK.md).
-        batch_p2p_comm=on_cuda,
+        batch_p2p_comm=kernels.cuda,
         deallocate_pipeline_outputs=True,
+        deterministic_mode=deterministic,
+        **fusion_settings(kernels),
     )
     if recompute == "full":
         kwargs.update(
@@ -266,18 +280,24 @@ def build_model_chunks(
     sharing_layers: Sequence[int] = (),
     *,
     backend: str = "local",
+    core_attention: str = "sdpa",
     share: str = "qk",
     detach_shared: bool = False,
     seed: Optional[int] = None,
-) -> list[EpasGPTModel]:
-    """The model chunks of this rank (one without interleaving), on the current device.
+    hidden_rows: Optional[tuple[int, int]] = None,
+) -> list:
+    """The model chunks of this rank (one without interleaving), on the compute device.
 
     With ``seed``, weights are initialised independently of the parallel layout and of the
     sharing region (:mod:`epas_megatron.model.init`); without, Megatron's own initialisation
-    stays (weights that a checkpoint load overwrites anyway)."""
+    stays (weights that a checkpoint load overwrites anyway). ``hidden_rows``: (hidden, total)
+    rows of the p2p tensor (see :func:`pipeline_handoff_rows`). In bf16/fp16 each chunk is a
+    ``Float16Module`` around the :class:`EpasGPTModel`."""
     roles = layer_roles(arch.num_layers, sharing_layers)
-    specs = decoder_layer_specs(arch.num_layers, sharing_layers, BACKENDS[backend], share, detach_shared)
-    final_norm = BACKENDS[backend].norm
+    layers_backend = get_backend(backend, core_attention)
+    specs = decoder_layer_specs(arch.num_layers, sharing_layers, layers_backend, share, detach_shared)
+    final_norm = layers_backend.norm
+    device = compute_device()
     chunks = []
     for placement in chunk_placements(config, roles):
         block_spec = TransformerBlockSubmodules(
@@ -297,11 +317,12 @@ def build_model_chunks(
             handoff_heads=handoff_heads(config, share),
             vp_stage=placement.vp_stage,
         )
-        if torch.cuda.is_available():
-            model.cuda(torch.cuda.current_device())
-        if seed is not None:
+        model.to(device)
+        if seed is not None and device.type != "meta":  # meta tensors hold no values to draw
             initialize_model(model, seed, arch.init_method_std, arch.num_layers)
-        chunks.append(model)
+        if hidden_rows is not None:
+            model.decoder.set_p2p_rows(*hidden_rows)
+        chunks.append(Float16Module(config, model) if (config.bf16 or config.fp16) else model)
     return chunks
 
 
@@ -330,25 +351,25 @@ def build_model(
     vpp: Optional[int] = None,
     pipeline_layout: Optional[str] = None,
     sequence_parallel: bool = False,
-    bf16: bool = False,
+    precision: str = "fp32",
     recompute: str = "none",
     recompute_method: str = "uniform",
     recompute_num_layers: int = 1,
     backend: str = "local",
+    core_attention: str = "sdpa",
     share: str = "qk",
     detach_shared: bool = False,
     seed: Optional[int] = None,
+    deterministic: bool = False,
 ) -> BuiltModel:
     """Config, chunks and p2p geometry for one sharing region and pipeline layout: the one place
     the trainer, evaluation and benchmarks assemble a model."""
     config = make_transformer_config(
         arch, tp=tp, pp=pp, vpp=vpp if pipeline_layout is None else None, pipeline_layout=pipeline_layout,
-        sequence_parallel=sequence_parallel, bf16=bf16, recompute=recompute, recompute_method=recompute_method,
-        recompute_num_layers=recompute_num_layers,
+        sequence_parallel=sequence_parallel, precision=precision, recompute=recompute, recompute_method=recompute_method,
+        recompute_num_layers=recompute_num_layers, deterministic=deterministic,
     )
-    chunks = build_model_chunks(config, arch, sharing_layers, backend=backend, share=share,
-                                detach_shared=detach_shared, seed=seed)
     hidden_rows, total_rows, schedule_seq = pipeline_handoff_rows(config, layer_roles(arch.num_layers, sharing_layers), seq_length, share)
-    for chunk in chunks:
-        chunk.decoder.set_p2p_rows(hidden_rows, total_rows)
+    chunks = build_model_chunks(config, arch, sharing_layers, backend=backend, core_attention=core_attention, share=share,
+                                detach_shared=detach_shared, seed=seed, hidden_rows=(hidden_rows, total_rows))
     return BuiltModel(chunks, config, schedule_seq)

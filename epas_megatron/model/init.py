@@ -9,6 +9,11 @@ sharing region from the start has exactly the weights of the plain model (the fu
 and then split into the V and frozen Q/K projections), so a fixed-region EPAS model and its
 baseline differ only in what they compute.
 
+The draws are made by a CPU generator whatever the model's device (a CUDA generator gives other
+numbers), so a GPU run starts from exactly the weights of a CPU run with the same seed; the cost
+is about 7 s of CPU time per billion parameters a rank draws (each rank draws the full tensors of
+its own layers), once per run.
+
 Scheme (Megatron-LM's defaults for LLaMA): normal(0, std) for embeddings, QKV, SwiGLU fc1 and LM
 head; normal(0, std / sqrt(2 * num_layers)) for the attention output projection and fc2; ones
 for norm weights.
@@ -28,15 +33,16 @@ from epas_megatron.model.attention import SharedAttention, split_qkv_rows, fuse_
 _SCALED = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 
 
-def _generator(seed: int, name: str, device) -> torch.Generator:
-    g = torch.Generator(device=device)
+def _generator(seed: int, name: str) -> torch.Generator:
+    g = torch.Generator(device="cpu")
     g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1))
     return g
 
 
-def _full_tensor(name: str, shape, std: float, seed: int, device) -> torch.Tensor:
-    full = torch.empty(shape, dtype=torch.float32, device=device)
-    full.normal_(0.0, std, generator=_generator(seed, name, device))
+def _full_tensor(name: str, shape, std: float, seed: int) -> torch.Tensor:
+    """The full (unsharded) fp32 tensor of a parameter, drawn on CPU (see module doc)."""
+    full = torch.empty(shape, dtype=torch.float32)
+    full.normal_(0.0, std, generator=_generator(seed, name))
     return full
 
 
@@ -64,7 +70,7 @@ def _init_param(param: torch.Tensor, name: str, std: float, seed: int, gated_fc1
     if param.dim() == 1:  # norm weights
         param.fill_(1.0)
         return
-    full = _full_tensor(name, _full_shape(param), std, seed, param.device)
+    full = _full_tensor(name, _full_shape(param), std, seed)
     if gated_fc1 and name.endswith("mlp.linear_fc1.weight"):
         local = _gated_fc1_shard(full)
     elif getattr(param, "tensor_model_parallel", False):
@@ -80,7 +86,7 @@ def _init_shared_attention(attention: SharedAttention, prefix: str, std: float, 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rows = (own.shape[0] + frozen.shape[0]) * tp
     name = f"{prefix}self_attention.linear_qkv.weight"
-    local = _tp_shard(_full_tensor(name, (rows, own.shape[1]), std, seed, own.device), 0)
+    local = _tp_shard(_full_tensor(name, (rows, own.shape[1]), std, seed), 0)
     parts = split_qkv_rows(
         local, ("q", "k", "v"), attention.num_query_groups_per_partition,
         attention._queries_per_group, attention.hidden_size_per_attention_head,

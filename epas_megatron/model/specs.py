@@ -15,7 +15,7 @@ variants save the norm under the same key, ``self_attention.linear_qkv.layer_nor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Optional, Sequence
 
@@ -32,9 +32,11 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from epas_megatron.model.attention import (
     _OWN_PART,
     ComputingAttention,
+    FrozenProjection,
     SharedAttention,
     SharedAttentionSubmodules,
 )
+from epas_megatron.model.core_attention import CORE_ATTENTION_CHOICES, SDPAttention
 from epas_megatron.model.layer import EpasTransformerLayer
 from epas_megatron.model.norm import RMSNorm
 from epas_megatron.sharing.schedule import layer_modes
@@ -72,7 +74,7 @@ LOCAL = Backend(
     column_parallel_linear=ColumnParallelLinear,
     row_parallel_linear=RowParallelLinear,
     norm_column_parallel_linear=None,
-    core_attention=DotProductAttention,
+    core_attention=SDPAttention,
     norm=RMSNorm,
 )
 
@@ -86,6 +88,24 @@ TRANSFORMER_ENGINE = Backend(
 )
 
 BACKENDS = {b.name: b for b in (LOCAL, TRANSFORMER_ENGINE)}
+
+# Core attention of local layers per --core-attention (Transformer Engine chooses its own kernel).
+_LOCAL_CORE_ATTENTION = {"sdpa": SDPAttention, "unfused": DotProductAttention}
+assert set(_LOCAL_CORE_ATTENTION) == set(CORE_ATTENTION_CHOICES)
+
+
+def get_backend(name: str, core_attention: str = "sdpa") -> Backend:
+    """The backend ``name`` ('local' or 'transformer_engine'); for local layers with the core
+    attention ``core_attention`` ('sdpa': PyTorch's fused kernels, 'unfused': Megatron-Core's
+    ``DotProductAttention``, which materialises the scores)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; expected one of {sorted(BACKENDS)}")
+    if core_attention not in _LOCAL_CORE_ATTENTION:
+        raise ValueError(f"unknown core attention {core_attention!r}; expected one of {CORE_ATTENTION_CHOICES}")
+    backend = BACKENDS[name]
+    if name == "local":
+        backend = replace(backend, core_attention=_LOCAL_CORE_ATTENTION[core_attention])
+    return backend
 
 
 def layer_spec(role: str, backend: Backend = LOCAL, share: str = "qk", detach_shared: bool = False) -> ModuleSpec:
@@ -101,7 +121,7 @@ def layer_spec(role: str, backend: Backend = LOCAL, share: str = "qk", detach_sh
             params={"attn_mask_type": AttnMaskType.causal, "share": share, "detach_shared": detach_shared},
             submodules=SharedAttentionSubmodules(
                 linear_own=input_linear,
-                linear_frozen=backend.column_parallel_linear,
+                linear_frozen=FrozenProjection,
                 core_attention=backend.core_attention,
                 linear_proj=backend.row_parallel_linear,
             ),

@@ -1,5 +1,6 @@
 """The local-spec model equals Hugging Face's LlamaForCausalLM (built from a config, no download),
-and region 0 equals Megatron-Core's stock GPTModel bit for bit."""
+with either attention kernel, and region 0 with Megatron's unfused attention equals Megatron-Core's
+stock GPTModel (local spec) bit for bit."""
 
 import pytest
 import torch
@@ -27,8 +28,9 @@ def shape_of(arch):
                       arch.hidden_size // arch.num_attention_heads, arch.vocab_size)
 
 
-def test_local_model_equals_hugging_face_llama(tiny_arch):
-    model = build(tiny_arch).eval()
+@pytest.mark.parametrize("core_attention", ["sdpa", "unfused"])
+def test_local_model_equals_hugging_face_llama(tiny_arch, core_attention):
+    model = build(tiny_arch, core_attention=core_attention).eval()
     hf = hf_model(tiny_arch, megatron_to_hf(strip_extra_state(model.state_dict()), shape_of(tiny_arch)))
     tokens = torch.randint(0, tiny_arch.vocab_size, (2, 32), generator=torch.Generator().manual_seed(3))
     pos = torch.arange(32).unsqueeze(0).expand(2, -1)
@@ -61,7 +63,7 @@ def test_region_zero_is_bit_identical_to_megatron_gpt_model(tiny_arch):
 
     from epas_megatron.model.builder import make_transformer_config
 
-    ours = build(tiny_arch)
+    ours = build(tiny_arch, core_attention="unfused")
     stock = GPTModel(make_transformer_config(tiny_arch), get_gpt_layer_local_spec(normalization="RMSNorm"),
                      vocab_size=tiny_arch.vocab_size, max_sequence_length=tiny_arch.max_sequence_length,
                      position_embedding_type="rope", share_embeddings_and_output_weights=False)
