@@ -42,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--allow-untrained-regions", action="store_true", help="allow regions larger than the trained one")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="model precision ('auto': bf16 on a GPU, fp32 on CPU)")
     p.add_argument("--output", default=None, help="also write the results as JSON here")
     return p
 
@@ -99,10 +101,12 @@ def evaluate_regions(args, checkpoint: Path, meta: dict) -> list[dict]:
     )
     arch = architecture_from_config(cfg.model)
     share = meta.get("epas_share", "qk")
+    precision, backend = _precision_and_backend(args.precision, cfg.model.transformer_impl)
     results = []
     for region in args.region_list:
         sharing = region_layers(arch.num_layers, region, flag="--regions")
-        built = build_model(arch, sharing, seq_length=t.seq_length, tp=args.tp, pp=args.pp, share=share)
+        built = build_model(arch, sharing, seq_length=t.seq_length, tp=args.tp, pp=args.pp, share=share,
+                            precision=precision, backend=backend, core_attention=cfg.model.core_attention)
         chunks, schedule_seq = built.chunks, built.schedule_seq_length
         load_checkpoint(checkpoint, chunks, restore_rng=False)
         iterators = [build_data_iterator(valid, mbs, parallel_state.get_data_parallel_rank(), dp, 0) for _ in chunks]
@@ -111,6 +115,20 @@ def evaluate_regions(args, checkpoint: Path, meta: dict) -> list[dict]:
         results.append({"region": region, "sharing_layers": list(sharing), "lm_loss": result.lm_loss,
                         "ppl": math.exp(min(result.lm_loss, 50.0)), "tokens": result.tokens})
     return results
+
+
+def _precision_and_backend(precision: str, transformer_impl: str) -> tuple[str, str]:
+    """What to evaluate with on this machine: the requested precision ('auto': bf16 on a GPU),
+    and the run's layer backend where it is available here (checkpoints load into either)."""
+    import torch
+
+    from epas_megatron.model.fusions import transformer_engine_importable
+
+    cuda = torch.cuda.is_available()
+    if precision == "auto":
+        precision = "bf16" if cuda else "fp32"
+    use_te = cuda and transformer_impl != "local" and transformer_engine_importable()
+    return precision, "transformer_engine" if use_te else "local"
 
 
 def markdown_table(results: list[dict], trained: int) -> str:

@@ -29,6 +29,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch-size", type=int, default=None, help="default: the preset's")
     p.add_argument("--num-microbatches", type=int, default=1, help="micro-batches per iteration")
     p.add_argument("--share", default="qk", choices=["qk", "kv"])
+    p.add_argument("--core-attention", default="sdpa", choices=["sdpa", "unfused"], help="attention kernel of local layers")
     p.add_argument("--seed", type=int, default=1234)
 
 
@@ -74,7 +75,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from epas_megatron.bench.train_bench import format_record, run_train_bench
 
             cfg = BenchConfig(args.preset, region, args.iters, args.blocks, args.warmup, seq, mbs,
-                             args.num_microbatches, tp=tp, pp=args.pp, share=args.share, seed=args.seed)
+                             args.num_microbatches, tp=tp, pp=args.pp, share=args.share, seed=args.seed,
+                             core_attention=args.core_attention)
             record = run_train_bench(cfg, log=log)
         else:
             from epas_megatron.bench.common import BenchConfig
@@ -83,7 +85,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             cfg = BenchConfig(args.preset, region, args.iters, args.blocks, args.warmup, seq, mbs,
                                 max(args.num_microbatches, 2 * args.pp), pp=args.pp, vpp=args.vpp,
-                                share=args.share, seed=args.seed)
+                                share=args.share, seed=args.seed, core_attention=args.core_attention)
             record = run_pipeline_bench(cfg, log=log)
         log(format_record(record))
     finally:

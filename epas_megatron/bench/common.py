@@ -57,6 +57,9 @@ class BenchConfig:
     share: str = "qk"
     """'qk' or 'kv'."""
 
+    core_attention: str = "sdpa"
+    """Attention kernel of local layers ('sdpa' or 'unfused')."""
+
     seed: int = 1234
     """Initialisation seed (every variant gets the same weights)."""
 
@@ -86,24 +89,33 @@ class SyntheticTokens:
 
 
 def training_state(arch, sharing, *, seq_length: int, micro_batch_size: int, num_microbatches: int, seed: int,
-                   tp: int = 1, pp: int = 1, vpp=None, layout=None, share: str = "qk", backend: str = "local") -> dict:
+                   tp: int = 1, pp: int = 1, vpp=None, layout=None, share: str = "qk", backend: str = "local",
+                   core_attention: str = "sdpa") -> dict:
     """Model (built from ``seed``, so every variant starts from the same weights), DDP,
     optimizer and one synthetic token stream per model chunk."""
     from epas_megatron.model.builder import build_model
     from epas_megatron.training.optimizer import build_optimizer, build_scheduler, wrap_ddp
 
     cuda = torch.cuda.is_available()
+    precision = "bf16" if cuda else "fp32"
     built = build_model(arch, sharing, seq_length=seq_length, tp=tp, pp=pp, vpp=vpp, pipeline_layout=layout,
-                        bf16=cuda, backend=backend, share=share, seed=seed)
-    settings = OptimizerSettings(bf16=cuda, use_distributed_optimizer=cuda, **BENCH_OPTIMIZER)
+                        precision=precision, backend=backend, core_attention=core_attention, share=share, seed=seed)
+    settings = OptimizerSettings(precision=precision, use_distributed_optimizer=cuda, **BENCH_OPTIMIZER)
     model = wrap_ddp(built.chunks, built.config, settings)
-    optimizer = build_optimizer(model, settings)
+    optimizer = build_optimizer(model, settings, built.config)
     return {
         "model": model, "optimizer": optimizer, "scheduler": build_scheduler(optimizer, settings),
         "schedule_seq": built.schedule_seq_length, "micro_batch_size": micro_batch_size,
         "num_microbatches": num_microbatches,
         "data": [SyntheticTokens(arch.vocab_size, seq_length, micro_batch_size, seed + 1) for _ in model],
     }
+
+
+def default_backend() -> str:
+    """Transformer Engine layers where TE is installed on a GPU node, local layers otherwise."""
+    from epas_megatron.model.fusions import transformer_engine_importable
+
+    return "transformer_engine" if torch.cuda.is_available() and transformer_engine_importable() else "local"
 
 
 def run_iteration(state: dict) -> None:
@@ -116,8 +128,9 @@ def run_iteration(state: dict) -> None:
 
 
 def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    from epas_megatron.runtime.device import synchronize
+
+    synchronize()
     if dist.is_initialized():
         dist.barrier()
 

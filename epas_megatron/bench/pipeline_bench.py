@@ -33,6 +33,7 @@ from epas_megatron.bench.common import BenchConfig
 def _stage_compute_seconds(state, hidden_size: int, repeats: int = 3) -> float:
     """Forward + backward of this rank's chunks alone on synthetic input (no communication)."""
     from epas_megatron.checkpointing.checkpoint import _unwrap
+    from epas_megatron.runtime.device import compute_device, synchronize, to_compute_device
 
     total = 0.0
     for chunk, data in zip(state["model"], state["data"]):
@@ -40,12 +41,17 @@ def _stage_compute_seconds(state, hidden_size: int, repeats: int = 3) -> float:
         rows = module.decoder.p2p_rows[1] if module.decoder.p2p_rows else data.seq
         times = []
         for _ in range(repeats + 1):
-            batch = next(data)
+            batch = to_compute_device(next(data))
             if not module.pre_process:
-                module.set_input_tensor(torch.randn(rows, data.batch, hidden_size, requires_grad=True))
+                # What the previous stage would send: [rows, b, h] in the pipeline's dtype.
+                received = torch.randn(rows, data.batch, hidden_size, device=compute_device(),
+                                       dtype=module.config.pipeline_dtype, requires_grad=True)
+                module.set_input_tensor(received)
+            synchronize()
             start = time.perf_counter()
             out = module(batch["tokens"], batch["position_ids"], None, labels=batch["labels"] if module.post_process else None)
             out.backward(torch.ones_like(out) if module.post_process else torch.randn_like(out))
+            synchronize()
             times.append(time.perf_counter() - start)
             module.zero_grad(set_to_none=True)
             chunk.zero_grad_buffer()
@@ -82,7 +88,7 @@ def run_pipeline_bench(cfg: BenchConfig, log=print) -> dict:
     """Measure the variants (inside a process group of PP ranks x DP); returns the BENCH record."""
     from megatron.core import parallel_state
 
-    from epas_megatron.bench.common import alternating_throughput, training_state
+    from epas_megatron.bench.common import alternating_throughput, default_backend, training_state
     from epas_megatron.config.presets import get_preset
     from epas_megatron.model.builder import LlamaArchitecture, padded_vocab_size
     from epas_megatron.parallel.stage_plan import flops_layer_costs, plan_for_region
@@ -103,7 +109,8 @@ def run_pipeline_bench(cfg: BenchConfig, log=print) -> dict:
         f"{f' VPP {cfg.vpp}' if cfg.vpp else ''}, {cfg.num_microbatches} micro-batches of {cfg.micro_batch_size} x seq {cfg.seq_length}; "
         f"rebalanced layout {rebalanced}")
     timing = dict(iters=cfg.iters, blocks=cfg.blocks, warmup=cfg.warmup, log=log)
-    common = dict(seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size, seed=cfg.seed, share=cfg.share)
+    common = dict(seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size, seed=cfg.seed, share=cfg.share,
+                  backend=default_backend(), core_attention=cfg.core_attention)
     pipelined = dict(common, num_microbatches=cfg.num_microbatches, pp=cfg.pp, vpp=cfg.vpp)
     variants = {
         "baseline": training_state(arch, (), **pipelined),

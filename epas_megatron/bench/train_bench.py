@@ -31,7 +31,7 @@ def run_train_bench(cfg: BenchConfig, log=print) -> dict:
     from epas_megatron.model.builder import LlamaArchitecture, padded_vocab_size
     from epas_megatron.sharing.schedule import region_layers
 
-    from epas_megatron.bench.common import alternating_throughput, training_state
+    from epas_megatron.bench.common import alternating_throughput, default_backend, training_state
 
     preset = get_preset(cfg.preset)
     vocab = padded_vocab_size(preset.vocab_size or 8192)
@@ -39,36 +39,36 @@ def run_train_bench(cfg: BenchConfig, log=print) -> dict:
                              preset.ffn_hidden_size, vocab, max(cfg.seq_length, preset.seq_length))
     sharing = region_layers(arch.num_layers, cfg.region, flag="--region")
     cuda = torch.cuda.is_available()
-    backend = "transformer_engine" if cuda and _have_te() else "local"
+    backend = default_backend()
     common = dict(seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
-                  seed=cfg.seed, tp=cfg.tp, pp=cfg.pp, share=cfg.share, backend=backend)
+                  seed=cfg.seed, tp=cfg.tp, pp=cfg.pp, share=cfg.share, backend=backend, core_attention=cfg.core_attention)
     states = {"baseline": training_state(arch, (), **common), "epas": training_state(arch, sharing, **common)}
     dp = dist.get_world_size() // (cfg.tp * cfg.pp)
     tokens_per_iter = cfg.seq_length * cfg.micro_batch_size * cfg.num_microbatches * dp
     log(f"bench: {cfg.preset} ({arch.num_layers} layers, h {arch.hidden_size}), region {cfg.region} {list(sharing)}, "
         f"seq {cfg.seq_length}, {cfg.num_microbatches} x {cfg.micro_batch_size} x DP {dp}, TP {cfg.tp}, PP {cfg.pp}, "
-        f"{backend} layers, {'bf16 CUDA' if cuda else 'fp32 CPU'}; {cfg.warmup} warm-up + {cfg.iters} timed iterations each")
+        f"{backend} layers{'' if backend != 'local' else f' ({cfg.core_attention} attention)'}, {'bf16 CUDA' if cuda else 'fp32 CPU'}; "
+        f"{cfg.warmup} warm-up + {cfg.iters} timed iterations each")
     tps = alternating_throughput(states, tokens_per_iter, iters=cfg.iters, blocks=cfg.blocks, warmup=cfg.warmup, log=log)
-    convention = Convention.MEGATRON if backend == "transformer_engine" else Convention.PAPER
+    # Fused kernels (TE, SDPA) skip the causally masked half of the scores; unfused attention does not.
+    convention = Convention.PAPER if (backend == "local" and cfg.core_attention == "unfused") else Convention.MEGATRON
     limit = flop_limit_ratio(arch.flops_shape(cfg.seq_length), cfg.region, share=cfg.share, convention=convention)
     ratio = tps["epas"] / tps["baseline"]
     record = {
         "preset": cfg.preset, "region": cfg.region, "seq_length": cfg.seq_length, "tp": cfg.tp, "pp": cfg.pp,
         "baseline_tokens_per_s": tps["baseline"], "epas_tokens_per_s": tps["epas"], "ratio": ratio,
         "flop_limit_ratio": limit, "measured_over_limit": ratio / limit, "flop_convention": convention.name.lower(),
-        "backend": backend, "blocks": cfg.blocks, "iters_per_block": max(1, cfg.iters // cfg.blocks),
+        "backend": backend, "core_attention": cfg.core_attention if backend == "local" else "te",
+        "device": _device_name(), "precision": "bf16" if cuda else "fp32",
+        "blocks": cfg.blocks, "iters_per_block": max(1, cfg.iters // cfg.blocks),
     }
     log(f"baseline {tps['baseline']:.1f} tok/s | EPAS {tps['epas']:.1f} tok/s | ratio {ratio:.4f} | "
         f"FLOP limit {limit:.4f} | measured/limit {ratio / limit:.4f}")
     return record
 
 
-def _have_te() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:
-        return False
-    return True
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def format_record(record: dict) -> str:

@@ -144,6 +144,33 @@ def sharded_state(model_chunks: Sequence[torch.nn.Module], optimizer, scheduler,
     return state
 
 
+def _grad_scalers(optimizer) -> list:
+    """The fp16 loss scalers of an optimizer (one per chained sub-optimizer; none otherwise)."""
+    if optimizer is None:
+        return []
+    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [o.grad_scaler for o in parts if getattr(o, "grad_scaler", None) is not None]
+
+
+def _scaler_states(optimizer) -> list[dict]:
+    """Loss-scaler states as plain numbers (they are saved with the optimizer state, which does
+    not exist before the first successful step -- but fp16 skips steps until its scale fits)."""
+    states = []
+    for scaler in _grad_scalers(optimizer):
+        state = scaler.state_dict()
+        states.append({k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in state.items()})
+    return states
+
+
+def _restore_scaler_states(optimizer, states: list[dict]) -> None:
+    from epas_megatron.runtime.device import compute_device
+
+    for scaler, state in zip(_grad_scalers(optimizer), states):
+        if "scale" in state:
+            state = {**state, "scale": torch.tensor([state["scale"]], dtype=torch.float32, device=compute_device())}
+        scaler.load_state_dict(state)
+
+
 def optimizer_has_state(optimizer) -> bool:
     """Whether any parameter has optimizer state yet (none before the first step)."""
     if optimizer is None:
@@ -183,6 +210,8 @@ def save_checkpoint(
         target.mkdir()
     _barrier()
     with_optimizer = optimizer_has_state(optimizer)
+    if not with_optimizer and _grad_scalers(optimizer):
+        train_state = {**train_state, "grad_scalers": _scaler_states(optimizer)}
     state = sharded_state(model_chunks, optimizer, scheduler, train_state, loading=False, with_optimizer=with_optimizer)
     dist_checkpointing.save(state, str(target))
     _barrier()
@@ -235,6 +264,8 @@ def load_checkpoint(
         optimizer.load_state_dict(loaded["optimizer"])
         if scheduler is not None:
             scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    elif optimizer is not None and "grad_scalers" in loaded.get("train_state", {}):
+        _restore_scaler_states(optimizer, loaded["train_state"]["grad_scalers"])
     if restore_rng and "rng_state" in loaded:
         _set_rng_state(loaded["rng_state"])
     return loaded.get("train_state", {})

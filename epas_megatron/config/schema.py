@@ -60,6 +60,12 @@ class ModelConfig:
     """Layer backend: 'local' (pure PyTorch Megatron-Core modules, runs everywhere),
     'transformer_engine' (GPU only), or 'auto' (TE when CUDA and TE are present, else local)."""
 
+    core_attention: str = "sdpa"
+    """Attention kernel of local layers: 'sdpa' (PyTorch scaled_dot_product_attention:
+    FlashAttention / memory-efficient kernels on GPU, fused on CPU; no s x s scores kept) or
+    'unfused' (Megatron-Core's DotProductAttention, which materialises the scores). Transformer
+    Engine layers always use TE's fused attention."""
+
 
 @dataclass
 class ParallelConfig:
@@ -82,8 +88,8 @@ class ParallelConfig:
     """Sequence parallelism: norms and dropout work on a 1/TP slice of the sequence (needs TP > 1)."""
 
     use_distributed_optimizer: Optional[bool] = None
-    """Shard optimizer state over data-parallel ranks. Default: on with CUDA, off on CPU (the
-    distributed optimizer needs CUDA)."""
+    """Shard optimizer state (and fp32 main weights) over data-parallel ranks. Default: on with
+    CUDA, off on CPU (where it runs too, over gloo)."""
 
     overlap_grad_reduce: bool = False
     """Overlap the data-parallel gradient reduction with the backward pass."""
@@ -146,7 +152,33 @@ class TrainingConfig:
     """Random seed (weights, data order, dropout)."""
 
     precision: str = "auto"
-    """'bf16' (GPU), 'fp32', or 'auto' (bf16 with CUDA, fp32 on CPU)."""
+    """'bf16', 'fp16' (with loss scaling; the paper's V100 setting), 'fp32', or 'auto' (bf16 with
+    CUDA, fp32 on CPU). bf16/fp16 keep fp32 main weights in the optimizer; on CPU they run
+    (slowly) for checks."""
+
+    loss_scale: Optional[float] = None
+    """fp16: a static loss scale (a power of 2). Default: dynamic loss scaling."""
+
+    initial_loss_scale: float = 2.0**15
+    """fp16, dynamic loss scaling: the initial scale. Per-token losses are summed over a
+    micro-batch (not averaged, as Megatron-LM's default), so the scale settles about
+    tokens-per-micro-batch times lower for the same fp16 gradients; a logit's gradient alone
+    reaches the scale, and fp16 overflows above 65504, so the search starts at 2^15 rather than
+    Megatron-LM's 2^32."""
+
+    min_loss_scale: float = 1.0
+    """fp16, dynamic loss scaling: the smallest scale."""
+
+    loss_scale_window: int = 1000
+    """fp16, dynamic loss scaling: steps without overflow before the scale doubles."""
+
+    hysteresis: int = 2
+    """fp16, dynamic loss scaling: overflowing steps tolerated before the scale halves."""
+
+    deterministic: bool = False
+    """Deterministic GPU kernels, so that reruns and resumes are bit-identical on the same GPUs
+    (PyTorch's deterministic algorithms, cuBLAS workspace config, Megatron's and Transformer
+    Engine's deterministic mode, NCCL without NVLS); slower. CPU runs are deterministic anyway."""
 
     eval_interval: int = 50
     """Compute validation loss every this many iterations (0 disables)."""

@@ -21,9 +21,10 @@ from epas_megatron.sharing.schedule import SharingSchedule
 
 _CHOICES = {
     "transformer_impl": ("auto", "local", "transformer_engine"),
+    "core_attention": ("sdpa", "unfused"),
     "recompute": ("none", "selective", "full"),
     "recompute_method": ("uniform", "block"),
-    "precision": ("auto", "bf16", "fp32"),
+    "precision": ("auto", "bf16", "fp16", "fp32"),
     "lr_decay_style": ("cosine", "linear", "constant"),
     "epas_share": ("qk", "kv"),
     "epas_rebalance": ("auto", "on", "off"),
@@ -54,8 +55,8 @@ class ResolvedRun:
     backend: str
     """'local' or 'transformer_engine'."""
 
-    bf16: bool
-    """bf16 training."""
+    precision: str
+    """'fp32', 'bf16' or 'fp16' ('auto' resolved)."""
 
     use_distributed_optimizer: bool
     """Shard optimizer state over DP."""
@@ -80,6 +81,11 @@ class ResolvedRun:
 
     warnings: tuple[str, ...] = ()
     """Things to print at start."""
+
+    @property
+    def bf16(self) -> bool:
+        """bf16 training."""
+        return self.precision == "bf16"
 
 
 def _check_choices(cfg: RunConfig) -> None:
@@ -185,12 +191,19 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
         backend = "transformer_engine" if cuda and _have_te() else "local"
     if backend == "transformer_engine" and not cuda:
         raise ConfigError("--transformer-impl transformer_engine needs a GPU; use --transformer-impl local on CPU")
+    if backend == "transformer_engine" and not _have_te():
+        raise ConfigError("--transformer-impl transformer_engine: Transformer Engine is not installed (pip install -r requirements-gpu.txt); use --transformer-impl local")
     use_dist_opt = cuda if p.use_distributed_optimizer is None else p.use_distributed_optimizer
-    if use_dist_opt and not cuda:
-        raise ConfigError("--use-distributed-optimizer needs CUDA; use --no-use-distributed-optimizer on CPU")
-    bf16 = {"auto": cuda, "bf16": True, "fp32": False}[t.precision]
-    if bf16 and not cuda:
-        raise ConfigError("--precision bf16 needs a GPU here; use --precision fp32 on CPU")
+    precision = ("bf16" if cuda else "fp32") if t.precision == "auto" else t.precision
+    if precision != "fp16" and t.loss_scale is not None:
+        raise ConfigError(f"--loss-scale applies to --precision fp16 only (this run: {precision})")
+    if t.loss_scale is not None and t.loss_scale <= 0:
+        raise ConfigError(f"--loss-scale must be > 0, got {t.loss_scale}")
+    if precision == "fp16" and (t.initial_loss_scale <= 0 or t.min_loss_scale <= 0 or t.min_loss_scale > t.initial_loss_scale):
+        raise ConfigError(f"need 0 < --min-loss-scale <= --initial-loss-scale, got {t.min_loss_scale} and {t.initial_loss_scale}")
+    if precision == "fp16":
+        _positive(t.loss_scale_window, "--loss-scale-window")
+        _positive(t.hysteresis, "--hysteresis")
 
     # ---- training
     for name in ("train_iters", "micro_batch_size", "seq_length", "log_interval"):
@@ -246,6 +259,12 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
             diffs = model_shape_differences(load_meta.get("model", {}), _model_shape_of(replace(cfg, model=m)))
             if diffs:
                 raise ConfigError(f"--load {load_path}: the checkpoint holds a different model ({'; '.join(diffs)})")
+            saved_dist = load_meta.get("parallel", {}).get("use_distributed_optimizer")
+            if load_meta.get("has_optimizer_state", True) and saved_dist is not None and saved_dist != use_dist_opt:
+                flag = "--use-distributed-optimizer" if saved_dist else "--no-use-distributed-optimizer"
+                raise ConfigError(
+                    f"--load {load_path}: its optimizer state was saved {'with' if saved_dist else 'without'} the distributed "
+                    f"optimizer, whose formats differ; resume with {flag} (or start from its weights with --pretrained)")
     pretrained_dir = None
     if cfg.checkpoint.pretrained and load_dir is None:
         pre = Path(cfg.checkpoint.pretrained)
@@ -266,7 +285,7 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
         dp=dp,
         num_microbatches=gbs // (t.micro_batch_size * dp),
         backend=backend,
-        bf16=bf16,
+        precision=precision,
         use_distributed_optimizer=use_dist_opt,
         schedule=schedule,
         rebalance=rebalance,
@@ -279,11 +298,9 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
 
 
 def _have_te() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:
-        return False
-    return True
+    from epas_megatron.model.fusions import transformer_engine_importable
+
+    return transformer_engine_importable()
 
 
 def _check_layout(layout: str, num_layers: int, pp: int, vpp: Optional[int]) -> None:

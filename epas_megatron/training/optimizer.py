@@ -5,11 +5,20 @@ parameters frozen by a switch (the Q/K rows of sharing layers, ``requires_grad=F
 no gradient buffer, no optimizer parameter group and no all-reduce: Megatron's DDP and
 ``get_megatron_optimizer`` both skip parameters that do not require gradients. No weight decay
 is applied to 1-D parameters (norm weights), as in Megatron-LM.
+
+Precision: in bf16 and fp16 the model holds half-precision parameters and Megatron's optimizer
+keeps fp32 main parameters (and, with the distributed optimizer, shards them over DP); gradients
+are reduced in fp32. fp16 adds loss scaling -- dynamic by default (initial scale 2^15, see
+``--initial-loss-scale``; halved after ``hysteresis`` overflowing steps, doubled after
+``loss_scale_window`` clean ones), static with ``loss_scale``; an overflowing step skips the
+update (``StepResult.update_successful``). The scaler's state is part of the optimizer's
+checkpoint state.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -43,11 +52,8 @@ class OptimizerSettings:
     clip_grad: float
     """Global gradient-norm clip (0: off)."""
 
-    bf16: bool
-    """bf16 parameters with fp32 main parameters and gradients."""
-
     use_distributed_optimizer: bool
-    """Shard optimizer state over data-parallel ranks (CUDA only)."""
+    """Shard optimizer state (and fp32 main parameters) over data-parallel ranks."""
 
     overlap_grad_reduce: bool
     """Overlap DP gradient reduction with backward."""
@@ -61,11 +67,34 @@ class OptimizerSettings:
     decay_style: str
     """'cosine', 'linear' or 'constant'."""
 
+    precision: str = "fp32"
+    """'fp32', 'bf16' or 'fp16' (half-precision parameters with fp32 main parameters)."""
+
+    loss_scale: Optional[float] = None
+    """fp16: static loss scale; None for dynamic loss scaling."""
+
+    initial_loss_scale: float = 2.0**15
+    """fp16, dynamic: the first loss scale."""
+
+    min_loss_scale: float = 1.0
+    """fp16, dynamic: the scale never drops below this."""
+
+    loss_scale_window: int = 1000
+    """fp16, dynamic: clean steps before the scale doubles."""
+
+    hysteresis: int = 2
+    """fp16, dynamic: overflowing steps tolerated before the scale halves."""
+
+    @property
+    def half(self) -> bool:
+        """bf16 or fp16 parameters."""
+        return self.precision in ("bf16", "fp16")
+
 
 def wrap_ddp(model_chunks, tf_config, settings: OptimizerSettings) -> list[DistributedDataParallel]:
     """Megatron DDP around each chunk; also installs the schedule hooks into the TransformerConfig."""
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=settings.bf16,
+        grad_reduce_in_fp32=settings.half,
         overlap_grad_reduce=settings.overlap_grad_reduce,
         use_distributed_optimizer=settings.use_distributed_optimizer,
         check_for_nan_in_grad=False,
@@ -85,8 +114,12 @@ def wrap_ddp(model_chunks, tf_config, settings: OptimizerSettings) -> list[Distr
     return wrapped
 
 
-def build_optimizer(wrapped_chunks, settings: OptimizerSettings):
-    """Megatron AdamW over the trainable parameters of the chunks."""
+def build_optimizer(wrapped_chunks, settings: OptimizerSettings, tf_config=None):
+    """Megatron AdamW over the trainable parameters of the chunks.
+
+    With ``tf_config``, installs the optimizer's loss scaling as the schedules' ``grad_scale_func``
+    (what Megatron-LM does; required for fp16, a multiplication by one otherwise)."""
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     config = OptimizerConfig(
         optimizer="adam",
         lr=settings.lr,
@@ -96,11 +129,20 @@ def build_optimizer(wrapped_chunks, settings: OptimizerSettings):
         adam_beta2=settings.adam_beta2,
         adam_eps=settings.adam_eps,
         clip_grad=settings.clip_grad,
-        bf16=settings.bf16,
-        params_dtype=torch.bfloat16 if settings.bf16 else torch.float32,
+        bf16=settings.precision == "bf16",
+        fp16=settings.precision == "fp16",
+        params_dtype=dtypes[settings.precision],
+        loss_scale=settings.loss_scale,
+        initial_loss_scale=settings.initial_loss_scale,
+        min_loss_scale=settings.min_loss_scale,
+        loss_scale_window=settings.loss_scale_window,
+        hysteresis=settings.hysteresis,
         use_distributed_optimizer=settings.use_distributed_optimizer,
     )
-    return get_megatron_optimizer(config, list(wrapped_chunks))
+    optimizer = get_megatron_optimizer(config, list(wrapped_chunks))
+    if tf_config is not None:
+        tf_config.grad_scale_func = optimizer.scale_loss
+    return optimizer
 
 
 def build_scheduler(optimizer, settings: OptimizerSettings) -> OptimizerParamScheduler:

@@ -5,6 +5,9 @@ ranks): the model returns per-token losses, the loss function returns their mask
 count, and with ``calculate_per_token_loss`` Megatron divides the gradients by the global token
 count. Reported losses are reduced the same way, so they do not depend on DP, TP, PP or the
 micro-batch split.
+
+Data iterators yield CPU tensors; :func:`forward_step` moves each micro-batch to the model's
+device (:func:`epas_megatron.runtime.device.to_compute_device`) before anything touches it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from epas_megatron.runtime.device import to_compute_device
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -30,7 +35,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def forward_step(data_iterator, model):
     """Megatron forward_step_func: next micro-batch -> model output and its loss function."""
-    batch = next(data_iterator)
+    batch = to_compute_device(next(data_iterator))
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"])
 
@@ -50,6 +55,9 @@ class StepResult:
 
     update_successful: bool = True
     """False if the optimizer skipped the update (inf/nan)."""
+
+    loss_scale: Optional[float] = None
+    """fp16: the loss scale used for this step's gradients (None otherwise)."""
 
 
 def _reduce_losses(losses: Sequence[dict]) -> tuple[float, int]:
@@ -92,14 +100,17 @@ def train_step(model_chunks, optimizer, scheduler, data_iterators, *, num_microb
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = _run_schedule(model_chunks, data_iterators, num_microbatches, seq_length, micro_batch_size, False)
+    loss_scale = float(optimizer.get_loss_scale()) if model_chunks[0].config.fp16 else None
     update_successful, grad_norm, _ = optimizer.step()
-    scheduler.step(increment=1)
+    if update_successful:  # as Megatron-LM: a skipped (overflowing fp16) step does not advance the LR
+        scheduler.step(increment=1)
     loss, tokens = _reduce_losses(losses)
     return StepResult(
         lm_loss=loss,
         tokens=tokens,
         grad_norm=float(grad_norm) if grad_norm is not None else None,
         update_successful=bool(update_successful),
+        loss_scale=loss_scale,
     )
 
 

@@ -107,6 +107,10 @@ class Trainer:
         """Process groups, data, tokenizer, model, optimizer, optional resume."""
         cfg, run = self.cfg, self.run
         vpp = self._vpp()
+        if cfg.training.deterministic:
+            from epas_megatron.runtime.device import use_deterministic_kernels
+
+            use_deterministic_kernels()
         self.dims = init_distributed(cfg.parallel.tp, cfg.parallel.pp, vpp, cfg.training.seed)
         self._prepare_data()
         self._build_datasets()
@@ -178,9 +182,16 @@ class Trainer:
             f"epas-megatron: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}/{m.num_query_groups}, "
             f"ffn {m.ffn_hidden_size}, vocab {m.vocab_size}, seq {t.seq_length} | world {d.world_size} = TP {d.tp} x PP {d.pp}"
             f"{f' (VPP {d.vpp})' if d.vpp else ''} x DP {d.dp} | global batch {t.global_batch_size} = {self.run.num_microbatches} micro-batches"
-            f" x {t.micro_batch_size} x DP {d.dp} | {'bf16' if self.run.bf16 else 'fp32'}, {self.run.backend} layers,"
+            f" x {t.micro_batch_size} x DP {d.dp} | {self.run.precision}, {self._layers_description()},"
             f" {'CUDA' if torch.cuda.is_available() else 'CPU (gloo)'}"
+            f"{', distributed optimizer' if self.run.use_distributed_optimizer else ''}"
         )
+
+    def _layers_description(self) -> str:
+        from epas_megatron.model.fusions import KernelAvailability, describe, fusion_settings
+
+        attention = "TE attention" if self.run.backend == "transformer_engine" else f"{self.cfg.model.core_attention} attention"
+        return f"{self.run.backend} layers, {attention}, {describe(fusion_settings(KernelAvailability.detect()))}"
 
     def _metrics_logger(self):
         from epas_megatron.metrics.logger import MetricsLogger
@@ -228,11 +239,13 @@ class Trainer:
             vpp=self._vpp(),
             pipeline_layout=self.layout,
             sequence_parallel=p.sequence_parallel,
-            bf16=self.run.bf16,
+            precision=self.run.precision,
             recompute=p.recompute,
             recompute_method=p.recompute_method,
             recompute_num_layers=p.recompute_num_layers,
             backend=self.run.backend,
+            core_attention=self.cfg.model.core_attention,
+            deterministic=self.cfg.training.deterministic,
             share=self.cfg.epas.epas_share,
             detach_shared=self.cfg.epas.epas_detach_shared,
             seed=self.cfg.training.seed if initialize else None,
@@ -240,7 +253,7 @@ class Trainer:
         self.tf_config, self.schedule_seq_length = built.config, built.schedule_seq_length
         settings = self._optimizer_settings()
         self.model = wrap_ddp(built.chunks, self.tf_config, settings)
-        self.optimizer = build_optimizer(self.model, settings)
+        self.optimizer = build_optimizer(self.model, settings, self.tf_config)
         self.scheduler = build_scheduler(self.optimizer, settings)
         if self.run.rebalance and self.cfg.epas.epas_cost_model == "measured":
             from epas_megatron.parallel.layer_timing import LayerTimer
@@ -261,7 +274,12 @@ class Trainer:
             adam_beta2=t.adam_beta2,
             adam_eps=t.adam_eps,
             clip_grad=t.clip_grad,
-            bf16=self.run.bf16,
+            precision=self.run.precision,
+            loss_scale=t.loss_scale,
+            initial_loss_scale=t.initial_loss_scale,
+            min_loss_scale=t.min_loss_scale,
+            loss_scale_window=t.loss_scale_window,
+            hysteresis=t.hysteresis,
             use_distributed_optimizer=self.run.use_distributed_optimizer,
             overlap_grad_reduce=self.cfg.parallel.overlap_grad_reduce,
             warmup_iters=t.lr_warmup_iters,
@@ -310,7 +328,9 @@ class Trainer:
         d = self.dims
         return {
             "model": _model_shape_of(self.cfg),
-            "parallel": {"tp": d.tp, "pp": d.pp, "dp": d.dp, "vpp": d.vpp, "layout": self.layout},
+            "parallel": {"tp": d.tp, "pp": d.pp, "dp": d.dp, "vpp": d.vpp, "layout": self.layout,
+                         "use_distributed_optimizer": self.run.use_distributed_optimizer},
+            "precision": self.run.precision,
             "epas_schedule": self.run.schedule.state_dict(),
             "epas_share": self.cfg.epas.epas_share,
             "sharing_layers": list(self.sharing_layers),
@@ -420,6 +440,7 @@ class Trainer:
         loss_sum, loss_count = 0.0, 0
         last_loss, last_valid = float("nan"), None
         total_train_time, timed_iters = 0.0, 0
+        skipped_iterations = 0  # fp16 steps whose update was skipped (gradient overflow)
         exit_reason = "completed"
 
         while self.iteration < stop_at:
@@ -463,6 +484,7 @@ class Trainer:
                 total_train_time += step_time
                 timed_iters += 1
             last_loss = result.lm_loss
+            skipped_iterations += 0 if result.update_successful else 1
             loss_sum += result.lm_loss
             loss_count += 1
 
@@ -479,6 +501,8 @@ class Trainer:
                     "lm_loss": loss_sum / loss_count,
                     "lr": lr,
                     "grad_norm": result.grad_norm,
+                    "loss_scale": result.loss_scale,
+                    "skipped_iterations": skipped_iterations,
                     "tokens_per_s": tokens_per_s,
                     "tflops_per_device": tflops,
                     "mfu": utilisation,
@@ -492,7 +516,9 @@ class Trainer:
                 self.print(
                     f" iteration {self.iteration:8d}/{t.train_iters:8d} | consumed samples: {self.consumed_samples:10d} | "
                     f"ms/iter: {per_iter * 1000:8.1f} | lr: {lr:.3E} | lm loss: {loss_sum / loss_count:.6E} | "
-                    f"grad norm: {result.grad_norm:.3f} | tokens/s: {tokens_per_s:8.0f} | TFLOP/s/dev: {tflops:7.3f} | "
+                    f"grad norm: {'skipped' if result.grad_norm is None else f'{result.grad_norm:.3f}'} | "
+                    f"{'' if result.loss_scale is None else f'loss scale: {result.loss_scale:.1f} | skipped: {skipped_iterations} | '}"
+                    f"tokens/s: {tokens_per_s:8.0f} | TFLOP/s/dev: {tflops:7.3f} | "
                     f"MFU: {'n/a' if utilisation is None else f'{utilisation:.1%}'} | sharing: {len(self.sharing_layers)} | "
                     f"elapsed: {_fmt_time(elapsed)} | ETA: {_fmt_time(remaining)}"
                 )
@@ -538,6 +564,8 @@ class Trainer:
             "sharing_layers": list(self.sharing_layers),
             "layout": self.layout,
             "switch_seconds": self.switch_seconds,
+            "precision": self.run.precision,
+            "skipped_iterations": skipped_iterations,
             "exit_reason": exit_reason,
             "output_dir": str(self.out),
         }

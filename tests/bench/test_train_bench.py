@@ -4,8 +4,9 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from epas_testing import REPO
-from epas_megatron.metrics.flops import Convention, ModelShape, flop_limit_ratio
 
 
 def test_train_bench_reports_ratio_and_flop_limit():
@@ -17,9 +18,16 @@ def test_train_bench_reports_ratio_and_flop_limit():
     for key in ("baseline_tokens_per_s", "epas_tokens_per_s", "ratio", "flop_limit_ratio"):
         assert record[key] > 0, key
     assert record["ratio"] == record["epas_tokens_per_s"] / record["baseline_tokens_per_s"]
-    # tiny: 4 layers, h 64, 4/2 heads, ffn 176, vocab padded to 128 (default tokenizer 512 -> bench uses 8192).
-    shape = ModelShape(4, 64, 4, 2, 176, 8192, 64)
-    assert record["flop_limit_ratio"] == flop_limit_ratio(shape, 2, convention=Convention.PAPER)
+    # By hand, forward FLOPs per token (2 per multiply-add) of the tiny shape: 4 layers, h 64, 4 query
+    # heads / 2 KV groups of 16, ffn 176, bench vocabulary 8192, seq 64. SDPA skips the causally
+    # masked half of the scores, so the s^2 terms are halved.
+    qkv, v_only = 2 * 64 * (4 + 2 * 2) * 16, 2 * 64 * 2 * 16         # 16384, 4096
+    attention = (2 * 64 * 64 + 2 * 64 * 64) // 2                      # scores + probs.V, halved: 8192
+    layer = qkv + attention + 2 * 64 * 64 + 3 * 2 * 64 * 176         # + proj + SwiGLU = 100352
+    sharing = layer - qkv + v_only                                   # 88064
+    head = 2 * 64 * 8192                                             # 1048576
+    assert record["flop_limit_ratio"] == pytest.approx((4 * layer + head) / (2 * layer + 2 * sharing + head), rel=1e-12)
+    assert record["core_attention"] == "sdpa" and record["flop_convention"] == "megatron"
 
 
 def test_bench_rejects_a_region_without_source():

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.usefixtures("single_process")
 ARCH = LlamaArchitecture(num_layers=2, hidden_size=32, num_attention_heads=2, num_query_groups=2,
                          ffn_hidden_size=64, vocab_size=128, max_sequence_length=16)
 SETTINGS = OptimizerSettings(lr=1e-3, min_lr=1e-4, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
-                             clip_grad=1.0, bf16=False, use_distributed_optimizer=False, overlap_grad_reduce=False,
+                             clip_grad=1.0, use_distributed_optimizer=False, overlap_grad_reduce=False,
                              warmup_iters=1, decay_iters=10, decay_style="cosine")
 
 

@@ -1,5 +1,5 @@
-"""TP=2 (with and without sequence parallelism), PP=2 (1F1B), PP=2 x VPP=2 and DP=2 runs equal
-the single-process run from the same seed.
+"""TP=2 (with and without sequence parallelism), PP=2 (1F1B), PP=2 x VPP=2 and DP=2 runs (plain
+or distributed optimizer) equal the single-process run from the same seed.
 
 EPAS switching is on (layers 3, then 2-3 share from iterations 3 and 5), so this also checks that
 sharing with TP=2 equals sharing with TP=1 and that the QK hand-off crosses pipeline stages
@@ -24,6 +24,8 @@ VARIANTS = {
     "pp2": ["--pp", "2", "--epas-rebalance", "off"],
     "pp2_vpp2": ["--pp", "2", "--vpp", "2", "--epas-rebalance", "off"],
     "dp2_overlap_grad_reduce": ["--overlap-grad-reduce"],
+    "dp2_distributed_optimizer": ["--use-distributed-optimizer"],
+    "dp2_distributed_optimizer_overlap": ["--use-distributed-optimizer", "--overlap-grad-reduce"],
 }
 
 

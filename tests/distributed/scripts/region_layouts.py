@@ -43,7 +43,7 @@ def main():
     only = sys.argv[1:] or list(LAYOUTS)
     arch = LlamaArchitecture(8, 64, 4, 2, 176, 256, SEQ, init_method_std=0.2)
     settings = OptimizerSettings(lr=1e-3, min_lr=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
-                                 clip_grad=0.0, bf16=False, use_distributed_optimizer=False, overlap_grad_reduce=False,
+                                 clip_grad=0.0, use_distributed_optimizer=False, overlap_grad_reduce=False,
                                  warmup_iters=0, decay_iters=10, decay_style="constant")
     init_distributed(1, 1, None, seed=0)
     for name in only:
