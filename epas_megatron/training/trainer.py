@@ -46,7 +46,9 @@ class ExitSignal:
     """SIGTERM / SIGUSR1 (Slurm's pre-timeout signal) request a checkpoint and a clean exit.
 
     The handler only sets a flag; the loop checks it after each iteration, agreeing across ranks
-    with an all-reduce so that every rank saves the same iteration.
+    with an all-reduce so that every rank saves the same iteration. The all-reduce carries the
+    signal number itself (the largest one received anywhere), so every rank reports the same
+    reason even when Slurm's signal reached the ranks in different iterations.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -62,11 +64,12 @@ class ExitSignal:
     def _handle(self, signum, frame) -> None:
         self.received = signum
 
-    def agreed(self) -> bool:
+    def agreed(self) -> Optional[int]:
+        """The signal number if any rank has received one (the same on every rank), else None."""
         from epas_megatron.runtime.distributed import all_reduce_values
 
-        (flag,) = all_reduce_values([1.0 if self.received is not None else 0.0], op=dist.ReduceOp.MAX)
-        return flag > 0
+        (signum,) = all_reduce_values([float(self.received or 0)], op=dist.ReduceOp.MAX)
+        return int(signum) or None
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -532,8 +535,9 @@ class Trainer:
             if self.cfg.checkpoint.save_interval and self.iteration % self.cfg.checkpoint.save_interval == 0:
                 path = self.save()
                 self.print(f"saved checkpoint {path}")
-            if self.exit_signal.agreed():
-                exit_reason = f"signal {self.exit_signal.received or 'on another rank'}"
+            signum = self.exit_signal.agreed()
+            if signum is not None:
+                exit_reason = f"signal {signum}"
                 break
 
         stopped_early = self.iteration < t.train_iters

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -40,3 +41,13 @@ def test_tensorboard_and_wandb_offline(tmp_path):
     assert list((run.output_dir / "tensorboard").glob("events.out.tfevents.*"))
     offline = list((run.output_dir / "wandb").glob("offline-run-*"))
     assert offline and list(offline[0].glob("*.wandb"))
+
+
+def test_ranks_agree_on_the_signal_number_when_only_one_received_it():
+    """Slurm's signal can reach rank 1 an iteration before rank 0: both stop together and both
+    report the signal's number (not a placeholder on the rank that did not see it)."""
+    from epas_testing import json_lines, run_script
+
+    proc = run_script(Path(__file__).parent / "scripts" / "exit_signal_agreement.py", nproc=2, timeout=300)
+    rows = sorted(json_lines(proc.stdout, "AGREED"), key=lambda r: r["rank"])
+    assert rows == [{"rank": r, "before": None, "after": int(signal.SIGUSR1)} for r in (0, 1)], proc.stdout
