@@ -78,8 +78,10 @@ def evaluate_regions(args, checkpoint: Path, meta: dict) -> list[dict]:
     from epas_megatron.config.cli import from_dict
     from epas_megatron.data.datasets import build_data_iterator, build_gpt_datasets
     from epas_megatron.data.setup import setup_data
-    from epas_megatron.model.builder import architecture_from_config, build_model
+    from epas_megatron.model.build_plan import BuildPlan
+    from epas_megatron.model.builder import architecture_from_config
     from epas_megatron.sharing.schedule import region_layers
+    from epas_megatron.training.state import build_training_state
     from epas_megatron.training.step import eval_step
 
     cfg = from_dict(meta["config"])
@@ -105,9 +107,10 @@ def evaluate_regions(args, checkpoint: Path, meta: dict) -> list[dict]:
     results = []
     for region in args.region_list:
         sharing = region_layers(arch.num_layers, region, flag="--regions")
-        built = build_model(arch, sharing, seq_length=t.seq_length, tp=args.tp, pp=args.pp, share=share,
-                            precision=precision, backend=backend, core_attention=cfg.model.core_attention)
-        chunks, schedule_seq = built.chunks, built.schedule_seq_length
+        plan = BuildPlan.for_region(arch, sharing, seq_length=t.seq_length, tp=args.tp, pp=args.pp, share=share,
+                                    precision=precision, backend=backend, core_attention=cfg.model.core_attention)
+        state = build_training_state(plan)  # chunks only: no optimizer
+        chunks, schedule_seq = state.model, state.schedule_seq_length
         load_checkpoint(checkpoint, chunks, restore_rng=False)
         iterators = [build_data_iterator(valid, mbs, parallel_state.get_data_parallel_rank(), dp, 0) for _ in chunks]
         result = eval_step(chunks, iterators, num_microbatches=batch // (mbs * dp) * args.eval_iters,

@@ -111,8 +111,9 @@ def assert_close(a: dict, b: dict, rel: float = 1e-5, what: str = "") -> None:
 
 def build(arch, sharing=(), share="qk", seed=11, detach=False, core_attention="sdpa", precision="fp32"):
     """One in-process model chunk (needs an initialised world of one)."""
-    from epas_megatron.model.builder import build_model_chunks, make_transformer_config
+    from epas_megatron.model.build_plan import BuildPlan
+    from epas_megatron.model.builder import build_model
 
-    config = make_transformer_config(arch, precision=precision)
-    return build_model_chunks(config, arch, sharing, share=share, seed=seed, detach_shared=detach,
-                              core_attention=core_attention)[0]
+    plan = BuildPlan.for_region(arch, sharing, precision=precision, share=share, detach_shared=detach,
+                                core_attention=core_attention)
+    return build_model(plan, seed=seed).chunks[0]

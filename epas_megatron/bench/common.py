@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 from epas_megatron.training.optimizer import OptimizerSettings
+from epas_megatron.training.state import TrainingState
+
 
 @dataclass
 class BenchConfig:
@@ -88,27 +90,40 @@ class SyntheticTokens:
         }
 
 
-def training_state(arch, sharing, *, seq_length: int, micro_batch_size: int, num_microbatches: int, seed: int,
-                   tp: int = 1, pp: int = 1, vpp=None, layout=None, share: str = "qk", backend: str = "local",
-                   core_attention: str = "sdpa") -> dict:
-    """Model (built from ``seed``, so every variant starts from the same weights), DDP,
-    optimizer and one synthetic token stream per model chunk."""
-    from epas_megatron.model.builder import build_model
-    from epas_megatron.training.optimizer import build_optimizer, build_scheduler, wrap_ddp
+@dataclass
+class BenchVariant:
+    """One model a benchmark times: its training state and its synthetic token streams."""
+
+    state: TrainingState
+    """Model, optimizer and LR schedule (:func:`~epas_megatron.training.state.build_training_state`)."""
+
+    data: list
+    """One :class:`SyntheticTokens` stream per model chunk."""
+
+    micro_batch_size: int
+    """Sequences per micro-batch."""
+
+    num_microbatches: int
+    """Micro-batches per iteration."""
+
+
+def bench_variant(arch, sharing, *, seq_length: int, micro_batch_size: int, num_microbatches: int, seed: int,
+                  tp: int = 1, pp: int = 1, vpp=None, layout=None, share: str = "qk", backend: str = "local",
+                  core_attention: str = "sdpa") -> BenchVariant:
+    """A trainable model for the region ``sharing`` (and optional :class:`StageLayout`), built
+    from ``seed`` so every variant starts from the same weights: bf16 with the distributed
+    optimizer on a GPU, fp32 on CPU."""
+    from epas_megatron.model.build_plan import BuildPlan
+    from epas_megatron.training.state import build_training_state
 
     cuda = torch.cuda.is_available()
     precision = "bf16" if cuda else "fp32"
-    built = build_model(arch, sharing, seq_length=seq_length, tp=tp, pp=pp, vpp=vpp, pipeline_layout=layout,
-                        precision=precision, backend=backend, core_attention=core_attention, share=share, seed=seed)
+    plan = BuildPlan.for_region(arch, sharing, seq_length=seq_length, tp=tp, pp=pp, vpp=vpp, layout=layout,
+                                precision=precision, backend=backend, core_attention=core_attention, share=share)
     settings = OptimizerSettings(precision=precision, use_distributed_optimizer=cuda, **BENCH_OPTIMIZER)
-    model = wrap_ddp(built.chunks, built.config, settings)
-    optimizer = build_optimizer(model, settings, built.config)
-    return {
-        "model": model, "optimizer": optimizer, "scheduler": build_scheduler(optimizer, settings),
-        "schedule_seq": built.schedule_seq_length, "micro_batch_size": micro_batch_size,
-        "num_microbatches": num_microbatches,
-        "data": [SyntheticTokens(arch.vocab_size, seq_length, micro_batch_size, seed + 1) for _ in model],
-    }
+    state = build_training_state(plan, settings, seed=seed)
+    data = [SyntheticTokens(arch.vocab_size, seq_length, micro_batch_size, seed + 1) for _ in state.model]
+    return BenchVariant(state, data, micro_batch_size, num_microbatches)
 
 
 def default_backend() -> str:
@@ -118,13 +133,14 @@ def default_backend() -> str:
     return "transformer_engine" if torch.cuda.is_available() and transformer_engine_importable() else "local"
 
 
-def run_iteration(state: dict) -> None:
-    """One training iteration of a :func:`training_state`."""
+def run_iteration(variant: BenchVariant) -> None:
+    """One training iteration of a :func:`bench_variant`."""
     from epas_megatron.training.step import train_step
 
-    train_step(state["model"], state["optimizer"], state["scheduler"], state["data"],
-               num_microbatches=state["num_microbatches"], seq_length=state["schedule_seq"],
-               micro_batch_size=state["micro_batch_size"])
+    state = variant.state
+    train_step(state.model, state.optimizer, state.scheduler, variant.data,
+               num_microbatches=variant.num_microbatches, seq_length=state.schedule_seq_length,
+               micro_batch_size=variant.micro_batch_size)
 
 
 def _sync() -> None:

@@ -30,13 +30,13 @@ import torch.distributed as dist
 from epas_megatron.bench.common import BenchConfig
 
 
-def _stage_compute_seconds(state, hidden_size: int, repeats: int = 3) -> float:
+def _stage_compute_seconds(variant, hidden_size: int, repeats: int = 3) -> float:
     """Forward + backward of this rank's chunks alone on synthetic input (no communication)."""
     from epas_megatron.checkpointing.checkpoint import _unwrap
     from epas_megatron.runtime.device import compute_device, synchronize, to_compute_device
 
     total = 0.0
-    for chunk, data in zip(state["model"], state["data"]):
+    for chunk, data in zip(variant.state.model, variant.data):
         module = _unwrap(chunk)
         rows = module.decoder.p2p_rows[1] if module.decoder.p2p_rows else data.seq
         times = []
@@ -88,7 +88,7 @@ def run_pipeline_bench(cfg: BenchConfig, log=print) -> dict:
     """Measure the variants (inside a process group of PP ranks x DP); returns the BENCH record."""
     from megatron.core import parallel_state
 
-    from epas_megatron.bench.common import alternating_throughput, default_backend, training_state
+    from epas_megatron.bench.common import alternating_throughput, bench_variant, default_backend
     from epas_megatron.config.presets import get_preset
     from epas_megatron.model.builder import LlamaArchitecture, padded_vocab_size
     from epas_megatron.parallel.stage_plan import flops_layer_costs, plan_for_region
@@ -101,8 +101,9 @@ def run_pipeline_bench(cfg: BenchConfig, log=print) -> dict:
                              max(cfg.seq_length, preset.seq_length))
     sharing = region_layers(arch.num_layers, cfg.region, flag="--region")
     costs = flops_layer_costs(arch, cfg.seq_length, cfg.share)
-    rebalanced = plan_for_region(costs, arch.num_layers, cfg.pp, cfg.vpp, sharing).to_layout_string()
-    baseline_planned = plan_for_region(costs, arch.num_layers, cfg.pp, cfg.vpp, ()).to_layout_string()
+    rebalanced_layout = plan_for_region(costs, arch.num_layers, cfg.pp, cfg.vpp, sharing)
+    baseline_layout = plan_for_region(costs, arch.num_layers, cfg.pp, cfg.vpp, ())
+    rebalanced, baseline_planned = rebalanced_layout.to_layout_string(), baseline_layout.to_layout_string()
     world = dist.get_world_size()
     tokens = cfg.seq_length * cfg.micro_batch_size * cfg.num_microbatches * (world // cfg.pp)
     log(f"bench pipeline: {cfg.preset}, region {cfg.region} {list(sharing)}, PP {cfg.pp}"
@@ -113,10 +114,10 @@ def run_pipeline_bench(cfg: BenchConfig, log=print) -> dict:
                   backend=default_backend(), core_attention=cfg.core_attention)
     pipelined = dict(common, num_microbatches=cfg.num_microbatches, pp=cfg.pp, vpp=cfg.vpp)
     variants = {
-        "baseline": training_state(arch, (), **pipelined),
-        "epas_norebalance": training_state(arch, sharing, **pipelined),
-        "epas_rebalanced": training_state(arch, sharing, layout=rebalanced, **pipelined),
-        "baseline_rebalanced": training_state(arch, (), layout=baseline_planned, **pipelined),
+        "baseline": bench_variant(arch, (), **pipelined),
+        "epas_norebalance": bench_variant(arch, sharing, **pipelined),
+        "epas_rebalanced": bench_variant(arch, sharing, layout=rebalanced_layout, **pipelined),
+        "baseline_rebalanced": bench_variant(arch, (), layout=baseline_layout, **pipelined),
     }
     results = alternating_throughput(variants, tokens, **timing)
     stage = {name: _stage_compute_seconds(state, arch.hidden_size) for name, state in variants.items()}
@@ -134,8 +135,8 @@ def run_pipeline_bench(cfg: BenchConfig, log=print) -> dict:
     dp_micro = max(1, cfg.num_microbatches * cfg.pp // world)
     pp1_tokens = cfg.seq_length * cfg.micro_batch_size * dp_micro * world
     single = dict(common, num_microbatches=dp_micro)
-    pp1 = alternating_throughput({"pp1_baseline": training_state(arch, (), **single),
-                                  "pp1_epas": training_state(arch, sharing, **single)}, pp1_tokens, **timing)
+    pp1 = alternating_throughput({"pp1_baseline": bench_variant(arch, (), **single),
+                                  "pp1_epas": bench_variant(arch, sharing, **single)}, pp1_tokens, **timing)
 
     log("per-stage compute (forward+backward of one micro-batch, seconds): " + "; ".join(
         f"{name}: " + ", ".join(f"stage {r} {s:.4f}" for r, s in stages.items()) for name, stages in stage_all.items()))

@@ -31,7 +31,7 @@ def run_train_bench(cfg: BenchConfig, log=print) -> dict:
     from epas_megatron.model.builder import LlamaArchitecture, padded_vocab_size
     from epas_megatron.sharing.schedule import region_layers
 
-    from epas_megatron.bench.common import alternating_throughput, default_backend, training_state
+    from epas_megatron.bench.common import alternating_throughput, bench_variant, default_backend
 
     preset = get_preset(cfg.preset)
     vocab = padded_vocab_size(preset.vocab_size or 8192)
@@ -42,7 +42,7 @@ def run_train_bench(cfg: BenchConfig, log=print) -> dict:
     backend = default_backend()
     common = dict(seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
                   seed=cfg.seed, tp=cfg.tp, pp=cfg.pp, share=cfg.share, backend=backend, core_attention=cfg.core_attention)
-    states = {"baseline": training_state(arch, (), **common), "epas": training_state(arch, sharing, **common)}
+    states = {"baseline": bench_variant(arch, (), **common), "epas": bench_variant(arch, sharing, **common)}
     dp = dist.get_world_size() // (cfg.tp * cfg.pp)
     tokens_per_iter = cfg.seq_length * cfg.micro_batch_size * cfg.num_microbatches * dp
     log(f"bench: {cfg.preset} ({arch.num_layers} layers, h {arch.hidden_size}), region {cfg.region} {list(sharing)}, "

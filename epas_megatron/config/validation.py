@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -17,7 +17,11 @@ from epas_megatron.config.cli import to_dict
 from epas_megatron.config.presets import default_ffn_hidden_size
 from epas_megatron.config.schema import RunConfig
 from epas_megatron.errors import ConfigError
+from epas_megatron.model.build_plan import normalise_vpp
 from epas_megatron.sharing.schedule import SharingSchedule
+
+if TYPE_CHECKING:
+    from epas_megatron.parallel.layout import StageLayout
 
 _CHOICES = {
     "transformer_impl": ("auto", "local", "transformer_engine"),
@@ -51,6 +55,13 @@ class ResolvedRun:
 
     num_microbatches: int
     """Micro-batches per iteration per DP rank."""
+
+    vpp: Optional[int]
+    """Model chunks per pipeline rank (from --pipeline-layout when given, else --vpp), None
+    without interleaving: the one normalised value (:func:`~epas_megatron.model.build_plan.normalise_vpp`)."""
+
+    layout: Optional["StageLayout"]
+    """--pipeline-layout as a :class:`~epas_megatron.parallel.layout.StageLayout` (None: even split)."""
 
     backend: str
     """'local' or 'transformer_engine'."""
@@ -116,7 +127,8 @@ def _check_data(cfg: RunConfig) -> None:
                 raise ConfigError(f"--data {prefix}: {path} is empty")
 
 
-def _model_shape_of(cfg: RunConfig) -> dict:
+def model_shape_of(cfg: RunConfig) -> dict:
+    """The model fields a checkpoint records and a resume must match."""
     m = cfg.model
     return {
         "num_layers": m.num_layers,
@@ -174,6 +186,7 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
         raise ConfigError(f"--num-attention-heads {m.num_attention_heads} is not divisible by --tp {p.tp}")
     if m.num_query_groups % p.tp:
         raise ConfigError(f"--num-query-groups {m.num_query_groups} is not divisible by --tp {p.tp}; every TP rank must hold whole KV groups")
+    layout = None
     vpp = p.vpp if p.vpp and p.vpp > 1 else 1
     if vpp > 1 and p.pp < 2:
         raise ConfigError("--vpp needs --pp >= 2 (interleaving splits each pipeline rank's layers)")
@@ -181,7 +194,7 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
         if m.num_layers % (p.pp * vpp):
             raise ConfigError(f"--num-layers {m.num_layers} cannot be split evenly over --pp {p.pp} x --vpp {vpp} = {p.pp * vpp} stages; change --pp/--vpp or give --pipeline-layout")
     else:
-        _check_layout(p.pipeline_layout, m.num_layers, p.pp, p.vpp)
+        layout = _check_layout(p.pipeline_layout, m.num_layers, p.pp, p.vpp)
     if p.sequence_parallel and p.tp < 2:
         raise ConfigError("--sequence-parallel needs --tp >= 2")
     dp = world_size // (p.tp * p.pp)
@@ -226,8 +239,6 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
     schedule = SharingSchedule.from_flags(m.num_layers, e.epas_interval, e.epas_growth, e.epas_target_layers, e.epas_first_switch)
     if schedule.enabled:
         warnings += schedule.check_against_training(t.train_iters)
-        if p.sequence_parallel and p.pp > 1:
-            pass  # the hand-off is reshaped to the sequence-parallel p2p shape
     rebalance = {"on": True, "off": False, "auto": p.pp > 1 and p.pipeline_layout is None}[e.epas_rebalance]
     if rebalance and p.pipeline_layout is not None:
         raise ConfigError("--epas-rebalance on conflicts with a fixed --pipeline-layout; drop one of them")
@@ -256,7 +267,7 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
         load_dir = resolve_checkpoint(load_path) if load_path.exists() else None
         if load_dir is not None:
             load_meta = read_meta(load_dir)
-            diffs = model_shape_differences(load_meta.get("model", {}), _model_shape_of(replace(cfg, model=m)))
+            diffs = model_shape_differences(load_meta.get("model", {}), model_shape_of(replace(cfg, model=m)))
             if diffs:
                 raise ConfigError(f"--load {load_path}: the checkpoint holds a different model ({'; '.join(diffs)})")
             saved_dist = load_meta.get("parallel", {}).get("use_distributed_optimizer")
@@ -271,7 +282,7 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
         pretrained_dir = resolve_checkpoint(pre) if pre.exists() else None
         if pretrained_dir is None:
             raise ConfigError(f"--pretrained {pre}: no checkpoint there")
-        diffs = model_shape_differences(read_meta(pretrained_dir).get("model", {}), _model_shape_of(replace(cfg, model=m)))
+        diffs = model_shape_differences(read_meta(pretrained_dir).get("model", {}), model_shape_of(replace(cfg, model=m)))
         if diffs:
             raise ConfigError(f"--pretrained {pre}: the checkpoint holds a different model ({'; '.join(diffs)})")
     if not cfg.checkpoint.load and (out / "config.yaml").exists():
@@ -284,6 +295,8 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
         world_size=world_size,
         dp=dp,
         num_microbatches=gbs // (t.micro_batch_size * dp),
+        vpp=normalise_vpp(p.vpp, layout),
+        layout=layout,
         backend=backend,
         precision=precision,
         use_distributed_optimizer=use_dist_opt,
@@ -303,8 +316,11 @@ def _have_te() -> bool:
     return transformer_engine_importable()
 
 
-def _check_layout(layout: str, num_layers: int, pp: int, vpp: Optional[int]) -> None:
+def _check_layout(layout: str, num_layers: int, pp: int, vpp: Optional[int]) -> "StageLayout":
+    """--pipeline-layout checked by Megatron-Core's parser, as a StageLayout."""
     from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    from epas_megatron.parallel.planner import StageLayout
 
     try:
         parsed = PipelineParallelLayerLayout.from_str(layout=layout, pipeline_model_parallel_size=pp)
@@ -314,6 +330,7 @@ def _check_layout(layout: str, num_layers: int, pp: int, vpp: Optional[int]) -> 
     detected = parsed.virtual_pipeline_model_parallel_size
     if vpp and vpp > 1 and detected != vpp:
         raise ConfigError(f"--pipeline-layout {layout!r} has {detected} virtual stages per rank but --vpp is {vpp}")
+    return StageLayout.from_layout_string(layout, pp)
 
 
 def config_dict(run: ResolvedRun) -> dict:

@@ -64,9 +64,10 @@ def hf_import(hf_dir: Path, output: Path) -> Path:
     from epas_megatron.checkpointing.checkpoint import save_checkpoint
     from epas_megatron.config.cli import to_dict
     from epas_megatron.config.schema import RunConfig
-    from epas_megatron.config.validation import _model_shape_of
+    from epas_megatron.config.validation import model_shape_of
     from epas_megatron.convert.hf_llama import hf_to_megatron
-    from epas_megatron.model.builder import architecture_from_config, build_model_chunks, make_transformer_config
+    from epas_megatron.model.build_plan import BuildPlan
+    from epas_megatron.model.builder import architecture_from_config, build_model
     from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
 
     model_cfg = _model_config_from_hf(AutoConfig.from_pretrained(hf_dir))
@@ -77,13 +78,13 @@ def hf_import(hf_dir: Path, output: Path) -> Path:
     init_distributed(1, 1, None, seed=0)
     try:
         arch = architecture_from_config(model_cfg)
-        model = build_model_chunks(make_transformer_config(arch), arch, ())[0]
+        model = build_model(BuildPlan.for_region(arch)).chunks[0]
         model.load_state_dict(hf_to_megatron(hf_state, _shape(model_cfg), arch.vocab_size), strict=False)
         output.mkdir(parents=True, exist_ok=True)
         if tokenizer.is_file():
             shutil.copy(tokenizer, output / "tokenizer.model")
         meta = {
-            "model": _model_shape_of(cfg),
+            "model": model_shape_of(cfg),
             "config": to_dict(cfg),
             "sharing_layers": [],
             "tokenizer_model": str(output / "tokenizer.model") if tokenizer.is_file() else None,
@@ -101,7 +102,8 @@ def hf_export(load: Path, output: Path) -> Path:
     from epas_megatron.checkpointing.checkpoint import load_checkpoint, read_meta, resolve_checkpoint
     from epas_megatron.config.cli import from_dict
     from epas_megatron.convert.hf_llama import hf_config_kwargs, megatron_to_hf, strip_extra_state
-    from epas_megatron.model.builder import architecture_from_config, build_model_chunks, make_transformer_config
+    from epas_megatron.model.build_plan import BuildPlan
+    from epas_megatron.model.builder import architecture_from_config, build_model
     from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
 
     checkpoint = resolve_checkpoint(load) if load.exists() else None
@@ -115,8 +117,8 @@ def hf_export(load: Path, output: Path) -> Path:
     init_distributed(1, 1, None, seed=0)
     try:
         arch = architecture_from_config(m)
-        model = build_model_chunks(make_transformer_config(arch), arch, tuple(meta.get("sharing_layers", [])),
-                                   share=meta.get("epas_share", "qk"))[0]
+        plan = BuildPlan.for_region(arch, tuple(meta.get("sharing_layers", [])), share=meta.get("epas_share", "qk"))
+        model = build_model(plan).chunks[0]
         load_checkpoint(checkpoint, [model], restore_rng=False)
         hf_state = megatron_to_hf(strip_extra_state(model.state_dict()), _shape(m))
     finally:

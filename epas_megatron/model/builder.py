@@ -1,7 +1,7 @@
-"""Config -> Megatron ``TransformerConfig`` -> the model chunks this rank holds.
+"""Build plan -> Megatron ``TransformerConfig`` -> the model chunks this rank holds.
 
-The decoder is described by one *global* list of layer specs (a role per layer, from the
-sharing region); each pipeline stage / virtual stage takes the slice of its own layers, found with
+The decoder is described by one *global* list of layer specs (one per layer, from the plan's
+:class:`~epas_megatron.sharing.schedule.LayerMode` s); each pipeline stage / virtual stage takes the slice of its own layers, found with
 the same Megatron-Core functions ``TransformerBlock`` uses (``get_transformer_layer_offset``,
 ``get_num_layers_to_build``), so even, uneven and explicit-layout pipelines all agree.
 
@@ -32,12 +32,14 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from epas_megatron.model.fusions import KernelAvailability, fusion_settings
 from epas_megatron.model.gpt import EpasGPTModel
 from epas_megatron.model.init import initialize_model
-from epas_megatron.model.specs import decoder_layer_specs, get_backend, layer_roles
+from epas_megatron.model.build_plan import BuildPlan
+from epas_megatron.model.specs import decoder_layer_specs, get_backend
 from epas_megatron.runtime.device import compute_device
 from epas_megatron.sharing import handoff as qk_handoff
+from epas_megatron.sharing.schedule import LayerMode
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""Training precisions and their parameter dtypes."""
+"""Training precisions and their parameter dtypes (keys: :data:`build_plan.PRECISIONS`)."""
 
 
 @dataclass(frozen=True)
@@ -120,29 +122,13 @@ def architecture_from_config(model_cfg) -> LlamaArchitecture:
     )
 
 
-def make_transformer_config(
-    arch: LlamaArchitecture,
-    *,
-    tp: int = 1,
-    pp: int = 1,
-    vpp: Optional[int] = None,
-    pipeline_layout: Optional[str] = None,
-    sequence_parallel: bool = False,
-    precision: str = "fp32",
-    recompute: str = "none",
-    recompute_method: str = "uniform",
-    recompute_num_layers: int = 1,
-    deterministic: bool = False,
-    kernels: Optional[KernelAvailability] = None,
-) -> TransformerConfig:
-    """A Megatron ``TransformerConfig`` for a LLaMA decoder.
+def make_transformer_config(plan: BuildPlan, kernels: Optional[KernelAvailability] = None) -> TransformerConfig:
+    """The Megatron ``TransformerConfig`` of a plan (a LLaMA decoder).
 
     ``kernels``: the fused kernels to use where they help (default: what this process can load,
     :mod:`epas_megatron.model.fusions`)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     kernels = KernelAvailability.detect() if kernels is None else kernels
-    dtype = PRECISIONS[precision]
+    arch, dtype = plan.arch, PRECISIONS[plan.precision]
     kwargs = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -157,15 +143,16 @@ def make_transformer_config(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=arch.init_method_std,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp if (vpp and vpp > 1 and not pipeline_layout) else None,
-        pipeline_model_parallel_layout=pipeline_layout,
-        sequence_parallel=sequence_parallel,
+        tensor_model_parallel_size=plan.tp,
+        pipeline_model_parallel_size=plan.pp,
+        # With a layout, Megatron takes the chunks per rank from it.
+        virtual_pipeline_model_parallel_size=plan.vpp if plan.layout is None else None,
+        pipeline_model_parallel_layout=plan.layout_string,
+        sequence_parallel=plan.sequence_parallel,
         pipeline_dtype=dtype,
         params_dtype=dtype,
-        bf16=precision == "bf16",
-        fp16=precision == "fp16",
+        bf16=plan.precision == "bf16",
+        fp16=plan.precision == "fp16",
         # Weights are created where the model runs (the CPU, or the GPU / its meta stand-in).
         use_cpu_initialization=compute_device().type == "cpu",
         # Loss is a per-token mean over the whole global batch (DP and micro-batch invariant).
@@ -173,16 +160,17 @@ def make_transformer_config(
         # gloo computes wrong gradients with batched p2p under interleaving (STACK.md).
         batch_p2p_comm=kernels.cuda,
         deallocate_pipeline_outputs=True,
-        deterministic_mode=deterministic,
+        deterministic_mode=plan.deterministic,
         **fusion_settings(kernels),
     )
-    if recompute == "full":
+    recompute = plan.recompute
+    if recompute.granularity == "full":
         kwargs.update(
             recompute_granularity="full",
-            recompute_method=recompute_method,
-            recompute_num_layers=recompute_num_layers,
+            recompute_method=recompute.method,
+            recompute_num_layers=recompute.num_layers,
         )
-    elif recompute == "selective":
+    elif recompute.granularity == "selective":
         kwargs.update(recompute_granularity="selective", recompute_modules=["core_attn"])
     return TransformerConfig(**kwargs)
 
@@ -210,15 +198,15 @@ class ChunkPlacement:
     """The next stage's first layer shares Q/K that pass through this chunk."""
 
 
-def chunk_placements(config: TransformerConfig, roles: Sequence[str], pp_rank: Optional[int] = None) -> list[ChunkPlacement]:
-    """Placements of this pipeline rank's chunks (one per virtual stage)."""
+def chunk_placements(config: TransformerConfig, modes: Sequence[LayerMode], pp_rank: Optional[int] = None) -> list[ChunkPlacement]:
+    """Placements of ``pp_rank``'s chunks (one per virtual stage; default: this rank's)."""
     pp_rank = parallel_state.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank
     pp_size = config.pipeline_model_parallel_size
     vpp = config.virtual_pipeline_model_parallel_size
-    num_layers = len(roles)
+    num_layers = len(modes)
 
     def shares(boundary: int) -> bool:
-        return 0 < boundary < num_layers and roles[boundary] == "share"
+        return 0 < boundary < num_layers and modes[boundary] == LayerMode.SHARE
 
     placements = []
     for vp_stage in range(vpp) if vpp else [None]:
@@ -252,7 +240,7 @@ def handoff_heads(config: TransformerConfig, share: str) -> tuple[int, int]:
     return (heads, groups) if share == "qk" else (groups, groups)
 
 
-def pipeline_handoff_rows(config: TransformerConfig, roles: Sequence[str], seq_length: int, share: str) -> tuple[int, int, int]:
+def pipeline_handoff_rows(config: TransformerConfig, modes: Sequence[LayerMode], seq_length: int, share: str) -> tuple[int, int, int]:
     """(hidden rows, p2p rows, schedule seq_length) for the current region and layout.
 
     While any stage boundary lies inside the sharing region, every p2p tensor gets extra rows for
@@ -264,7 +252,7 @@ def pipeline_handoff_rows(config: TransformerConfig, roles: Sequence[str], seq_l
     crossing = any(
         placement.sends_handoff
         for rank in range(config.pipeline_model_parallel_size)
-        for placement in chunk_placements(config, roles, pp_rank=rank)
+        for placement in chunk_placements(config, modes, pp_rank=rank)
     )
     if not crossing:
         return hidden_rows, hidden_rows, seq_length
@@ -274,34 +262,41 @@ def pipeline_handoff_rows(config: TransformerConfig, roles: Sequence[str], seq_l
     return hidden_rows, total, total * sp_tp
 
 
-def build_model_chunks(
-    config: TransformerConfig,
-    arch: LlamaArchitecture,
-    sharing_layers: Sequence[int] = (),
-    *,
-    backend: str = "local",
-    core_attention: str = "sdpa",
-    share: str = "qk",
-    detach_shared: bool = False,
-    seed: Optional[int] = None,
-    hidden_rows: Optional[tuple[int, int]] = None,
-) -> list:
-    """The model chunks of this rank (one without interleaving), on the compute device.
+@dataclass
+class BuiltModel:
+    """Model chunks of this rank plus what running them through Megatron's schedules needs."""
+
+    plan: BuildPlan
+    """What was built."""
+
+    chunks: list
+    """This rank's model chunks (one per virtual stage), on the compute device."""
+
+    config: TransformerConfig
+    """Their TransformerConfig (the schedules' hooks get installed on it)."""
+
+    schedule_seq_length: int
+    """The ``seq_length`` to give Megatron's schedules: the p2p tensor rows, which include the
+    QK hand-off while it crosses stages (see :func:`pipeline_handoff_rows`)."""
+
+
+def build_model(plan: BuildPlan, seed: Optional[int] = None, kernels: Optional[KernelAvailability] = None) -> BuiltModel:
+    """This rank's model chunks for a plan: the one place the trainer, evaluation, benchmarks and
+    conversion assemble a model.
 
     With ``seed``, weights are initialised independently of the parallel layout and of the
     sharing region (:mod:`epas_megatron.model.init`); without, Megatron's own initialisation
-    stays (weights that a checkpoint load overwrites anyway). ``hidden_rows``: (hidden, total)
-    rows of the p2p tensor (see :func:`pipeline_handoff_rows`). In bf16/fp16 each chunk is a
+    stays (weights that a checkpoint load overwrites anyway). In bf16/fp16 each chunk is a
     ``Float16Module`` around the :class:`EpasGPTModel`."""
-    roles = layer_roles(arch.num_layers, sharing_layers)
-    layers_backend = get_backend(backend, core_attention)
-    specs = decoder_layer_specs(arch.num_layers, sharing_layers, layers_backend, share, detach_shared)
-    final_norm = layers_backend.norm
-    device = compute_device()
+    config = make_transformer_config(plan, kernels)
+    hidden_rows, total_rows, schedule_seq = pipeline_handoff_rows(config, plan.modes, plan.seq_length, plan.share)
+    layers_backend = get_backend(plan.backend, plan.core_attention)
+    specs = decoder_layer_specs(plan.modes, layers_backend, plan.share, plan.detach_shared)
+    arch, device = plan.arch, compute_device()
     chunks = []
-    for placement in chunk_placements(config, roles):
+    for placement in chunk_placements(config, plan.modes):
         block_spec = TransformerBlockSubmodules(
-            layer_specs=[specs[i] for i in placement.layer_ids], layer_norm=final_norm
+            layer_specs=[specs[i] for i in placement.layer_ids], layer_norm=layers_backend.norm
         )
         model = EpasGPTModel(
             config=config,
@@ -314,62 +309,12 @@ def build_model_chunks(
             rotary_base=arch.rotary_base,
             receives_handoff=placement.receives_handoff,
             sends_handoff=placement.sends_handoff,
-            handoff_heads=handoff_heads(config, share),
+            handoff_heads=handoff_heads(config, plan.share),
             vp_stage=placement.vp_stage,
         )
         model.to(device)
         if seed is not None and device.type != "meta":  # meta tensors hold no values to draw
             initialize_model(model, seed, arch.init_method_std, arch.num_layers)
-        if hidden_rows is not None:
-            model.decoder.set_p2p_rows(*hidden_rows)
+        model.decoder.set_p2p_rows(hidden_rows, total_rows)
         chunks.append(Float16Module(config, model) if (config.bf16 or config.fp16) else model)
-    return chunks
-
-
-@dataclass
-class BuiltModel:
-    """Model chunks of this rank plus what running them through Megatron's schedules needs."""
-
-    chunks: list
-    """This rank's model chunks (one per virtual stage)."""
-
-    config: TransformerConfig
-    """Their TransformerConfig (the schedules' hooks get installed on it)."""
-
-    schedule_seq_length: int
-    """The ``seq_length`` to give Megatron's schedules: the p2p tensor rows, which include the
-    QK hand-off while it crosses stages (see :func:`pipeline_handoff_rows`)."""
-
-
-def build_model(
-    arch: LlamaArchitecture,
-    sharing_layers: Sequence[int] = (),
-    *,
-    seq_length: int,
-    tp: int = 1,
-    pp: int = 1,
-    vpp: Optional[int] = None,
-    pipeline_layout: Optional[str] = None,
-    sequence_parallel: bool = False,
-    precision: str = "fp32",
-    recompute: str = "none",
-    recompute_method: str = "uniform",
-    recompute_num_layers: int = 1,
-    backend: str = "local",
-    core_attention: str = "sdpa",
-    share: str = "qk",
-    detach_shared: bool = False,
-    seed: Optional[int] = None,
-    deterministic: bool = False,
-) -> BuiltModel:
-    """Config, chunks and p2p geometry for one sharing region and pipeline layout: the one place
-    the trainer, evaluation and benchmarks assemble a model."""
-    config = make_transformer_config(
-        arch, tp=tp, pp=pp, vpp=vpp if pipeline_layout is None else None, pipeline_layout=pipeline_layout,
-        sequence_parallel=sequence_parallel, precision=precision, recompute=recompute, recompute_method=recompute_method,
-        recompute_num_layers=recompute_num_layers, deterministic=deterministic,
-    )
-    hidden_rows, total_rows, schedule_seq = pipeline_handoff_rows(config, layer_roles(arch.num_layers, sharing_layers), seq_length, share)
-    chunks = build_model_chunks(config, arch, sharing_layers, backend=backend, core_attention=core_attention, share=share,
-                                detach_shared=detach_shared, seed=seed, hidden_rows=(hidden_rows, total_rows))
-    return BuiltModel(chunks, config, schedule_seq)
+    return BuiltModel(plan, chunks, config, schedule_seq)

@@ -16,20 +16,21 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.typed_torch import apply_module
 
 from epas_megatron.model.attention import ComputingAttention, SharedAttention
+from epas_megatron.sharing.schedule import LayerMode
 
 
 class EpasTransformerLayer(TransformerLayer):
     """``TransformerLayer`` whose attention may hand Q/K on (source) or take them (sharing)."""
 
     @property
-    def epas_role(self) -> str:
-        """'compute', 'source' or 'share'."""
+    def epas_mode(self) -> LayerMode:
+        """What this layer does with Q/K, read off its attention module."""
         attention = self.self_attention
         if isinstance(attention, SharedAttention):
-            return "share"
+            return LayerMode.SHARE
         if isinstance(attention, ComputingAttention) and attention.hand_off is not None:
-            return "source"
-        return "compute"
+            return LayerMode.SOURCE
+        return LayerMode.COMPUTE
 
     def _forward_attention(
         self,
@@ -49,8 +50,8 @@ class EpasTransformerLayer(TransformerLayer):
         *,
         inference_params=None,
     ):
-        role = self.epas_role
-        if role == "compute":
+        mode = self.epas_mode
+        if mode == LayerMode.COMPUTE:
             return super()._forward_attention(
                 hidden_states,
                 attention_mask=attention_mask,
@@ -78,7 +79,7 @@ class EpasTransformerLayer(TransformerLayer):
         normed = apply_module(self.input_layernorm)(hidden_states)
         if isinstance(normed, tuple):  # norms that also return the residual
             normed, residual = normed
-        if role == "source":
+        if mode == LayerMode.SOURCE:
             attention_output, context = self.self_attention.forward_and_hand_off(
                 normed,
                 attention_mask,

@@ -2,7 +2,8 @@
 
 A :class:`Backend` names the classes of one implementation (local pure-PyTorch Megatron-Core
 modules, or Transformer Engine). :func:`layer_spec` builds the ``ModuleSpec`` of a layer for a
-role -- ``compute``, ``source`` (computing, and hands its Q/K on) or ``share`` -- from any backend,
+:class:`~epas_megatron.sharing.schedule.LayerMode` -- ``compute``, ``source`` (computing, and
+hands its Q/K on) or ``share`` -- from any backend,
 so local and TE paths share everything but the classes. Transformer Engine classes are named by
 import path (``ModuleSpec(module=(path, name))``): building a TE spec imports nothing, the class is
 imported when the layer is built (on a GPU node).
@@ -39,9 +40,7 @@ from epas_megatron.model.attention import (
 from epas_megatron.model.core_attention import CORE_ATTENTION_CHOICES, SDPAttention
 from epas_megatron.model.layer import EpasTransformerLayer
 from epas_megatron.model.norm import RMSNorm
-from epas_megatron.sharing.schedule import layer_modes
-
-ROLES = ("compute", "source", "share")
+from epas_megatron.sharing.schedule import LayerMode
 
 
 @dataclass(frozen=True)
@@ -108,14 +107,16 @@ def get_backend(name: str, core_attention: str = "sdpa") -> Backend:
     return backend
 
 
-def layer_spec(role: str, backend: Backend = LOCAL, share: str = "qk", detach_shared: bool = False) -> ModuleSpec:
-    """The spec of one decoder layer in ``role`` ('compute', 'source' or 'share')."""
-    if role not in ROLES:
-        raise ValueError(f"unknown layer role {role!r}; expected one of {ROLES}")
+def layer_spec(mode: LayerMode | str, backend: Backend = LOCAL, share: str = "qk", detach_shared: bool = False) -> ModuleSpec:
+    """The spec of one decoder layer in ``mode`` (a :class:`LayerMode` or its value)."""
+    try:
+        role = LayerMode(mode)
+    except ValueError:
+        raise ValueError(f"unknown layer mode {mode!r}; expected one of {[str(m) for m in LayerMode]}") from None
     fused = backend.norm_column_parallel_linear is not None
     norm = IdentityOp if fused else backend.norm
     input_linear = backend.norm_column_parallel_linear if fused else backend.column_parallel_linear
-    if role == "share":
+    if role == LayerMode.SHARE:
         attention = ModuleSpec(
             module=SharedAttention,
             params={"attn_mask_type": AttnMaskType.causal, "share": share, "detach_shared": detach_shared},
@@ -131,7 +132,7 @@ def layer_spec(role: str, backend: Backend = LOCAL, share: str = "qk", detach_sh
             module=ComputingAttention,
             params={
                 "attn_mask_type": AttnMaskType.causal,
-                "hand_off": share if role == "source" else None,
+                "hand_off": share if role == LayerMode.SOURCE else None,
                 "detach_shared": detach_shared,
             },
             submodules=SelfAttentionSubmodules(
@@ -147,7 +148,7 @@ def layer_spec(role: str, backend: Backend = LOCAL, share: str = "qk", detach_sh
             "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
             "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
         }
-    elif role == "share":
+    elif role == LayerMode.SHARE:
         own = f"self_attention.linear_{_OWN_PART[share]}."
         keys_map = {own + "layer_norm_": "self_attention.linear_qkv.layer_norm_"}
     else:
@@ -169,17 +170,12 @@ def layer_spec(role: str, backend: Backend = LOCAL, share: str = "qk", detach_sh
     )
 
 
-def layer_roles(num_layers: int, sharing_layers: Sequence[int]) -> list[str]:
-    """Per-layer role ('compute', 'source', 'share') for a sharing region (validated)."""
-    return [str(mode) for mode in layer_modes(num_layers, sharing_layers)]
-
-
 def decoder_layer_specs(
-    num_layers: int,
-    sharing_layers: Sequence[int] = (),
+    modes: Sequence[LayerMode],
     backend: Backend = LOCAL,
     share: str = "qk",
     detach_shared: bool = False,
 ) -> list[ModuleSpec]:
-    """Specs of all decoder layers of the model (global, not yet sliced per pipeline stage)."""
-    return [layer_spec(r, backend, share, detach_shared) for r in layer_roles(num_layers, sharing_layers)]
+    """Specs of all decoder layers of the model, one per mode (global, not yet sliced per
+    pipeline stage); the modes come from :func:`epas_megatron.sharing.schedule.layer_modes`."""
+    return [layer_spec(mode, backend, share, detach_shared) for mode in modes]

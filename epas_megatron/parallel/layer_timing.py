@@ -59,7 +59,7 @@ class LayerTimer:
         for chunk in model_chunks:
             module = _unwrap(chunk)
             for layer in module.decoder.layers:
-                kind = "share" if layer.epas_role == "share" else "compute"
+                kind = "share" if layer.epas_mode == "share" else "compute"
                 self._handles.append(layer.register_forward_pre_hook(self._pre))
                 self._handles.append(layer.register_forward_hook(self._post_for(kind)))
             if getattr(module, "post_process", False):

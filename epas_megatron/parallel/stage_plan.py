@@ -54,20 +54,21 @@ def plan_for_region(
     )
 
 
-def plan_stage_layout(arch, cfg, sharing_layers: Sequence[int], previous: Optional[str] = None, timer=None) -> str:
-    """The Megatron ``pipeline_model_parallel_layout`` string for a run config and region.
+def plan_stage_layout(plan, sharing_layers: Sequence[int], timer=None) -> StageLayout:
+    """The layout for ``sharing_layers`` given a :class:`~epas_megatron.model.build_plan.BuildPlan`
+    (its architecture, sequence length, share mode, PP/VPP and current layout).
 
     With a :class:`~epas_megatron.parallel.layer_timing.LayerTimer` (``--epas-cost-model
     measured``) the FLOPs costs are calibrated by its measurements (a collective call)."""
     from epas_megatron.parallel.layer_timing import calibrated_costs
 
-    costs = calibrated_costs(flops_layer_costs(arch, cfg.training.seq_length, cfg.epas.epas_share), timer)
-    layout = plan_for_region(costs, arch.num_layers, cfg.parallel.pp, cfg.parallel.vpp, sharing_layers, previous)
-    return layout.to_layout_string()
+    costs = calibrated_costs(flops_layer_costs(plan.arch, plan.seq_length, plan.share), timer)
+    previous = plan.layout_string
+    return plan_for_region(costs, plan.arch.num_layers, plan.pp, plan.vpp, sharing_layers, previous)
 
 
-def describe_schedule_layouts(arch, cfg, schedule) -> str:
+def describe_schedule_layouts(plan, schedule) -> str:
     """The layouts planned for every region of the schedule (printed at start)."""
-    costs = flops_layer_costs(arch, cfg.training.seq_length, cfg.epas.epas_share)
+    costs = flops_layer_costs(plan.arch, plan.seq_length, plan.share)
     regions = [(0, ())] + [(it, schedule.sharing_layers(it)) for it, _ in schedule.switch_iterations()]
-    return format_plan(costs, arch.num_layers, cfg.parallel.pp, cfg.parallel.vpp or 1, regions)
+    return format_plan(costs, plan.arch.num_layers, plan.pp, plan.vpp or 1, regions)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from epas_megatron.checkpointing import checkpoint as ckpt
 from epas_megatron.config.cli import dump_yaml, to_dict
-from epas_megatron.config.validation import ResolvedRun, _model_shape_of
+from epas_megatron.config.validation import ResolvedRun, model_shape_of
 from epas_megatron.errors import ConfigError
 from epas_megatron.runtime.distributed import ParallelDims, destroy_distributed, init_distributed
 
@@ -84,20 +84,48 @@ class Trainer:
         self.cfg = run.cfg
         self.out = Path(self.cfg.logging.output_dir)
         self.dims: Optional[ParallelDims] = None
-        self.model = []
-        self.optimizer = None
-        self.scheduler = None
-        self.tf_config = None
+        self.plan = None  # BuildPlan of the current region (set by setup)
+        self.state = None  # TrainingState built from it
         self.iteration = 0
         self.consumed_samples = 0
-        self.sharing_layers: tuple[int, ...] = ()
-        self.layout: Optional[str] = self.cfg.parallel.pipeline_layout
         self.metrics = None
         self.exit_signal = exit_signal or ExitSignal()
         self._own_signal_handler = exit_signal is None
         self.switch_seconds: list[float] = []
         self.layer_timer = None
         self.timed_iterations = 0
+
+    # ------------------------------------------------------------------ what is built
+    @property
+    def model(self) -> list:
+        """This rank's (DDP-wrapped) model chunks."""
+        return self.state.model if self.state is not None else []
+
+    @property
+    def optimizer(self):
+        return self.state.optimizer if self.state is not None else None
+
+    @property
+    def scheduler(self):
+        return self.state.scheduler if self.state is not None else None
+
+    @property
+    def tf_config(self):
+        return self.state.tf_config if self.state is not None else None
+
+    @property
+    def schedule_seq_length(self) -> int:
+        return self.state.schedule_seq_length
+
+    @property
+    def sharing_layers(self) -> tuple[int, ...]:
+        """The current sharing region."""
+        return self.plan.sharing_layers if self.plan is not None else ()
+
+    @property
+    def layout(self) -> Optional[str]:
+        """The current pipeline layout in Megatron's syntax (None: Megatron's even split)."""
+        return self.plan.layout_string if self.plan is not None else self.cfg.parallel.pipeline_layout
 
     # ------------------------------------------------------------------ output
     def print(self, *args) -> None:
@@ -109,12 +137,11 @@ class Trainer:
     def setup(self) -> None:
         """Process groups, data, tokenizer, model, optimizer, optional resume."""
         cfg, run = self.cfg, self.run
-        vpp = self._vpp()
         if cfg.training.deterministic:
             from epas_megatron.runtime.device import use_deterministic_kernels
 
             use_deterministic_kernels()
-        self.dims = init_distributed(cfg.parallel.tp, cfg.parallel.pp, vpp, cfg.training.seed)
+        self.dims = init_distributed(cfg.parallel.tp, cfg.parallel.pp, run.vpp, cfg.training.seed)
         self._prepare_data()
         self._build_datasets()
         self._write_run_dir()
@@ -129,15 +156,14 @@ class Trainer:
             if saved is not None:
                 run.schedule.check_resume(saved, start_iteration)
         self.iteration = start_iteration
-        self.sharing_layers = run.schedule.sharing_layers(start_iteration)
-        self.layout = self._plan_layout(self.sharing_layers)
+        self.plan = self._plan_for(run.schedule.sharing_layers(start_iteration))
         if run.schedule.enabled:
             self.print(run.schedule.describe(cfg.training.train_iters))
             if run.rebalance:
                 from epas_megatron.parallel.stage_plan import describe_schedule_layouts
 
                 self.print("pipeline stages, rebalanced at every switch (predicted costs from the FLOPs model):")
-                self.print(describe_schedule_layouts(self._arch(), cfg, run.schedule))
+                self.print(describe_schedule_layouts(self.plan, run.schedule))
         self.build(initialize=run.load_dir is None and run.pretrained_dir is None)
         if run.load_dir is not None:
             self._load(run.load_dir)
@@ -149,15 +175,6 @@ class Trainer:
         self.metrics = self._metrics_logger()
         if self._own_signal_handler:
             self.exit_signal.install()
-
-    def _vpp(self) -> Optional[int]:
-        p = self.cfg.parallel
-        if p.pipeline_layout:
-            from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
-
-            detected = PipelineParallelLayerLayout.from_str(layout=p.pipeline_layout, pipeline_model_parallel_size=p.pp).virtual_pipeline_model_parallel_size
-            return detected if detected > 1 else None
-        return p.vpp if p.vpp and p.vpp > 1 else None
 
     def _prepare_data(self) -> None:
         from epas_megatron.data.setup import setup_data
@@ -216,48 +233,53 @@ class Trainer:
 
         return architecture_from_config(self.cfg.model)
 
-    def _plan_layout(self, sharing_layers) -> Optional[str]:
-        """The pipeline layout for a sharing region (fixed unless stages are rebalanced)."""
-        if not self.run.rebalance:
-            return self.cfg.parallel.pipeline_layout
-        from epas_megatron.parallel.stage_plan import plan_stage_layout
+    def _plan_for(self, sharing_layers):
+        """The build plan for a sharing region: the pipeline layout planned for it when stages
+        are rebalanced (starting from the current one), the fixed --pipeline-layout otherwise."""
+        from epas_megatron.model.build_plan import BuildPlan, RecomputeSettings
 
-        return plan_stage_layout(self._arch(), self.cfg, sharing_layers, previous=self.layout, timer=self.layer_timer)
-
-    def build(self, initialize: bool = True) -> None:
-        """Model chunks, DDP, optimizer and LR schedule for the current region and layout.
-
-        ``initialize=False`` skips the (layout-independent) weight initialisation when a
-        checkpoint load follows."""
-        from epas_megatron.model.builder import build_model
-        from epas_megatron.training.optimizer import build_optimizer, build_scheduler, wrap_ddp
-
-        p = self.cfg.parallel
-        built = build_model(
+        if self.plan is not None:
+            layout = self.plan.layout
+            if self.run.rebalance:
+                layout = self._rebalanced_layout(sharing_layers)
+            return self.plan.with_region(sharing_layers, layout)
+        p, m = self.cfg.parallel, self.cfg.model
+        plan = BuildPlan.for_region(
             self._arch(),
-            self.sharing_layers,
+            sharing_layers,
             seq_length=self.cfg.training.seq_length,
             tp=p.tp,
             pp=p.pp,
-            vpp=self._vpp(),
-            pipeline_layout=self.layout,
+            vpp=self.run.vpp,
+            layout=self.run.layout,
             sequence_parallel=p.sequence_parallel,
             precision=self.run.precision,
-            recompute=p.recompute,
-            recompute_method=p.recompute_method,
-            recompute_num_layers=p.recompute_num_layers,
+            recompute=RecomputeSettings(p.recompute, p.recompute_method, p.recompute_num_layers),
             backend=self.run.backend,
-            core_attention=self.cfg.model.core_attention,
-            deterministic=self.cfg.training.deterministic,
+            core_attention=m.core_attention,
             share=self.cfg.epas.epas_share,
             detach_shared=self.cfg.epas.epas_detach_shared,
-            seed=self.cfg.training.seed if initialize else None,
+            deterministic=self.cfg.training.deterministic,
         )
-        self.tf_config, self.schedule_seq_length = built.config, built.schedule_seq_length
-        settings = self._optimizer_settings()
-        self.model = wrap_ddp(built.chunks, self.tf_config, settings)
-        self.optimizer = build_optimizer(self.model, settings, self.tf_config)
-        self.scheduler = build_scheduler(self.optimizer, settings)
+        if self.run.rebalance:
+            self.plan = plan  # the planner starts from it
+            plan = plan.with_region(sharing_layers, self._rebalanced_layout(sharing_layers))
+        return plan
+
+    def _rebalanced_layout(self, sharing_layers):
+        from epas_megatron.parallel.stage_plan import plan_stage_layout
+
+        return plan_stage_layout(self.plan, sharing_layers, timer=self.layer_timer)
+
+    def build(self, initialize: bool = True) -> None:
+        """Model chunks, DDP, optimizer and LR schedule for the current plan.
+
+        ``initialize=False`` skips the (layout-independent) weight initialisation when a
+        checkpoint load follows."""
+        from epas_megatron.training.state import build_training_state
+
+        self.state = None  # the previous region's model and optimizer go before the new ones come
+        self.state = build_training_state(self.plan, self._optimizer_settings(), seed=self.cfg.training.seed if initialize else None)
         if self.run.rebalance and self.cfg.epas.epas_cost_model == "measured":
             from epas_megatron.parallel.layer_timing import LayerTimer
 
@@ -330,7 +352,7 @@ class Trainer:
     def _meta(self) -> dict:
         d = self.dims
         return {
-            "model": _model_shape_of(self.cfg),
+            "model": model_shape_of(self.cfg),
             "parallel": {"tp": d.tp, "pp": d.pp, "dp": d.dp, "vpp": d.vpp, "layout": self.layout,
                          "use_distributed_optimizer": self.run.use_distributed_optimizer},
             "precision": self.run.precision,
@@ -373,8 +395,7 @@ class Trainer:
             shutil.rmtree(staging)
         dist.barrier()
         saved = self.save(root=staging, keep_last=0)
-        self.sharing_layers = tuple(sharing_layers)
-        self.layout = self._plan_layout(self.sharing_layers)
+        self.plan = self._plan_for(tuple(sharing_layers))
         self.build(initialize=False)
         self._load(saved)
         dist.barrier()
@@ -391,9 +412,9 @@ class Trainer:
         t = self.cfg.training
         return float(
             flops_per_iteration(
-                self._arch().flops_shape(t.seq_length),
+                self.plan.arch.flops_shape(t.seq_length),
                 t.global_batch_size,
-                len(self.sharing_layers),
+                self.plan.region_size,
                 share=self.cfg.epas.epas_share,
                 convention=Convention.MEGATRON,
             )

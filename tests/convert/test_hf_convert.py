@@ -63,13 +63,14 @@ def test_import_continue_with_epas_and_export(hf_dir, tmp_path, capsys):
     back = LlamaForCausalLM.from_pretrained(exported, torch_dtype=torch.float32).eval()
 
     from epas_megatron.checkpointing.checkpoint import load_checkpoint, resolve_checkpoint
-    from epas_megatron.model.builder import LlamaArchitecture, build_model_chunks, make_transformer_config
+    from epas_megatron.model.build_plan import BuildPlan
+    from epas_megatron.model.builder import LlamaArchitecture, build_model
     from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
 
     init_distributed(1, 1, None, seed=0)
     try:
         arch = LlamaArchitecture(4, 64, 4, 2, 176, 512, 64)
-        ours = build_model_chunks(make_transformer_config(arch), arch, ())[0].eval()
+        ours = build_model(BuildPlan.for_region(arch)).chunks[0].eval()
         load_checkpoint(resolve_checkpoint(run.output_dir / "checkpoints"), [ours], restore_rng=False)
         tokens = batch["tokens"]
         with torch.no_grad():

@@ -65,6 +65,7 @@ def test_sdpa_attention_runs_on_the_flash_kernel_and_matches_unfused():
     fallback to the math kernel) and equals Megatron's unfused attention in bf16."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import LlamaArchitecture, make_transformer_config
     from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
 
@@ -76,7 +77,7 @@ def test_sdpa_attention_runs_on_the_flash_kernel_and_matches_unfused():
         from epas_megatron.model.core_attention import SDPAttention
 
         arch = LlamaArchitecture(2, 1024, 16, 4, 2816, 1024, 2048)
-        config = make_transformer_config(arch, precision="bf16")
+        config = make_transformer_config(BuildPlan.for_region(arch, precision="bf16"))
         kwargs = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
         sdpa, unfused = SDPAttention(**kwargs), DotProductAttention(**kwargs)
         g = torch.Generator(device="cuda").manual_seed(0)

@@ -33,11 +33,11 @@ def _arch():
 
 
 def _model(backend, sharing, share="qk", seed=None):
-    from epas_megatron.model.builder import build_model_chunks, make_transformer_config
+    from epas_megatron.model.build_plan import BuildPlan
+    from epas_megatron.model.builder import build_model
 
-    arch = _arch()
-    return build_model_chunks(make_transformer_config(arch, precision="bf16"), arch, sharing, backend=backend,
-                              share=share, seed=seed)[0]
+    plan = BuildPlan.for_region(_arch(), sharing, precision="bf16", backend=backend, share=share)
+    return build_model(plan, seed=seed).chunks[0]
 
 
 def _save(model, root):

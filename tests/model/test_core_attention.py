@@ -11,11 +11,12 @@ pytestmark = pytest.mark.usefixtures("single_process")
 
 
 def _config(heads: int, groups: int, hidden: int = 64):
+    from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import LlamaArchitecture, make_transformer_config
 
     arch = LlamaArchitecture(num_layers=2, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
                              ffn_hidden_size=128, vocab_size=128, max_sequence_length=16)
-    return make_transformer_config(arch)
+    return make_transformer_config(BuildPlan.for_region(arch))
 
 
 def _attentions(config, mask_type):

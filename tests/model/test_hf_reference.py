@@ -61,10 +61,11 @@ def test_region_zero_is_bit_identical_to_megatron_gpt_model(tiny_arch):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import make_transformer_config
 
     ours = build(tiny_arch, core_attention="unfused")
-    stock = GPTModel(make_transformer_config(tiny_arch), get_gpt_layer_local_spec(normalization="RMSNorm"),
+    stock = GPTModel(make_transformer_config(BuildPlan.for_region(tiny_arch)), get_gpt_layer_local_spec(normalization="RMSNorm"),
                      vocab_size=tiny_arch.vocab_size, max_sequence_length=tiny_arch.max_sequence_length,
                      position_embedding_type="rope", share_embeddings_and_output_weights=False)
     assert stock.load_state_dict(ours.state_dict(), strict=True)

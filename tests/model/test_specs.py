@@ -8,18 +8,19 @@ from megatron.core.transformer.identity_op import IdentityOp
 
 from epas_megatron.errors import ConfigError
 from epas_megatron.model.attention import ComputingAttention, FrozenProjection, SharedAttention
-from epas_megatron.model.specs import LOCAL, TRANSFORMER_ENGINE, decoder_layer_specs, layer_roles, layer_spec
+from epas_megatron.model.specs import LOCAL, TRANSFORMER_ENGINE, decoder_layer_specs, layer_spec
+from epas_megatron.sharing.schedule import layer_modes
 
 TE = "megatron.core.extensions.transformer_engine"
 
 
 def test_roles():
-    assert layer_roles(4, ()) == ["compute"] * 4
-    assert layer_roles(4, (2, 3)) == ["compute", "source", "share", "share"]
+    assert layer_modes(4, ()) == ["compute"] * 4
+    assert layer_modes(4, (2, 3)) == ["compute", "source", "share", "share"]
     with pytest.raises(ConfigError, match="last layer"):
-        layer_roles(4, (1, 2))
+        layer_modes(4, (1, 2))
     with pytest.raises(ConfigError, match="no source"):
-        layer_roles(4, (0, 1, 2, 3))
+        layer_modes(4, (0, 1, 2, 3))
 
 
 def _leaves(spec, path=""):
@@ -96,7 +97,7 @@ def test_local_spec_classes_and_checkpoint_key_map():
 
 
 def test_decoder_specs_follow_roles():
-    specs = decoder_layer_specs(6, (4, 5))
+    specs = decoder_layer_specs(layer_modes(6, (4, 5)))
     kinds = [s.submodules.self_attention.module.__name__ for s in specs]
     assert kinds == ["ComputingAttention"] * 4 + ["SharedAttention"] * 2
     assert [s.submodules.self_attention.params.get("hand_off") for s in specs[:4]] == [None, None, None, "qk"]

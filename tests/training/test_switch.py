@@ -98,7 +98,8 @@ def test_loss_right_after_a_switch_equals_a_model_built_with_that_region(tmp_pat
     model built directly with region [2, 3] and loaded from the iteration-5 weights."""
     from epas_megatron.checkpointing.checkpoint import iteration_dir, load_checkpoint
     from epas_megatron.data.datasets import build_data_iterator
-    from epas_megatron.model.builder import build_model_chunks, make_transformer_config
+    from epas_megatron.model.build_plan import BuildPlan
+    from epas_megatron.model.builder import build_model
     from epas_megatron.training.step import loss_func
 
     out = tmp_path / "run"
@@ -111,7 +112,7 @@ def test_loss_right_after_a_switch_equals_a_model_built_with_that_region(tmp_pat
         loss_6 = next(r["lm_loss"] for r in records if r.get("iteration") == 6 and "kind" not in r)
 
         arch = trainer._arch()
-        direct = build_model_chunks(make_transformer_config(arch), arch, (2, 3))[0]
+        direct = build_model(BuildPlan.for_region(arch, (2, 3))).chunks[0]
         load_checkpoint(iteration_dir(out / "checkpoints", 5), [direct], restore_rng=False)
         batches = build_data_iterator(trainer.train_ds, 2, 0, 1, consumed_samples=5 * 4)
         total, tokens = 0.0, 0.0

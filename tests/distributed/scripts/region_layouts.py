@@ -35,7 +35,9 @@ def batches(dp_rank, dp_size, vocab):
 def main():
     from megatron.core import parallel_state
 
+    from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import LlamaArchitecture, build_model
+    from epas_megatron.parallel.planner import StageLayout
     from epas_megatron.sharing.schedule import region_layers
     from epas_megatron.training.optimizer import OptimizerSettings, build_optimizer, build_scheduler, wrap_ddp
     from epas_megatron.training.step import train_step
@@ -56,8 +58,9 @@ def main():
         dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         for region in range(8):
             sharing = region_layers(8, region)
-            built = build_model(arch, sharing, seq_length=SEQ, pp=spec["pp"], vpp=spec.get("vpp"),
-                                pipeline_layout=spec.get("layout"), seed=7)
+            layout = StageLayout.from_layout_string(spec["layout"], spec["pp"]) if "layout" in spec else None
+            plan = BuildPlan.for_region(arch, sharing, seq_length=SEQ, pp=spec["pp"], vpp=spec.get("vpp"), layout=layout)
+            built = build_model(plan, seed=7)
             seq = built.schedule_seq_length
             model = wrap_ddp(built.chunks, built.config, settings)
             optimizer = build_optimizer(model, settings)

@@ -73,15 +73,16 @@ def pipeline_paths(results: dict) -> None:
     """PP=2, the sharing region crossing the stage boundary (the hand-off rides in the input)."""
     from megatron.core import parallel_state
 
-    from epas_megatron.bench.common import training_state
+    from epas_megatron.bench.common import bench_variant
     from epas_megatron.bench.pipeline_bench import _stage_compute_seconds
+    from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import LlamaArchitecture, build_model
     from epas_megatron.training.step import forward_step
 
     init_distributed(1, 2, None, seed=0)
     try:
         arch = LlamaArchitecture(4, 64, 4, 2, 128, 256, 32)
-        built = build_model(arch, (2, 3), seq_length=32, pp=2)
+        built = build_model(BuildPlan.for_region(arch, (2, 3), seq_length=32, pp=2))
         chunk = built.chunks[0]
         rank = parallel_state.get_pipeline_model_parallel_rank()
         results["rank"] = rank
@@ -99,7 +100,7 @@ def pipeline_paths(results: dict) -> None:
                 output.backward(torch.ones_like(output))
 
         attempt(results, "forward_step_stage", stage_forward_backward)
-        state = training_state(arch, (2, 3), seq_length=32, micro_batch_size=2, num_microbatches=1, seed=0, pp=2)
+        state = bench_variant(arch, (2, 3), seq_length=32, micro_batch_size=2, num_microbatches=1, seed=0, pp=2)
         attempt(results, "bench_stage_compute", lambda: _stage_compute_seconds(state, arch.hidden_size, repeats=1))
     finally:
         destroy_distributed()

@@ -1,0 +1,166 @@
+"""The build plan: everything that decides which modules a rank builds for one sharing region.
+
+A :class:`BuildPlan` is made once per region (at start, and again at every switch) and read by
+every consumer of "which layer does what, where": the builder (layer specs, chunk placement, p2p
+geometry), the stage planner and the FLOPs model (per-layer costs), the layer timer, the
+trainer, the benchmarks, evaluation and conversion. It is frozen; a switch makes a new plan with
+:meth:`BuildPlan.with_region`.
+
+Normalised here, once:
+
+* the per-layer roles, as :class:`~epas_megatron.sharing.schedule.LayerMode` (validated: one
+  contiguous region at the deep end, layer 0 computing);
+* the virtual-pipeline size: ``None`` without interleaving (``--vpp 1`` and ``--vpp`` unset
+  mean the same), otherwise the number of chunks per rank -- taken from the layout when there
+  is one, as Megatron-Core does;
+* the pipeline layout, as a :class:`~epas_megatron.parallel.layout.StageLayout` object (it
+  becomes Megatron's layout string only where Megatron's ``TransformerConfig`` takes it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Sequence
+
+from epas_megatron.sharing.schedule import LayerMode, layer_modes
+
+if TYPE_CHECKING:
+    from epas_megatron.model.builder import LlamaArchitecture
+    from epas_megatron.parallel.layout import StageLayout
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+"""Training precisions ('auto' is resolved before a plan is made)."""
+
+
+def normalise_vpp(vpp: Optional[int], layout: Optional["StageLayout"] = None) -> Optional[int]:
+    """Chunks per pipeline rank, or None without interleaving. A layout decides (its virtual
+    stages per rank); otherwise ``--vpp`` values of None and 1 both mean no interleaving."""
+    if layout is not None:
+        vpp = layout.virtual_pipeline_parallel_size
+    return vpp if vpp and vpp > 1 else None
+
+
+@dataclass(frozen=True)
+class RecomputeSettings:
+    """Activation recomputation (Megatron's ``recompute_*`` settings)."""
+
+    granularity: str = "none"
+    """'none', 'selective' (core attention only) or 'full' (whole layers)."""
+
+    method: str = "uniform"
+    """With 'full': 'uniform' or 'block'."""
+
+    num_layers: int = 1
+    """With 'full': layers per recomputed group ('uniform') or recomputed per stage ('block')."""
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """What to build for one sharing region: architecture, roles, parallel shape, kernels."""
+
+    arch: "LlamaArchitecture"
+    """The decoder's shape (vocabulary already padded)."""
+
+    modes: tuple[LayerMode, ...]
+    """Per decoder layer: computes, computes and hands its Q/K on (source), or shares."""
+
+    seq_length: int
+    """Training / evaluation sequence length (sets the p2p tensor's rows)."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+
+    pp: int = 1
+    """Pipeline-parallel size."""
+
+    vpp: Optional[int] = None
+    """Model chunks per pipeline rank, None without interleaving (see :func:`normalise_vpp`)."""
+
+    layout: Optional["StageLayout"] = None
+    """Explicit split of the layers over (virtual) stages; None: Megatron's even split."""
+
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs TP >= 2)."""
+
+    precision: str = "fp32"
+    """'fp32', 'bf16' or 'fp16': the parameters' dtype (bf16/fp16 chunks get a Float16Module)."""
+
+    recompute: RecomputeSettings = RecomputeSettings()
+    """Activation recomputation."""
+
+    backend: str = "local"
+    """Layer classes: 'local' (pure PyTorch Megatron-Core modules) or 'transformer_engine'."""
+
+    core_attention: str = "sdpa"
+    """Attention kernel of local layers: 'sdpa' or 'unfused' (Megatron's DotProductAttention)."""
+
+    share: str = "qk"
+    """What sharing layers reuse: 'qk' (EPAS) or 'kv' (the KV-sharing ablation)."""
+
+    detach_shared: bool = False
+    """Stop gradients through the reused tensors into the source layer."""
+
+    deterministic: bool = False
+    """Megatron's deterministic mode (and deterministic kernels where they exist)."""
+
+    def __post_init__(self):
+        if len(self.modes) != self.arch.num_layers:
+            raise ValueError(f"BuildPlan: {len(self.modes)} layer modes for {self.arch.num_layers} layers")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.vpp != normalise_vpp(self.vpp, self.layout):
+            raise ValueError(f"BuildPlan: vpp {self.vpp!r} is not normalised (use BuildPlan.for_region)")
+        if self.layout is not None and (
+            self.layout.num_layers != self.arch.num_layers or self.layout.pipeline_parallel_size != self.pp
+        ):
+            raise ValueError(
+                f"BuildPlan: layout {self.layout.to_layout_string()!r} is not a split of "
+                f"{self.arch.num_layers} layers over pp={self.pp}"
+            )
+
+    @classmethod
+    def for_region(
+        cls,
+        arch: "LlamaArchitecture",
+        sharing_layers: Sequence[int] = (),
+        *,
+        seq_length: Optional[int] = None,
+        vpp: Optional[int] = None,
+        layout: Optional["StageLayout"] = None,
+        **settings,
+    ) -> BuildPlan:
+        """The plan for ``sharing_layers`` (validated) with ``vpp`` normalised; ``seq_length``
+        defaults to the architecture's longest sequence; ``settings`` are the other fields."""
+        return cls(
+            arch=arch,
+            modes=tuple(layer_modes(arch.num_layers, sharing_layers)),
+            seq_length=arch.max_sequence_length if seq_length is None else seq_length,
+            vpp=normalise_vpp(vpp, layout),
+            layout=layout,
+            **settings,
+        )
+
+    def with_region(self, sharing_layers: Sequence[int], layout: Optional["StageLayout"] = None) -> BuildPlan:
+        """The same plan for another sharing region (and pipeline layout), as at a switch."""
+        return dataclasses.replace(
+            self,
+            modes=tuple(layer_modes(self.arch.num_layers, sharing_layers)),
+            layout=layout,
+            vpp=normalise_vpp(self.vpp, layout),
+        )
+
+    @property
+    def sharing_layers(self) -> tuple[int, ...]:
+        """The layers in sharing mode (the deep end)."""
+        return tuple(i for i, mode in enumerate(self.modes) if mode == LayerMode.SHARE)
+
+    @property
+    def region_size(self) -> int:
+        """How many layers share."""
+        return len(self.sharing_layers)
+
+    @property
+    def layout_string(self) -> Optional[str]:
+        """The layout in Megatron-Core's ``pipeline_model_parallel_layout`` syntax (or None)."""
+        return None if self.layout is None else self.layout.to_layout_string()

@@ -1,0 +1,53 @@
+"""A trainable model for a build plan: chunks, DDP, optimizer and learning-rate schedule.
+
+:func:`build_training_state` is the one place that wires them; the trainer (at start and at
+every switch), the benchmarks and evaluation (chunks only, ``settings=None``) call it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from epas_megatron.model.build_plan import BuildPlan
+from epas_megatron.training.optimizer import OptimizerSettings
+
+
+@dataclass
+class TrainingState:
+    """What one rank trains (or evaluates) for one build plan."""
+
+    plan: BuildPlan
+    """What was built."""
+
+    model: list
+    """This rank's model chunks: DDP-wrapped when there is an optimizer, bare otherwise."""
+
+    optimizer: Optional[Any]
+    """Megatron's optimizer over the chunks' trainable parameters (None: evaluation only)."""
+
+    scheduler: Optional[Any]
+    """Megatron's ``OptimizerParamScheduler`` (None: evaluation only)."""
+
+    tf_config: Any
+    """The chunks' ``TransformerConfig`` (the schedules' hooks get installed on it)."""
+
+    schedule_seq_length: int
+    """The ``seq_length`` to give Megatron's schedules (the p2p rows, hand-off included)."""
+
+
+def build_training_state(plan: BuildPlan, settings: Optional[OptimizerSettings] = None, seed: Optional[int] = None) -> TrainingState:
+    """Build the plan's chunks and, with ``settings``, wrap them in Megatron's DDP and make the
+    optimizer and LR schedule. ``seed``: initialise the weights (layout- and region-independent);
+    leave it None when a checkpoint load follows."""
+    from epas_megatron.model.builder import build_model
+    from epas_megatron.training.optimizer import build_optimizer, build_scheduler, wrap_ddp
+
+    built = build_model(plan, seed=seed)
+    if settings is None:
+        return TrainingState(plan, built.chunks, None, None, built.config, built.schedule_seq_length)
+    if settings.precision != plan.precision:
+        raise ValueError(f"optimizer precision {settings.precision!r} differs from the plan's {plan.precision!r}")
+    model = wrap_ddp(built.chunks, built.config, settings)
+    optimizer = build_optimizer(model, settings, built.config)
+    return TrainingState(plan, model, optimizer, build_scheduler(optimizer, settings), built.config, built.schedule_seq_length)
