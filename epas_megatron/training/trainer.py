@@ -18,7 +18,6 @@ resume is the same load, so runs resumed before or after a switch match uninterr
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import signal
@@ -35,11 +34,6 @@ from epas_megatron.config.cli import dump_yaml, to_dict
 from epas_megatron.config.validation import ResolvedRun, model_shape_of
 from epas_megatron.errors import ConfigError
 from epas_megatron.runtime.distributed import ParallelDims, destroy_distributed, init_distributed
-
-
-def _fmt_time(seconds: float) -> str:
-    seconds = int(max(seconds, 0))
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
 class ExitSignal:
@@ -447,138 +441,103 @@ class Trainer:
 
     def train(self) -> dict:
         """Run until --train-iters (or --exit-interval, or an exit signal); return the summary."""
-        from epas_megatron.metrics.flops import mfu, tflops_per_device
-        from epas_megatron.training.step import train_step
+        from epas_megatron.training.progress import TrainingProgress
 
-        cfg, t, run = self.cfg, self.cfg.training, self.run
-        tokens_per_iteration = t.global_batch_size * t.seq_length
+        t = self.cfg.training
         peak = self._peak_name()
         self.print(f"throughput: TFLOP/s per device from the sharing-aware model FLOPs (3 x forward matmuls, causal attention halved, as megatron-core 0.19); MFU peak: {peak}")
-        start_iteration = self.iteration
-        stop_at = t.train_iters
-        if t.exit_interval:
-            stop_at = min(stop_at, start_iteration + t.exit_interval)
-        wall_start = time.perf_counter()
-        interval_iters, interval_time = 0, 0.0
-        last_step_time = None
-        loss_sum, loss_count = 0.0, 0
-        last_loss, last_valid = float("nan"), None
-        total_train_time, timed_iters = 0.0, 0
-        skipped_iterations = 0  # fp16 steps whose update was skipped (gradient overflow)
-        exit_reason = "completed"
+        stop_at = min(t.train_iters, self.iteration + t.exit_interval) if t.exit_interval else t.train_iters
+        progress = TrainingProgress(self.iteration, stop_at, t.train_iters, t.global_batch_size * t.seq_length,
+                                    self.dims.world_size, peak)
+        last_valid, exit_reason = None, "completed"
 
         while self.iteration < stop_at:
             next_iteration = self.iteration + 1
-            target = run.schedule.sharing_layers(next_iteration)
-            just_rebuilt = tuple(target) != self.sharing_layers
-            if just_rebuilt:
-                info = self.apply_switch(target)
-                source = run.schedule.source_layer(next_iteration)
-                in_iterations = info["seconds"] / last_step_time if last_step_time else None
-                cost = f" (= {in_iterations:.1f} iterations)" if in_iterations is not None else ""
-                relayout = f"; pipeline layout {info['previous_layout']} -> {info['layout']}" if info["layout"] != info["previous_layout"] else ""
-                self.print(
-                    f"EPAS switch at iteration {next_iteration}: sharing layers {list(target)} (source layer {source}); "
-                    f"save/rebuild/load took {info['seconds']:.2f}s{cost}{relayout}"
-                )
-                self.metrics.log({"kind": "switch", "iteration": next_iteration, "sharing_layers": list(target), "source_layer": source,
-                                  "layout": info["layout"], "previous_layout": info["previous_layout"], "switch_seconds": info["seconds"],
-                                  "switch_cost_iterations": in_iterations}, step=next_iteration, prefix="epas")
+            target = tuple(self.run.schedule.sharing_layers(next_iteration))
+            after_rebuild = target != self.sharing_layers
+            if after_rebuild:
+                self._switch(target, next_iteration, progress)
             step_start = time.perf_counter()
-            result = train_step(
-                self.model,
-                self.optimizer,
-                self.scheduler,
-                self.train_iterators,
-                num_microbatches=run.num_microbatches,
-                seq_length=self.schedule_seq_length,
-                micro_batch_size=t.micro_batch_size,
-            )
-            step_time = time.perf_counter() - step_start
-            last_step_time = step_time
-            if self.layer_timer is not None and self.layer_timer.attached:
-                self.timed_iterations += 1
-                if self.timed_iterations >= self.cfg.epas.epas_cost_timing_iters:
-                    self.layer_timer.detach()
-            self.iteration = next_iteration
-            self.consumed_samples += t.global_batch_size
-            interval_iters += 1
-            interval_time += step_time
-            if self.iteration > start_iteration + 1 and not just_rebuilt:  # first steps after a (re)build pay one-off costs
-                total_train_time += step_time
-                timed_iters += 1
-            last_loss = result.lm_loss
-            skipped_iterations += 0 if result.update_successful else 1
-            loss_sum += result.lm_loss
-            loss_count += 1
+            result = self._train_step()
+            self.iteration, self.consumed_samples = next_iteration, self.consumed_samples + t.global_batch_size
+            progress.step(self.iteration, result, time.perf_counter() - step_start, after_rebuild)
 
-            if self.iteration % cfg.logging.log_interval == 0 or self.iteration == stop_at:
-                per_iter = interval_time / interval_iters
-                tokens_per_s = tokens_per_iteration / per_iter
-                tflops = tflops_per_device(self._flops_per_iteration(), per_iter, self.dims.world_size)
-                utilisation = mfu(tflops, peak)
-                lr = self.optimizer.param_groups[0]["lr"]
-                elapsed = time.perf_counter() - wall_start
-                remaining = (stop_at - self.iteration) * per_iter
-                record = {
-                    "iteration": self.iteration,
-                    "lm_loss": loss_sum / loss_count,
-                    "lr": lr,
-                    "grad_norm": result.grad_norm,
-                    "loss_scale": result.loss_scale,
-                    "skipped_iterations": skipped_iterations,
-                    "tokens_per_s": tokens_per_s,
-                    "tflops_per_device": tflops,
-                    "mfu": utilisation,
-                    "iteration_time_s": per_iter,
-                    "consumed_samples": self.consumed_samples,
-                    "sharing_layers": list(self.sharing_layers),
-                    "region_size": len(self.sharing_layers),
-                    "layout": self.layout,
-                }
-                self.metrics.log(record, step=self.iteration)
-                self.print(
-                    f" iteration {self.iteration:8d}/{t.train_iters:8d} | consumed samples: {self.consumed_samples:10d} | "
-                    f"ms/iter: {per_iter * 1000:8.1f} | lr: {lr:.3E} | lm loss: {loss_sum / loss_count:.6E} | "
-                    f"grad norm: {'skipped' if result.grad_norm is None else f'{result.grad_norm:.3f}'} | "
-                    f"{'' if result.loss_scale is None else f'loss scale: {result.loss_scale:.1f} | skipped: {skipped_iterations} | '}"
-                    f"tokens/s: {tokens_per_s:8.0f} | TFLOP/s/dev: {tflops:7.3f} | "
-                    f"MFU: {'n/a' if utilisation is None else f'{utilisation:.1%}'} | sharing: {len(self.sharing_layers)} | "
-                    f"elapsed: {_fmt_time(elapsed)} | ETA: {_fmt_time(remaining)}"
-                )
-                interval_iters, interval_time, loss_sum, loss_count = 0, 0.0, 0.0, 0
-
+            if self.iteration % self.cfg.logging.log_interval == 0 or self.iteration == stop_at:
+                self._log_interval(progress, result)
             if t.eval_interval and self.valid_ds is not None and self.iteration % t.eval_interval == 0:
-                last_valid = self.evaluate()
-                self.metrics.log({"kind": "valid", "iteration": self.iteration, "valid_lm_loss": last_valid, "valid_ppl": math.exp(min(last_valid, 50))}, step=self.iteration, prefix="valid")
-                self.print(f" validation at iteration {self.iteration}: lm loss {last_valid:.6E} | ppl {math.exp(min(last_valid, 50)):.3f}")
-
+                last_valid = self._log_validation()
             if self.cfg.checkpoint.save_interval and self.iteration % self.cfg.checkpoint.save_interval == 0:
-                path = self.save()
-                self.print(f"saved checkpoint {path}")
+                self.print(f"saved checkpoint {self.save()}")
             signum = self.exit_signal.agreed()
             if signum is not None:
                 exit_reason = f"signal {signum}"
                 break
 
         stopped_early = self.iteration < t.train_iters
-        if stopped_early or not self.cfg.checkpoint.no_save_final:
-            if ckpt.latest_iteration(self.run.checkpoint_root) != self.iteration:
-                path = self.save()
-                self.print(f"saved checkpoint {path}")
+        if (stopped_early or not self.cfg.checkpoint.no_save_final) and ckpt.latest_iteration(self.run.checkpoint_root) != self.iteration:
+            self.print(f"saved checkpoint {self.save()}")
         if stopped_early and exit_reason == "completed":
             exit_reason = "exit_interval"
-        wall = time.perf_counter() - wall_start
-        per_iter = total_train_time / timed_iters if timed_iters else float("nan")
-        d = self.dims
-        summary = {
+        summary = self._summary(progress, last_valid, exit_reason)
+        self.print("SUMMARY " + json.dumps(summary))
+        return summary
+
+    def _train_step(self):
+        """One iteration over all micro-batches (and the layer timer's bookkeeping)."""
+        from epas_megatron.training.step import train_step
+
+        result = train_step(self.model, self.optimizer, self.scheduler, self.train_iterators,
+                            num_microbatches=self.run.num_microbatches, seq_length=self.schedule_seq_length,
+                            micro_batch_size=self.cfg.training.micro_batch_size)
+        if self.layer_timer is not None and self.layer_timer.attached:
+            self.timed_iterations += 1
+            if self.timed_iterations >= self.cfg.epas.epas_cost_timing_iters:
+                self.layer_timer.detach()
+        return result
+
+    def _switch(self, target: tuple[int, ...], iteration: int, progress) -> None:
+        """Carry out the switch before ``iteration``'s step, and report it."""
+        info = self.apply_switch(target)
+        source = self.run.schedule.source_layer(iteration)
+        in_iterations = progress.switch_cost_in_iterations(info["seconds"])
+        cost = f" (= {in_iterations:.1f} iterations)" if in_iterations is not None else ""
+        relayout = f"; pipeline layout {info['previous_layout']} -> {info['layout']}" if info["layout"] != info["previous_layout"] else ""
+        self.print(
+            f"EPAS switch at iteration {iteration}: sharing layers {list(target)} (source layer {source}); "
+            f"save/rebuild/load took {info['seconds']:.2f}s{cost}{relayout}"
+        )
+        self.metrics.log({"kind": "switch", "iteration": iteration, "sharing_layers": list(target), "source_layer": source,
+                          "layout": info["layout"], "previous_layout": info["previous_layout"], "switch_seconds": info["seconds"],
+                          "switch_cost_iterations": in_iterations}, step=iteration, prefix="epas")
+
+    def _log_interval(self, progress, result) -> None:
+        record = progress.interval_record(
+            self.iteration, result, self.optimizer.param_groups[0]["lr"], self._flops_per_iteration(),
+            {"consumed_samples": self.consumed_samples, "sharing_layers": list(self.sharing_layers),
+             "region_size": len(self.sharing_layers), "layout": self.layout},
+        )
+        self.metrics.log(record, step=self.iteration)
+        self.print(progress.console_line(record))
+
+    def _log_validation(self) -> float:
+        from epas_megatron.training.progress import perplexity
+
+        loss = self.evaluate()
+        self.metrics.log({"kind": "valid", "iteration": self.iteration, "valid_lm_loss": loss, "valid_ppl": perplexity(loss)},
+                         step=self.iteration, prefix="valid")
+        self.print(f" validation at iteration {self.iteration}: lm loss {loss:.6E} | ppl {perplexity(loss):.3f}")
+        return loss
+
+    def _summary(self, progress, last_valid: Optional[float], exit_reason: str) -> dict:
+        d, t = self.dims, self.cfg.training
+        return {
             "iterations": self.iteration,
             "train_iters": t.train_iters,
-            "iterations_this_run": self.iteration - start_iteration,
-            "final_lm_loss": last_loss,
+            "iterations_this_run": self.iteration - progress.start_iteration,
+            "final_lm_loss": progress.last_loss,
             "final_valid_lm_loss": last_valid,
-            "tokens_per_s": tokens_per_iteration / per_iter if timed_iters else None,
-            "wall_s": wall,
+            "tokens_per_s": progress.tokens_per_s(),
+            "wall_s": progress.wall_seconds(),
             "world_size": d.world_size,
             "tp": d.tp,
             "pp": d.pp,
@@ -590,12 +549,10 @@ class Trainer:
             "layout": self.layout,
             "switch_seconds": self.switch_seconds,
             "precision": self.run.precision,
-            "skipped_iterations": skipped_iterations,
+            "skipped_iterations": progress.skipped_iterations,
             "exit_reason": exit_reason,
             "output_dir": str(self.out),
         }
-        self.print("SUMMARY " + json.dumps(summary))
-        return summary
 
     def close(self) -> None:
         """Flush metrics and tear down process groups."""
