@@ -153,17 +153,49 @@ def model_shape_differences(saved: dict, current: dict) -> list[str]:
 
 
 def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional[bool] = None) -> ResolvedRun:
-    """Validate ``cfg`` for ``world_size`` processes and derive the run's fixed quantities."""
-    from epas_megatron.checkpointing.checkpoint import read_meta, resolve_checkpoint
+    """Validate ``cfg`` for ``world_size`` processes and derive the run's fixed quantities.
+
+    Section by section, pure checks and derivations first; then the two steps that read files:
+    the checkpoint to resume or start from (its metadata) and the vocabulary (the tokenizer's
+    size when ``--tokenizer-model`` is given; the embedded corpus's tokenizer has exactly
+    ``--default-vocab-size`` pieces)."""
     from epas_megatron.runtime.distributed import world_size_from_env
 
     world_size = world_size_from_env() if world_size is None else world_size
     cuda = torch.cuda.is_available() if cuda is None else cuda
     _check_choices(cfg)
-    m, p, t, e = cfg.model, cfg.parallel, cfg.training, cfg.epas
-    warnings = []
+    m = _resolve_model(cfg.model)
+    p = cfg.parallel
+    dp, vpp, layout = _resolve_parallel(p, m, world_size)
+    backend, precision, use_dist_opt = _resolve_devices(cfg, cuda)
+    t = _resolve_training(cfg, m, dp)
+    m = replace(m, max_position_embeddings=m.max_position_embeddings or t.seq_length)
+    schedule, rebalance, warnings = _resolve_epas(cfg, m, t)
+    _check_data(cfg)
+    if cfg.data.data is not None and cfg.data.tokenizer_model is None:
+        raise ConfigError("--data needs --tokenizer-model (the tokenizer the data was preprocessed with)")
+    m = replace(m, vocab_size=resolve_vocabulary(cfg.data, m.vocab_size))
+    cfg = replace(cfg, model=m, training=t)
+    sources = _resolve_sources(cfg, use_dist_opt)
+    return ResolvedRun(
+        cfg=cfg,
+        world_size=world_size,
+        dp=dp,
+        num_microbatches=t.global_batch_size // (t.micro_batch_size * dp),
+        vpp=vpp,
+        layout=layout,
+        backend=backend,
+        precision=precision,
+        use_distributed_optimizer=use_dist_opt,
+        schedule=schedule,
+        rebalance=rebalance,
+        warnings=tuple(warnings),
+        **sources,
+    )
 
-    # ---- model
+
+def _resolve_model(m):
+    """ModelConfig checks; GQA groups and FFN size filled in."""
     for name in ("num_layers", "hidden_size", "num_attention_heads"):
         _positive(getattr(m, name), _flag(name))
     if m.num_query_groups is None:
@@ -174,8 +206,11 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
         raise ConfigError(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}")
     if m.num_attention_heads % m.num_query_groups:
         raise ConfigError(f"--num-attention-heads {m.num_attention_heads} is not divisible by --num-query-groups {m.num_query_groups}")
+    return m
 
-    # ---- parallelism
+
+def _resolve_parallel(p, m, world_size: int) -> tuple[int, Optional[int], Optional["StageLayout"]]:
+    """ParallelConfig checks against the model and world; (dp, normalised vpp, parsed layout)."""
     _positive(p.tp, "--tp")
     _positive(p.pp, "--pp")
     if p.vpp is not None:
@@ -197,8 +232,12 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
         layout = _check_layout(p.pipeline_layout, m.num_layers, p.pp, p.vpp)
     if p.sequence_parallel and p.tp < 2:
         raise ConfigError("--sequence-parallel needs --tp >= 2")
-    dp = world_size // (p.tp * p.pp)
+    return world_size // (p.tp * p.pp), normalise_vpp(p.vpp, layout), layout
 
+
+def _resolve_devices(cfg: RunConfig, cuda: bool) -> tuple[str, str, bool]:
+    """(layer backend, precision, distributed optimizer) for this machine, and the loss-scale flags."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
     backend = m.transformer_impl
     if backend == "auto":
         backend = "transformer_engine" if cuda and _have_te() else "local"
@@ -217,8 +256,12 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
     if precision == "fp16":
         _positive(t.loss_scale_window, "--loss-scale-window")
         _positive(t.hysteresis, "--hysteresis")
+    return backend, precision, use_dist_opt
 
-    # ---- training
+
+def _resolve_training(cfg: RunConfig, m, dp: int):
+    """TrainingConfig checks; the global batch filled in."""
+    t = cfg.training
     for name in ("train_iters", "micro_batch_size", "seq_length", "log_interval"):
         section = cfg.logging if name == "log_interval" else t
         _positive(getattr(section, name), _flag(name))
@@ -228,35 +271,44 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
     max_pos = m.max_position_embeddings if m.max_position_embeddings is not None else t.seq_length
     if t.seq_length > max_pos:
         raise ConfigError(f"--seq-length {t.seq_length} exceeds the model's maximum --max-position-embeddings {max_pos}")
-    m = replace(m, max_position_embeddings=max_pos)
-    t = replace(t, global_batch_size=gbs)
     if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
         raise ConfigError(f"need 0 <= --min-lr <= --lr and --lr > 0, got --lr {t.lr} --min-lr {t.min_lr}")
     if t.eval_interval and t.eval_iters < 1:
         raise ConfigError("--eval-iters must be >= 1 when --eval-interval is set")
+    return replace(t, global_batch_size=gbs)
 
-    # ---- EPAS
+
+def _resolve_epas(cfg: RunConfig, m, t) -> tuple[SharingSchedule, bool, list[str]]:
+    """(sharing schedule, whether stages are rebalanced at switches, warnings)."""
+    p, e = cfg.parallel, cfg.epas
     schedule = SharingSchedule.from_flags(m.num_layers, e.epas_interval, e.epas_growth, e.epas_target_layers, e.epas_first_switch)
-    if schedule.enabled:
-        warnings += schedule.check_against_training(t.train_iters)
+    warnings = schedule.check_against_training(t.train_iters) if schedule.enabled else []
     rebalance = {"on": True, "off": False, "auto": p.pp > 1 and p.pipeline_layout is None}[e.epas_rebalance]
     if rebalance and p.pipeline_layout is not None:
         raise ConfigError("--epas-rebalance on conflicts with a fixed --pipeline-layout; drop one of them")
-    if rebalance and p.pp < 2:
-        rebalance = False
+    return schedule, rebalance and p.pp >= 2, list(warnings)
 
-    # ---- data and tokenizer
-    _check_data(cfg)
-    if cfg.data.data is not None and cfg.data.tokenizer_model is None:
-        raise ConfigError("--data needs --tokenizer-model (the tokenizer the data was preprocessed with)")
-    if cfg.data.tokenizer_model is not None:
-        from epas_megatron.data.tokenizer import load_tokenizer
 
-        tok = load_tokenizer(cfg.data.tokenizer_model)
-        if m.vocab_size is not None and m.vocab_size < tok.vocab_size:
-            raise ConfigError(f"--vocab-size {m.vocab_size} is smaller than the tokenizer's {tok.vocab_size}")
+def resolve_vocabulary(data_cfg, vocab_size: Optional[int]) -> int:
+    """The model's vocabulary (before padding): ``--vocab-size`` if given (checked against the
+    tokenizer), else the tokenizer's size -- read from ``--tokenizer-model``, or
+    ``--default-vocab-size`` for the embedded corpus, whose tokenizer is trained to exactly that
+    size."""
+    if data_cfg.tokenizer_model is None:
+        return vocab_size or data_cfg.default_vocab_size
+    from epas_megatron.data.tokenizer import load_tokenizer
 
-    # ---- output directory, checkpoints, resume
+    tokenizer_size = load_tokenizer(data_cfg.tokenizer_model).vocab_size
+    if vocab_size is not None and vocab_size < tokenizer_size:
+        raise ConfigError(f"--vocab-size {vocab_size} is smaller than the tokenizer's {tokenizer_size}")
+    return vocab_size or tokenizer_size
+
+
+def _resolve_sources(cfg: RunConfig, use_dist_opt: bool) -> dict:
+    """Where checkpoints go and what the run starts from (reads checkpoint metadata): the
+    ``checkpoint_root``, ``load_dir``/``load_meta`` and ``pretrained_dir`` fields."""
+    from epas_megatron.checkpointing.checkpoint import read_meta, resolve_checkpoint
+
     out = Path(cfg.logging.output_dir)
     ckpt_root = Path(cfg.checkpoint.save) if cfg.checkpoint.save else out / "checkpoints"
     load_dir, load_meta = None, None
@@ -267,9 +319,7 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
         load_dir = resolve_checkpoint(load_path) if load_path.exists() else None
         if load_dir is not None:
             load_meta = read_meta(load_dir)
-            diffs = model_shape_differences(load_meta.get("model", {}), model_shape_of(replace(cfg, model=m)))
-            if diffs:
-                raise ConfigError(f"--load {load_path}: the checkpoint holds a different model ({'; '.join(diffs)})")
+            _check_same_model(load_meta, cfg, f"--load {load_path}")
             saved_dist = load_meta.get("parallel", {}).get("use_distributed_optimizer")
             if load_meta.get("has_optimizer_state", True) and saved_dist is not None and saved_dist != use_dist_opt:
                 flag = "--use-distributed-optimizer" if saved_dist else "--no-use-distributed-optimizer"
@@ -282,32 +332,22 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
         pretrained_dir = resolve_checkpoint(pre) if pre.exists() else None
         if pretrained_dir is None:
             raise ConfigError(f"--pretrained {pre}: no checkpoint there")
-        diffs = model_shape_differences(read_meta(pretrained_dir).get("model", {}), model_shape_of(replace(cfg, model=m)))
-        if diffs:
-            raise ConfigError(f"--pretrained {pre}: the checkpoint holds a different model ({'; '.join(diffs)})")
+        _check_same_model(read_meta(pretrained_dir), cfg, f"--pretrained {pre}")
     if not cfg.checkpoint.load and (out / "config.yaml").exists():
         raise ConfigError(f"--output-dir {out} already holds a run (config.yaml); resume it with --load {ckpt_root} or choose another --output-dir")
     _positive(cfg.checkpoint.keep_last, "--keep-last", minimum=0)
+    return dict(checkpoint_root=ckpt_root, load_dir=load_dir, load_meta=load_meta, pretrained_dir=pretrained_dir)
 
-    resolved_cfg = replace(cfg, model=m, training=t)
-    return ResolvedRun(
-        cfg=resolved_cfg,
-        world_size=world_size,
-        dp=dp,
-        num_microbatches=gbs // (t.micro_batch_size * dp),
-        vpp=normalise_vpp(p.vpp, layout),
-        layout=layout,
-        backend=backend,
-        precision=precision,
-        use_distributed_optimizer=use_dist_opt,
-        schedule=schedule,
-        rebalance=rebalance,
-        checkpoint_root=ckpt_root,
-        load_dir=load_dir,
-        load_meta=load_meta,
-        pretrained_dir=pretrained_dir,
-        warnings=tuple(warnings),
-    )
+
+def _check_same_model(meta: dict, cfg: RunConfig, source: str) -> None:
+    diffs = model_shape_differences(meta.get("model", {}), model_shape_of(cfg))
+    vocab = [d for d in diffs if d.startswith("--vocab-size")]
+    if vocab and len(diffs) == 1:
+        saved = meta["model"]["vocab_size"]
+        raise ConfigError(f"{source}: the checkpoint's vocabulary is {saved}, this run's is {cfg.model.vocab_size}; "
+                          "pass the --tokenizer-model (or --vocab-size) it was trained with")
+    if diffs:
+        raise ConfigError(f"{source}: the checkpoint holds a different model ({'; '.join(diffs)})")
 
 
 def _have_te() -> bool:

@@ -22,7 +22,6 @@ import os
 import shutil
 import signal
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -174,13 +173,9 @@ class Trainer:
         from epas_megatron.data.setup import setup_data
 
         self.data = setup_data(self.cfg.data)
-        vocab = self.cfg.model.vocab_size or self.data.tokenizer.vocab_size
-        self.cfg = replace(self.cfg, model=replace(self.cfg.model, vocab_size=vocab))
-        source_meta = self.run.load_meta or (ckpt.read_meta(self.run.pretrained_dir) if self.run.pretrained_dir else None)
-        if source_meta is not None:
-            saved_vocab = source_meta.get("model", {}).get("vocab_size")
-            if saved_vocab is not None and saved_vocab != vocab:
-                raise ConfigError(f"--load/--pretrained: the checkpoint's vocabulary is {saved_vocab}, this run's tokenizer has {vocab}; pass the same --tokenizer-model")
+        if self.data.tokenizer.vocab_size > self.cfg.model.vocab_size:  # resolve_run sized it; a changed file could not be
+            raise ConfigError(f"the tokenizer {self.data.tokenizer_path} has {self.data.tokenizer.vocab_size} pieces, more than "
+                              f"the model's vocabulary {self.cfg.model.vocab_size} resolved at start; was it replaced during start-up?")
 
     def _write_run_dir(self) -> None:
         if self.dims.is_logging_rank:

@@ -129,3 +129,13 @@ def test_help_is_readable(capsys):
     for expected in ("--epas-target-layers", "--tp", "--global-batch-size", "Deepest layers that will share",
                      "parallel:", "epas:"):
         assert expected in text, expected
+
+
+def test_resuming_with_another_vocabulary_fails_before_data_work(isolated, capsys):
+    """The vocabulary is resolved with the config, so a checkpoint trained with another
+    tokenizer is refused before the embedded corpus or its tokenizer is built."""
+    from pathlib import Path
+
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoint_406e8ca"  # vocabulary 512
+    fails(["--default-vocab-size", "1024", "--load", str(fixture)], isolated, capsys, "--load",
+          match="the checkpoint's vocabulary is 512, this run's is 1024")
