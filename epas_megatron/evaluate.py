@@ -77,7 +77,7 @@ def evaluate_regions(args, checkpoint: Path, meta: dict) -> list[dict]:
     from epas_megatron.checkpointing.checkpoint import load_checkpoint
     from epas_megatron.config.cli import from_dict
     from epas_megatron.data.datasets import build_data_iterator, build_gpt_datasets
-    from epas_megatron.data.setup import setup_data
+    from epas_megatron.data.sources import prepare_data_sources
     from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import architecture_from_config
     from epas_megatron.sharing.schedule import region_layers
@@ -90,7 +90,7 @@ def evaluate_regions(args, checkpoint: Path, meta: dict) -> list[dict]:
         data_cfg = replace(data_cfg, data=args.data, tokenizer_model=args.tokenizer_model)
     elif data_cfg.tokenizer_model is None and data_cfg.data is not None:
         data_cfg = replace(data_cfg, tokenizer_model=meta.get("tokenizer_model"))
-    data = setup_data(data_cfg)
+    data = prepare_data_sources(data_cfg)
     t = cfg.training
     dp = parallel_state.get_data_parallel_world_size()
     mbs = args.micro_batch_size or t.micro_batch_size

@@ -170,9 +170,9 @@ class Trainer:
             self.exit_signal.install()
 
     def _prepare_data(self) -> None:
-        from epas_megatron.data.setup import setup_data
+        from epas_megatron.data.sources import prepare_data_sources
 
-        self.data = setup_data(self.cfg.data)
+        self.data = prepare_data_sources(self.cfg.data)
         if self.data.tokenizer.vocab_size > self.cfg.model.vocab_size:  # resolve_run sized it; a changed file could not be
             raise ConfigError(f"the tokenizer {self.data.tokenizer_path} has {self.data.tokenizer.vocab_size} pieces, more than "
                               f"the model's vocabulary {self.cfg.model.vocab_size} resolved at start; was it replaced during start-up?")

@@ -13,7 +13,7 @@ from epas_megatron.data.tokenizer import SentencePieceTokenizer, load_tokenizer
 
 
 @dataclass
-class DataSetup:
+class DataSources:
     """Resolved data sources."""
 
     prefixes: list[str]
@@ -29,7 +29,7 @@ class DataSetup:
     """Where dataset index caches (and the embedded corpus) live."""
 
 
-def setup_data(data_cfg) -> DataSetup:
+def prepare_data_sources(data_cfg) -> DataSources:
     """Resolve ``DataConfig``; with no ``--data``, build (once per node, under file locks) and use
     the embedded corpus. Collective when a process group exists."""
     cache_dir = Path(data_cfg.data_cache_dir) if data_cfg.data_cache_dir else default_cache_dir()
@@ -42,4 +42,4 @@ def setup_data(data_cfg) -> DataSetup:
         prefixes, tokenizer_path = [prefix], data_cfg.tokenizer_model or default_tokenizer
     else:
         prefixes, tokenizer_path = list(data_cfg.data), data_cfg.tokenizer_model
-    return DataSetup(prefixes, load_tokenizer(tokenizer_path), str(tokenizer_path), cache_dir)
+    return DataSources(prefixes, load_tokenizer(tokenizer_path), str(tokenizer_path), cache_dir)
