@@ -62,7 +62,7 @@ def _stage_compute_seconds(variant, hidden_size: int, repeats: int = 3) -> float
 def _predicted_7b_table(log) -> list[dict]:
     from epas_megatron.config.presets import get_preset
     from epas_megatron.model.builder import LlamaArchitecture
-    from epas_megatron.parallel.planner import predict_pipeline_speedup
+    from epas_megatron.parallel.plan_report import predict_pipeline_speedup
     from epas_megatron.parallel.stage_plan import flops_layer_costs
 
     p7 = get_preset("7b")

@@ -3,8 +3,9 @@
 With PP > 1 the EPAS region grows from the deep end, so without rebalancing the last stages get
 cheaper while the first keep computing everything, and the pipeline runs at the pace of its
 slowest stage. At every switch the trainer asks :func:`plan_stage_layout` for the layout that
-minimises the slowest stage under the new per-layer costs (ties toward moving fewer layers), and
-moves layers by reloading its staging checkpoint into the new layout.
+minimises the slowest stage under the new per-layer costs (including the extra p2p rows a stage
+boundary inside the region sends), and moves layers by reloading its staging checkpoint into the
+new layout, so the plan does not depend on where the layers were before.
 
 Costs are forward matmul FLOPs per sequence (a computing layer, a sharing layer, the LM head and
 loss on the last stage; the embedding gather is free). Backward is ~2x forward for every part,
@@ -15,21 +16,40 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from epas_megatron.parallel.cost_model import LayerCosts, costs_for_modes
-from epas_megatron.parallel.planner import StageLayout, format_plan, plan_layout
-from epas_megatron.sharing.schedule import layer_modes
+from epas_megatron.parallel.cost_model import P2P_FLOPS_PER_BYTE, LayerCosts
+from epas_megatron.parallel.plan_report import format_plan
+from epas_megatron.parallel.layout import StageLayout
+from epas_megatron.parallel.planner import plan_region
 
 
-def flops_layer_costs(arch, seq_length: int, share: str = "qk") -> LayerCosts:
-    """Relative costs from the sharing-aware FLOPs model (see module doc)."""
+def flops_layer_costs(
+    arch,
+    seq_length: int,
+    share: str = "qk",
+    p2p_flops_per_byte: float = P2P_FLOPS_PER_BYTE,
+    bytes_per_element: int = 2,
+) -> LayerCosts:
+    """Relative costs from the sharing-aware FLOPs model (see module doc), plus the hand-off's
+    extra p2p rows (``LayerCosts.handoff_p2p``) in FLOP units at ``p2p_flops_per_byte``, with
+    ``bytes_per_element`` bytes per element in the p2p tensor (bf16 by default)."""
     from epas_megatron.metrics.flops import Convention, layer_forward_flops, lm_head_forward_flops
+    from epas_megatron.sharing.handoff import extra_p2p_rows
 
     shape = arch.flops_shape(seq_length)
+    # Hand-off elements per token: Q and K heads, or K and V (at TP=1; under TP both the rows
+    # and a rank's FLOPs shrink by TP, so the ratio holds).
+    first = shape.num_attention_heads if share == "qk" else shape.num_query_groups
+    heads = first + shape.num_query_groups
+    rows = extra_p2p_rows(heads * shape.head_dim, seq_length, shape.hidden_size)
+    # Sent forward (activations) and back (gradients); / 3 because the costs here are forward
+    # FLOPs standing for forward + backward (3x).
+    handoff_bytes = 2 * rows * shape.hidden_size * bytes_per_element
     return LayerCosts(
         compute_layer=float(layer_forward_flops(shape, "compute", Convention.MEGATRON)),
         share_layer=float(layer_forward_flops(shape, f"share_{share}", Convention.MEGATRON)),
         embedding=0.0,
         output_layer=float(lm_head_forward_flops(shape)),
+        handoff_p2p=handoff_bytes * p2p_flops_per_byte / 3,
     )
 
 
@@ -39,32 +59,21 @@ def plan_for_region(
     pp: int,
     vpp: Optional[int],
     sharing_layers: Sequence[int],
-    previous: Optional[str] = None,
 ) -> StageLayout:
-    """The planned layout for one sharing region (ties toward the ``previous`` layout string)."""
-    modes = [str(m) for m in layer_modes(num_layers, sharing_layers)]
-    current = StageLayout.from_layout_string(previous, pp) if previous else None
-    return plan_layout(
-        costs_for_modes(layer_costs, modes),
-        pp,
-        vpp or 1,
-        embedding_cost=layer_costs.embedding,
-        output_cost=layer_costs.output_layer,
-        current=current,
-    )
+    """The planned layout for one sharing region."""
+    return plan_region(layer_costs, num_layers, sharing_layers, pp, vpp or 1)
 
 
 def plan_stage_layout(plan, sharing_layers: Sequence[int], timer=None) -> StageLayout:
     """The layout for ``sharing_layers`` given a :class:`~epas_megatron.model.build_plan.BuildPlan`
-    (its architecture, sequence length, share mode, PP/VPP and current layout).
+    (its architecture, sequence length, share mode and PP/VPP).
 
     With a :class:`~epas_megatron.parallel.layer_timing.LayerTimer` (``--epas-cost-model
     measured``) the FLOPs costs are calibrated by its measurements (a collective call)."""
     from epas_megatron.parallel.layer_timing import calibrated_costs
 
     costs = calibrated_costs(flops_layer_costs(plan.arch, plan.seq_length, plan.share), timer)
-    previous = plan.layout_string
-    return plan_for_region(costs, plan.arch.num_layers, plan.pp, plan.vpp, sharing_layers, previous)
+    return plan_for_region(costs, plan.arch.num_layers, plan.pp, plan.vpp, sharing_layers)
 
 
 def describe_schedule_layouts(plan, schedule) -> str:

@@ -1,19 +1,25 @@
-"""Per-layer cost model: modes to costs, calibration to measured times."""
+"""Per-layer cost model: modes to costs, the hand-off's p2p cost, calibration to measured
+times."""
 
 import math
 
 import pytest
 
 from epas_megatron.errors import ConfigError
-from epas_megatron.parallel.cost_model import LAYER_MODES, LayerCosts, calibrate, costs_for_modes
+from epas_megatron.model.builder import LlamaArchitecture
+from epas_megatron.parallel.cost_model import LayerCosts, calibrate, costs_for_modes
+from epas_megatron.parallel.stage_plan import flops_layer_costs
+from epas_megatron.sharing.schedule import LayerMode, layer_modes
 
 
 def test_costs_for_modes_source_costs_like_compute():
     costs = LayerCosts(compute_layer=10.0, share_layer=8.0, embedding=1.0, output_layer=3.0)
-    modes = ["compute", "compute", "source", "share", "share", "compute"]
+    assert costs_for_modes(costs, layer_modes(6, [3, 4, 5])) == [10.0, 10.0, 10.0, 8.0, 8.0, 8.0]
+    modes = ["compute", "compute", "source", "share", "share", "compute"]  # plain strings work too
     assert costs_for_modes(costs, modes) == [10.0, 10.0, 10.0, 8.0, 8.0, 10.0]
     assert costs_for_modes(costs, []) == []
-    assert set(LAYER_MODES) == {"compute", "source", "share"}
+    assert costs.for_mode(LayerMode.SOURCE) == 10.0
+    assert costs.handoff_p2p == 0.0
 
 
 def test_costs_for_modes_rejects_unknown_mode():
@@ -22,13 +28,32 @@ def test_costs_for_modes_rejects_unknown_mode():
         costs_for_modes(costs, ["compute", "shared"])
 
 
-@pytest.mark.parametrize("field", ["compute_layer", "share_layer", "embedding", "output_layer"])
+@pytest.mark.parametrize(
+    "field", ["compute_layer", "share_layer", "embedding", "output_layer", "handoff_p2p"]
+)
 @pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf])
 def test_layer_costs_rejects_bad_values(field, bad):
     values = dict(compute_layer=1.0, share_layer=1.0, embedding=0.0, output_layer=0.0)
     values[field] = bad
     with pytest.raises(ConfigError, match=field):
         LayerCosts(**values)
+
+
+def test_flops_costs_price_the_hand_off_rows():
+    """8 layers, h = 128, 4 heads and 4 KV groups of 32, s = 64: the Q/K hand-off is
+    (4 + 4) * 32 = 256 elements per token, 256 * 64 / 128 = 128 extra rows of 128 bf16 elements,
+    sent forward and back: 65536 bytes, at 4000 FLOPs a byte, over 3 (forward stands for
+    forward + backward)."""
+    arch = LlamaArchitecture(8, 128, 4, 4, 64, 1024, 64)
+    assert flops_layer_costs(arch, 64).handoff_p2p == pytest.approx(65536 * 4000 / 3)
+    # KV sharing hands on K and V: 2 * 4 groups, the same here; with 2 groups (GQA) 4 * 32 per
+    # token for K/V but 6 * 32 for Q/K.
+    gqa = LlamaArchitecture(8, 128, 4, 2, 64, 1024, 64)
+    assert flops_layer_costs(gqa, 64, "kv").handoff_p2p == pytest.approx(2 * 64 * 128 * 2 * 4000 / 3)
+    assert flops_layer_costs(gqa, 64, "qk").handoff_p2p == pytest.approx(2 * 96 * 128 * 2 * 4000 / 3)
+    # In fp32 over a link twice as fast per FLOP: the same number.
+    same = flops_layer_costs(arch, 64, p2p_flops_per_byte=2000.0, bytes_per_element=4)
+    assert same.handoff_p2p == pytest.approx(65536 * 4000 / 3)
 
 
 def test_calibrate_docstring_example():
@@ -52,6 +77,13 @@ def test_calibrate_all_kinds_replaces_all():
     flops = LayerCosts(10.0, 8.0, 1.0, 3.0)
     measured = {"compute_layer": 4.0, "share_layer": 3.0, "embedding": 0.2, "output_layer": 1.0}
     assert calibrate(flops, measured) == LayerCosts(4.0, 3.0, 0.2, 1.0)
+
+
+def test_calibrate_scales_an_unmeasured_hand_off_with_the_rest():
+    flops = LayerCosts(10.0, 8.0, 1.0, 3.0, handoff_p2p=2.0)
+    timed = calibrate(flops, {"compute_layer": 5.0})
+    assert timed.handoff_p2p == pytest.approx(1.0)
+    assert calibrate(flops, {"compute": 5.0, "handoff_p2p": 0.25}).handoff_p2p == 0.25
 
 
 def test_calibrate_keeps_relative_costs_for_the_planner():

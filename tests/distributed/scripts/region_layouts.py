@@ -37,7 +37,7 @@ def main():
 
     from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import LlamaArchitecture, build_model
-    from epas_megatron.parallel.planner import StageLayout
+    from epas_megatron.parallel.layout import StageLayout
     from epas_megatron.sharing.schedule import region_layers
     from epas_megatron.training.optimizer import OptimizerSettings, build_optimizer, build_scheduler, wrap_ddp
     from epas_megatron.training.step import train_step
