@@ -32,12 +32,12 @@ from epas_megatron.bench.common import BenchConfig
 
 def _stage_compute_seconds(variant, hidden_size: int, repeats: int = 3) -> float:
     """Forward + backward of this rank's chunks alone on synthetic input (no communication)."""
-    from epas_megatron.checkpointing.checkpoint import _unwrap
+    from epas_megatron.model.wrapping import unwrap_model
     from epas_megatron.runtime.device import compute_device, synchronize, to_compute_device
 
     total = 0.0
     for chunk, data in zip(variant.state.model, variant.data):
-        module = _unwrap(chunk)
+        module = unwrap_model(chunk)
         rows = module.decoder.p2p_rows[1] if module.decoder.p2p_rows else data.seq
         times = []
         for _ in range(repeats + 1):

@@ -39,7 +39,8 @@ def field_docstrings(cls: type) -> dict[str, str]:
     return docs
 
 
-def _flag(name: str) -> str:
+def flag_name(name: str) -> str:
+    """The command-line flag of a config field: ``micro_batch_size`` -> ``--micro-batch-size``."""
     return "--" + name.replace("_", "-")
 
 
@@ -94,11 +95,11 @@ def build_parser(prog: str = "epas-train", description: str = "") -> argparse.Ar
             group.add_argument("--preset", choices=list(PRESETS), help=help_text)
             continue
         if scalar is bool:
-            group.add_argument(_flag(name), action=argparse.BooleanOptionalAction, help=help_text)
+            group.add_argument(flag_name(name), action=argparse.BooleanOptionalAction, help=help_text)
         elif is_list:
-            group.add_argument(_flag(name), nargs="+", type=scalar, help=help_text)
+            group.add_argument(flag_name(name), nargs="+", type=scalar, help=help_text)
         else:
-            group.add_argument(_flag(name), type=scalar, help=help_text, metavar=scalar.__name__.upper())
+            group.add_argument(flag_name(name), type=scalar, help=help_text, metavar=scalar.__name__.upper())
     return parser
 
 
@@ -115,7 +116,7 @@ def _set(cfg: RunConfig, name: str, value: Any, table, source: str) -> None:
             else:
                 value = scalar(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{source}: {_flag(name)} expects {scalar.__name__}, got {value!r}") from None
+            raise ConfigError(f"{source}: {flag_name(name)} expects {scalar.__name__}, got {value!r}") from None
     setattr(getattr(cfg, section), name, value)
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from epas_megatron.config.cli import to_dict
+from epas_megatron.config.cli import flag_name, to_dict
 from epas_megatron.config.presets import default_ffn_hidden_size
 from epas_megatron.config.schema import RunConfig
 from epas_megatron.errors import ConfigError
@@ -34,10 +34,6 @@ _CHOICES = {
     "epas_rebalance": ("auto", "on", "off"),
     "epas_cost_model": ("flops", "measured"),
 }
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 @dataclass(frozen=True)
@@ -103,7 +99,7 @@ def _check_choices(cfg: RunConfig) -> None:
     for section in (cfg.model, cfg.parallel, cfg.training, cfg.epas):
         for name, allowed in _CHOICES.items():
             if hasattr(section, name) and getattr(section, name) not in allowed:
-                raise ConfigError(f"{_flag(name)} {getattr(section, name)!r}: choose one of {', '.join(allowed)}")
+                raise ConfigError(f"{flag_name(name)} {getattr(section, name)!r}: choose one of {', '.join(allowed)}")
 
 
 def _positive(value, flag: str, minimum: int = 1) -> None:
@@ -148,7 +144,7 @@ def model_shape_differences(saved: dict, current: dict) -> list[str]:
         if value is None:
             continue
         if key in saved and saved[key] != value:
-            diffs.append(f"{_flag(key)}: checkpoint {saved[key]}, this run {value}")
+            diffs.append(f"{flag_name(key)}: checkpoint {saved[key]}, this run {value}")
     return diffs
 
 
@@ -197,7 +193,7 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
 def _resolve_model(m):
     """ModelConfig checks; GQA groups and FFN size filled in."""
     for name in ("num_layers", "hidden_size", "num_attention_heads"):
-        _positive(getattr(m, name), _flag(name))
+        _positive(getattr(m, name), flag_name(name))
     if m.num_query_groups is None:
         m = replace(m, num_query_groups=m.num_attention_heads)
     if m.ffn_hidden_size is None:
@@ -264,7 +260,7 @@ def _resolve_training(cfg: RunConfig, m, dp: int):
     t = cfg.training
     for name in ("train_iters", "micro_batch_size", "seq_length", "log_interval"):
         section = cfg.logging if name == "log_interval" else t
-        _positive(getattr(section, name), _flag(name))
+        _positive(getattr(section, name), flag_name(name))
     gbs = t.global_batch_size if t.global_batch_size is not None else t.micro_batch_size * dp
     if gbs % (t.micro_batch_size * dp):
         raise ConfigError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size {t.micro_batch_size} x data-parallel size {dp} = {t.micro_batch_size * dp}")
@@ -360,7 +356,7 @@ def _check_layout(layout: str, num_layers: int, pp: int, vpp: Optional[int]) -> 
     """--pipeline-layout checked by Megatron-Core's parser, as a StageLayout."""
     from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
-    from epas_megatron.parallel.planner import StageLayout
+    from epas_megatron.parallel.layout import StageLayout
 
     try:
         parsed = PipelineParallelLayerLayout.from_str(layout=layout, pipeline_model_parallel_size=pp)

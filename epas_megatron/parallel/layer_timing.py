@@ -53,11 +53,11 @@ class LayerTimer:
 
     def attach(self, model_chunks) -> None:
         """Hook every decoder layer and the LM head of (unwrapped or DDP-wrapped) chunks."""
-        from epas_megatron.checkpointing.checkpoint import _unwrap
+        from epas_megatron.model.wrapping import unwrap_model
 
         self.detach()
         for chunk in model_chunks:
-            module = _unwrap(chunk)
+            module = unwrap_model(chunk)
             for layer in module.decoder.layers:
                 kind = "share" if layer.epas_mode == "share" else "compute"
                 self._handles.append(layer.register_forward_pre_hook(self._pre))

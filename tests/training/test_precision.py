@@ -56,7 +56,7 @@ def _main_params(trainer) -> dict:
 
 
 def test_bf16_switch_carries_fp32_main_weights_exactly(tmp_path):
-    from epas_megatron.checkpointing.checkpoint import _unwrap
+    from epas_megatron.model.wrapping import unwrap_model
     from epas_megatron.config.cli import parse_config
     from epas_megatron.config.validation import resolve_run
     from epas_megatron.model.attention import split_qkv_rows
@@ -67,7 +67,7 @@ def test_bf16_switch_carries_fp32_main_weights_exactly(tmp_path):
     trainer.setup()
     try:
         trainer.train()  # iterations 1-5: region [3]
-        model = _unwrap(trainer.model[0])
+        model = unwrap_model(trainer.model[0])
         main = _main_params(trainer)
         qkv = model.decoder.layers[2].self_attention.linear_qkv.weight
         assert qkv.dtype == torch.bfloat16 and main[id(qkv)].dtype == torch.float32
@@ -77,7 +77,7 @@ def test_bf16_switch_carries_fp32_main_weights_exactly(tmp_path):
                   if id(p) in main and "layers.2.self_attention.linear_qkv" not in name}
 
         trainer.apply_switch((2, 3))  # layer 2 starts sharing
-        model = _unwrap(trainer.model[0])
+        model = unwrap_model(trainer.model[0])
         main = _main_params(trainer)
         attention = model.decoder.layers[2].self_attention
         v_rows = split_qkv_rows(main_qkv, ("q", "k", "v"), 2, 2, 16)["v"]

@@ -24,9 +24,9 @@ def trainer_for(argv):
 
 
 def layer(trainer, index):
-    from epas_megatron.checkpointing.checkpoint import _unwrap
+    from epas_megatron.model.wrapping import unwrap_model
 
-    return _unwrap(trainer.model[0]).decoder.layers[index]
+    return unwrap_model(trainer.model[0]).decoder.layers[index]
 
 
 def optimizer_state(trainer, param):
