@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import fcntl
 import io
 import json
 import os
@@ -207,21 +206,18 @@ def make_row(args, summary: Optional[dict], error: str, status_code: int) -> dic
 
 def append_row(csv_path: Path, row: dict) -> None:
     """Append ``row`` under an exclusive flock; write the header first if the file is empty."""
-    csv_path.parent.mkdir(parents=True, exist_ok=True)
+    from epas_megatron.runtime.fs import exclusive_lock
+
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=COLUMNS, extrasaction="ignore")
-    with open(csv_path, "a+", newline="") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            f.seek(0, os.SEEK_END)
-            if f.tell() == 0:
-                writer.writeheader()
-            writer.writerow(row)
-            f.write(buffer.getvalue())
-            f.flush()
-            os.fsync(f.fileno())
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    with exclusive_lock(csv_path), open(csv_path, "a", newline="") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() == 0:
+            writer.writeheader()
+        writer.writerow(row)
+        f.write(buffer.getvalue())
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def main(argv=None) -> int:

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 
 from epas_megatron.errors import ConfigError
+from epas_megatron.model.wrapping import unwrap_model
+from epas_megatron.runtime.fs import atomic_write_text
 
 POINTER = "latest_checkpointed_iteration.txt"
 META = "run_meta.json"
@@ -122,7 +124,7 @@ def sharded_state(model_chunks: Sequence[torch.nn.Module], optimizer, scheduler,
 
     models = {}
     for i, chunk in enumerate(model_chunks):
-        models["model" if i == 0 else f"model{i}"] = _unwrap(chunk).sharded_state_dict()
+        models["model" if i == 0 else f"model{i}"] = unwrap_model(chunk).sharded_state_dict()
     state: dict[str, Any] = dict(models)
     if with_optimizer and optimizer is not None:
         # Model-space optimizer states (one tensor per parameter, keyed like the parameter), so
@@ -179,12 +181,6 @@ def optimizer_has_state(optimizer) -> bool:
     return any(len(getattr(getattr(o, "optimizer", o), "state", {})) > 0 for o in parts)
 
 
-def _unwrap(module):
-    while hasattr(module, "module"):
-        module = module.module
-    return module
-
-
 def save_checkpoint(
     root: str | os.PathLike,
     iteration: int,
@@ -218,9 +214,7 @@ def save_checkpoint(
     if _rank0():
         record = {**meta, "iteration": iteration, "has_optimizer_state": with_optimizer}
         (target / META).write_text(json.dumps(record, indent=1, sort_keys=True))
-        tmp = root / (POINTER + ".tmp")
-        tmp.write_text(str(iteration))
-        os.replace(tmp, root / POINTER)
+        atomic_write_text(root / POINTER, str(iteration))
         if keep_last > 0:
             prune(root, keep_last)
     _barrier()
@@ -259,7 +253,7 @@ def load_checkpoint(
         state.pop("opt_param_scheduler", None)
     loaded = dist_checkpointing.load(state, str(checkpoint_dir))
     for i, chunk in enumerate(model_chunks):
-        _unwrap(chunk).load_state_dict(loaded["model" if i == 0 else f"model{i}"], strict=True)
+        unwrap_model(chunk).load_state_dict(loaded["model" if i == 0 else f"model{i}"], strict=True)
     if with_optimizer:
         optimizer.load_state_dict(loaded["optimizer"])
         if scheduler is not None:

@@ -40,11 +40,11 @@ import os
 import platform
 import random
 import sys
-import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from epas_megatron.errors import ConfigError
+from epas_megatron.runtime.fs import atomic_output
 
 __all__ = [
     "DEFAULT_CORPUS_MAX_BYTES",
@@ -236,17 +236,9 @@ def write_jsonl(documents: Iterable[str], output_path: Path, key: str = "text") 
     """Write one ``{key: document}`` object per line, atomically (temp file, then rename)."""
     output_path = Path(output_path)
     output_path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp_name = tempfile.mkstemp(
-        dir=output_path.parent, prefix=f".{output_path.name}.", suffix=".tmp"
-    )
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            for document in documents:
-                stream.write(json.dumps({key: document}, ensure_ascii=False) + "\n")
-        os.replace(temp_name, output_path)
-    except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
-        raise
+    with atomic_output(output_path, "w", encoding="utf-8") as stream:
+        for document in documents:
+            stream.write(json.dumps({key: document}, ensure_ascii=False) + "\n")
     return output_path
 
 

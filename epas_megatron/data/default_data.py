@@ -15,7 +15,8 @@ from pathlib import Path
 from epas_megatron.data.corpus import default_corpus_path, file_sha256
 from epas_megatron.data.indexed import bin_path, idx_path
 from epas_megatron.data.preprocess import preprocess
-from epas_megatron.data.tokenizer import default_tokenizer_path, exclusive_lock, load_tokenizer
+from epas_megatron.data.tokenizer import default_tokenizer_path, load_tokenizer
+from epas_megatron.runtime.fs import exclusive_lock
 
 
 def default_cache_dir() -> Path:

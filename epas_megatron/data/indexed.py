@@ -21,7 +21,6 @@ Decisions:
 from __future__ import annotations
 
 import hashlib
-import os
 import struct
 import warnings
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from pathlib import Path
 import numpy
 
 from epas_megatron.errors import ConfigError
+from epas_megatron.runtime.fs import AtomicFiles
 
 __all__ = [
     "IndexedDatasetWriter",
@@ -152,9 +152,7 @@ class IndexedDatasetWriter:
         """Documents written so far."""
         self.tokens = 0
         """Tokens written so far."""
-        suffix = f".tmp-{os.getpid()}"
-        self._temp_bin = Path(f"{bin_path(self.prefix)}{suffix}")
-        self._temp_idx = Path(f"{idx_path(self.prefix)}{suffix}")
+        self._files = None
         self._builder = None
 
     def __enter__(self) -> "IndexedDatasetWriter":
@@ -163,7 +161,13 @@ class IndexedDatasetWriter:
             from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
         Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
-        self._builder = IndexedDatasetBuilder(str(self._temp_bin), dtype=self.dtype)
+        # The .idx goes last: it is removed before the .bin is replaced and renamed after it.
+        self._files = AtomicFiles(bin_path(self.prefix), idx_path(self.prefix))
+        try:
+            self._builder = IndexedDatasetBuilder(str(self._files.temp_paths[0]), dtype=self.dtype)
+        except BaseException:
+            self._files.discard()
+            raise
         return self
 
     def add_document(self, ids: Sequence[int]) -> None:
@@ -186,12 +190,9 @@ class IndexedDatasetWriter:
     def __exit__(self, exc_type, exc, traceback) -> None:
         try:
             if exc_type is None:
-                self._builder.finalize(str(self._temp_idx))
-                idx_path(self.prefix).unlink(missing_ok=True)
-                os.replace(self._temp_bin, bin_path(self.prefix))
-                os.replace(self._temp_idx, idx_path(self.prefix))
+                self._builder.finalize(str(self._files.temp_paths[1]))
+                self._files.commit()
             else:
                 self._builder.data_file.close()
         finally:
-            self._temp_bin.unlink(missing_ok=True)
-            self._temp_idx.unlink(missing_ok=True)
+            self._files.discard()

@@ -29,13 +29,9 @@ Decisions:
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import io
 import numbers
-import os
-import tempfile
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -50,6 +46,7 @@ from epas_megatron.data.corpus import (
     iter_documents,
 )
 from epas_megatron.errors import ConfigError
+from epas_megatron.runtime.fs import atomic_write_bytes, exclusive_lock
 
 __all__ = [
     "SentencePieceTokenizer",
@@ -277,17 +274,6 @@ def _vocab_text(model_proto: bytes) -> str:
     )
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    handle, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(data)
-        os.replace(temp_name, path)
-    except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
-        raise
-
-
 def train_sentencepiece(
     input_paths: Sequence[Path | str],
     model_prefix: Path | str,
@@ -325,21 +311,9 @@ def train_sentencepiece(
     prefix.parent.mkdir(parents=True, exist_ok=True)
     model_path = prefix.with_name(prefix.name + ".model")
     vocab_text = _vocab_text(model.getvalue()).encode("utf-8")
-    _write_atomically(prefix.with_name(prefix.name + ".vocab"), vocab_text)
-    _write_atomically(model_path, model.getvalue())
+    atomic_write_bytes(prefix.with_name(prefix.name + ".vocab"), vocab_text)
+    atomic_write_bytes(model_path, model.getvalue())
     return model_path
-
-
-@contextlib.contextmanager
-def exclusive_lock(lock_path: Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``lock_path`` (created if needed) for the block."""
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a") as stream:
-        fcntl.flock(stream.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(stream.fileno(), fcntl.LOCK_UN)
 
 
 def default_tokenizer_path(

@@ -18,7 +18,6 @@ resume is the same load, so runs resumed before or after a switch match uninterr
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import time
@@ -179,10 +178,10 @@ class Trainer:
 
     def _write_run_dir(self) -> None:
         if self.dims.is_logging_rank:
+            from epas_megatron.runtime.fs import atomic_write_text
+
             self.out.mkdir(parents=True, exist_ok=True)
-            tmp = self.out / "config.yaml.tmp"
-            tmp.write_text(dump_yaml(self.cfg))
-            os.replace(tmp, self.out / "config.yaml")
+            atomic_write_text(self.out / "config.yaml", dump_yaml(self.cfg))
 
     def _banner(self) -> str:
         cfg, d = self.cfg, self.dims
