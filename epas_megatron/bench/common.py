@@ -152,7 +152,9 @@ def _sync() -> None:
 
 
 def alternating_throughput(variants: dict, tokens_per_iteration: int, *, iters: int, blocks: int, warmup: int, log) -> dict:
-    """Median tokens/s of each variant over alternating timed blocks (after ``warmup`` each)."""
+    """Tokens/s of each variant: tokens per iteration over the median of its per-block mean
+    iteration times, the blocks alternating between the variants (after ``warmup`` iterations
+    each). With an even number of blocks the median is the mean of the middle two times."""
     for state in variants.values():
         for _ in range(warmup):
             run_iteration(state)

@@ -103,15 +103,29 @@ def test_paper_table_1_rules_out_other_conventions():
     assert abs(recompute / baseline_tf - 1) > 0.3
 
 
-def test_paper_7b_known_discrepancy():
-    # LLaMA-2-7B is not reproduced: both numbers come out about 2.5% above the paper's
-    # (85.62 -> 79.21); the ratio agrees. Pinned so that a change of convention shows up here.
-    shape = ModelShape(32, 4096, 32, 32, 11008, 32000, 2048)
-    baseline = training_flops_per_sequence(shape) / 1e12
-    epas = training_flops_per_sequence(shape, 16) / 1e12
-    assert baseline == pytest.approx(87.785, abs=0.001)
-    assert epas == pytest.approx(81.188, abs=0.001)
-    assert 0.02 < baseline / 85.62 - 1 < 0.03
+def test_llama2_7b_from_first_principles():
+    """LLaMA-2-7B (32 layers, h 4096, MHA with 32 heads, F 11008, V 32000), seq 2048, 16 sharing.
+
+    Expected values are written out here from the layer's GEMMs, not taken from the code. The
+    paper's Table 1 row is *not* reproduced: it gives 85.62 -> 79.21 TF per sample, this accounting
+    (the one that matches the 125M, 1.1B and 3B rows within 0.2%) gives 87.78 -> 81.19 TF, about
+    2.5% above both. The gap is not a convention: the 16 layers' skipped Q/K projections alone are
+    3 * 16 * 2 * (2*s*h*h) = 6.60 TF whatever the s^2 counting, the paper's difference is 6.41 TF,
+    and no natural 32-layer shape fits both numbers. Only the ratio is compared with the paper.
+    """
+    s, h, ffn, vocab, layers = 2048, 4096, 11008, 32000, 32
+    kv = h  # MHA: 32 KV heads of 128
+    # Per layer: Q, K, V and output projections, SwiGLU gate/up/down, then scores and probs.V
+    # over the full s x s matrix (no causal halving: the paper's convention).
+    layer = 2 * s * (h * h + 2 * h * kv + h * h + 3 * h * ffn) + 2 * (2 * s * s * h)
+    head = 2 * s * h * vocab
+    baseline = 3 * (layers * layer + head)  # forward + backward (two GEMMs per forward GEMM)
+    epas = baseline - 3 * 16 * (2 * s * h * h + 2 * s * h * kv)  # 16 layers skip Q and K
+    shape = ModelShape(layers, h, 32, 32, ffn, vocab, s)
+    assert training_flops_per_sequence(shape) == baseline
+    assert training_flops_per_sequence(shape, 16) == epas
+    assert training_flops_per_sequence(shape, 16, convention=Convention.MEGATRON) == epas - 3 * layers * 2 * s * s * h
+    # The speed-up FLOPs allow, 1.0813, agrees with the paper's 85.62 / 79.21 = 1.0809.
     assert flop_limit_ratio(shape, 16) == pytest.approx(85.62 / 79.21, rel=0.001)
 
 
@@ -175,11 +189,45 @@ def test_megatron_convention_equals_installed_megatron():
 
 
 # ---------------------------------------------------------------------------- sharing savings
+def gemm_forward_flops(shape, sharing=0, share="qk", causal_halving=False):
+    """Forward FLOPs of one sequence, GEMM by GEMM (2 per multiply-add), written out here from the
+    LLaMA layer rather than taken from metrics/flops.py."""
+    s, h, heads, groups = shape.seq_length, shape.hidden_size, shape.num_attention_heads, shape.num_query_groups
+    d = h // heads
+    q = 2 * s * h * h                    # [s, h] x [h, n*d]
+    k = v = 2 * s * h * (groups * d)     # [s, h] x [h, g*d]
+    scores = heads * 2 * s * d * s       # per query head [s, d] x [d, s]
+    values = heads * 2 * s * s * d       # per query head [s, s] x [s, d]
+    if causal_halving:                   # only the unmasked triangle
+        scores, values = scores // 2, values // 2
+    out = 2 * s * h * h                  # [s, n*d] x [n*d, h]
+    mlp = 2 * (2 * s * h * shape.ffn_hidden_size) + 2 * s * shape.ffn_hidden_size * h  # gate, up; down
+    layer = q + k + v + scores + values + out + mlp
+    skipped = q + k if share == "qk" else k + v
+    head = 2 * s * h * shape.vocab_size
+    return shape.num_layers * layer - sharing * skipped + head
+
+
+@pytest.mark.parametrize("shape", [TINY, *(row[0] for row in PAPER_TABLE_1.values())])
+def test_every_count_matches_the_gemms_written_out(shape):
+    for convention in Convention:
+        halving = convention is Convention.MEGATRON
+        for n in range(shape.num_layers):
+            for share in ("qk", "kv"):
+                forward = gemm_forward_flops(shape, n, share, halving)
+                assert forward_flops_per_sequence(shape, n, share, convention) == forward
+                assert training_flops_per_sequence(shape, n, share, convention) == 3 * forward
+                assert training_flops_per_sequence(shape, n, share, convention, True) == 4 * forward
+            ratio = flop_limit_ratio(shape, n, convention=convention)
+            assert ratio == gemm_forward_flops(shape, 0, "qk", halving) / gemm_forward_flops(shape, n, "qk", halving)
+            assert (ratio > 1) == (n > 0)
+
+
 @pytest.mark.parametrize("shape", [TINY, *(row[0] for row in PAPER_TABLE_1.values())])
 def test_savings_are_exactly_the_skipped_projections(shape):
-    s, h, kv = shape.seq_length, shape.hidden_size, shape.kv_projection_size
+    s, h = shape.seq_length, shape.hidden_size
+    kv = shape.num_query_groups * (h // shape.num_attention_heads)
     q, k, v = 2 * s * h * h, 2 * s * h * kv, 2 * s * h * kv
-    baseline = training_flops_per_sequence(shape)
     for convention in Convention:
         for n in range(shape.num_layers):
             for recompute, mult in ((False, 3), (True, 4)):
@@ -188,17 +236,7 @@ def test_savings_are_exactly_the_skipped_projections(shape):
                 kvs = training_flops_per_sequence(shape, n, "kv", convention, recompute)
                 assert base - qk == mult * n * (q + k)
                 assert base - kvs == mult * n * (k + v)
-            ratio = flop_limit_ratio(shape, n, convention=convention)
-            assert ratio == baseline_over(shape, n, convention)
-            assert (ratio > 1) == (n > 0)
-    assert baseline > training_flops_per_sequence(shape, shape.num_layers - 1)
-
-
-def baseline_over(shape, n, convention):
-    return (
-        training_flops_per_sequence(shape, 0, convention=convention)
-        / training_flops_per_sequence(shape, n, convention=convention)
-    )
+    assert training_flops_per_sequence(shape) > training_flops_per_sequence(shape, shape.num_layers - 1)
 
 
 def test_ratio_grows_with_the_region():

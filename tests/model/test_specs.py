@@ -1,17 +1,21 @@
-"""Layer specs: roles, per-stage slicing, and the Transformer Engine spec tree (built without TE)."""
+"""Layer specs: roles, and each layer's spec tree against Megatron-Core's own GPT layer specs
+(the Transformer Engine ones built without TE)."""
 
+import dataclasses
+import importlib
 import sys
+from functools import partial
 
 import pytest
+import torch
 
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from epas_megatron.errors import ConfigError
-from epas_megatron.model.attention import ComputingAttention, FrozenProjection, SharedAttention
-from epas_megatron.model.specs import LOCAL, TRANSFORMER_ENGINE, decoder_layer_specs, layer_spec
+from epas_megatron.model.attention import FrozenProjection, SharedAttention
+from epas_megatron.model.specs import LOCAL, TRANSFORMER_ENGINE, decoder_layer_specs, get_backend, layer_spec
 from epas_megatron.sharing.schedule import layer_modes
-
-TE = "megatron.core.extensions.transformer_engine"
 
 
 def test_roles():
@@ -23,77 +27,147 @@ def test_roles():
         layer_modes(4, (0, 1, 2, 3))
 
 
-def _leaves(spec, path=""):
-    """(path, value) for every slot of a spec tree (ModuleSpecs, submodule dataclasses, partials)."""
-    import dataclasses
-    from functools import partial
-
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
+def _tree(spec, path=""):
+    """{path: leaf} of a layer spec tree (ModuleSpecs, submodule dataclasses, partials). A class
+    named by import path (our TE spec) becomes the object that path names, so it compares equal to
+    the class (or, without Transformer Engine, the placeholder) Megatron-Core's own specs hold."""
+    leaves = {}
     if isinstance(spec, ModuleSpec) and isinstance(spec.module, tuple):
-        yield path, ("import path", spec.module)
+        module, name = spec.module
+        leaves[path] = getattr(importlib.import_module(module), name)
     elif isinstance(spec, ModuleSpec):
-        yield path + ".module", spec.module
-        yield path + ".params", spec.params
+        leaves[path + ".module"] = spec.module
+        leaves[path + ".params"] = spec.params
         if spec.submodules is not None:
-            yield from _leaves(spec.submodules, path + ".submodules")
+            leaves.update(_tree(spec.submodules, path + ".submodules"))
     elif isinstance(spec, partial):
-        yield path + ".func", spec.func
+        leaves[path + ".func"] = spec.func
         for key, value in spec.keywords.items():
-            yield from _leaves(value, f"{path}.{key}")
-    elif dataclasses.is_dataclass(spec):
-        for f in dataclasses.fields(spec):
-            yield from _leaves(getattr(spec, f.name), f"{path}.{f.name}")
+            leaves.update(_tree(value, f"{path}.{key}"))
+    elif dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        for field in dataclasses.fields(spec):
+            leaves.update(_tree(getattr(spec, field.name), f"{path}.{field.name}"))
     else:
-        yield path, spec
+        leaves[path] = spec
+    return leaves
 
 
-@pytest.mark.parametrize("role", ["compute", "source", "share"])
-@pytest.mark.parametrize("share", ["qk", "kv"])
-def test_te_spec_differs_from_local_only_in_backend_classes(role, share):
-    """The TE and local specs of a layer are the same tree except where the backend supplies a
-    class; the TE classes are named by import path (building the spec imports no TE) and each
-    name exists in Megatron-Core's TE extension module."""
-    import importlib
-
-    before = "transformer_engine" in sys.modules
-    te_spec = dict(_leaves(layer_spec(role, TRANSFORMER_ENGINE, share=share)))
-    assert ("transformer_engine" in sys.modules) == before  # building specs imported nothing
-    local_spec = dict(_leaves(layer_spec(role, LOCAL, share=share)))
-    extension = importlib.import_module(TE)
-    backend_classes = {LOCAL.column_parallel_linear, LOCAL.row_parallel_linear, LOCAL.core_attention, LOCAL.norm}
-    differing = set()
-    for path in set(te_spec) | set(local_spec):
-        te_value, local_value = te_spec.get(path), local_spec.get(path)
-        if isinstance(te_value, tuple) and te_value[0] == "import path":
-            module, name = te_value[1]
-            assert module == TE and hasattr(extension, name), te_value
-            differing.add(path)
-            assert local_value in backend_classes, (path, local_value)
-        elif path.endswith("input_layernorm") or path.endswith("pre_mlp_layernorm") or "keys_map" in path:
-            differing.add(path)  # TE fuses the norm into the next GEMM: identity + key map
-        else:
-            assert te_value == local_value, (path, te_value, local_value)
-    # What is shared is shared: the frozen projection and the attention classes.
-    if role == "share":
-        assert te_spec[".submodules.self_attention.submodules.linear_frozen"] is FrozenProjection
-    assert te_spec[".submodules.self_attention.module"] is (SharedAttention if role == "share" else ComputingAttention)
-    assert differing
+ATTENTION = ".submodules.self_attention"
+KEYS_MAP = ".submodules.sharded_state_dict_keys_map"
 
 
-def test_local_spec_classes_and_checkpoint_key_map():
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+def _named(value):
+    """For failure messages: TE classes by name (without TE they are anonymous placeholders)."""
+    extension = sys.modules.get("megatron.core.extensions.transformer_engine")
+    names = [n for n in dir(extension) if n.startswith("TE") and getattr(extension, n) is value]
+    return f"TE:{names[0]}" if len(names) == 1 else value
+
+
+def _assert_same_except(ours, reference, skip):
+    """Every slot of two spec trees equal, except paths starting with one of ``skip``."""
+    absent = "<absent>"
+    paths = {p for p in set(ours) | set(reference) if not p.startswith(tuple(skip))}
+    different = {p: (_named(ours.get(p, absent)), _named(reference.get(p, absent))) for p in sorted(paths)
+                 if ours.get(p, absent) != reference.get(p, absent)}
+    assert not different, different
+
+
+def _assert_megatron_roles(ours, reference):
+    """Our layer and attention classes are Megatron's, subclassed, with Megatron's parameters."""
+    assert issubclass(ours[".module"], reference[".module"])
+    assert issubclass(ours[ATTENTION + ".module"], reference[ATTENTION + ".module"])
+    assert reference[ATTENTION + ".params"].items() <= ours[ATTENTION + ".params"].items()
+
+
+@pytest.fixture
+def megatron_te_layer_spec(monkeypatch):
+    """Megatron-Core's own TE layer spec (``get_gpt_layer_with_transformer_engine_spec``). Without
+    Transformer Engine, ``gpt_layer_specs`` sets its TE spec provider to None; the provider module
+    itself imports (Megatron's TE extension then holds placeholders for TE's classes), so it is put
+    back for the call. With TE installed nothing is patched."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if gpt_layer_specs.TESpecProvider is None:
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        monkeypatch.setattr(gpt_layer_specs, "TESpecProvider", TESpecProvider)
+    return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+
+
+@pytest.mark.parametrize("role", ["compute", "source"])
+def test_te_computing_layer_is_megatron_cores_te_layer(role, megatron_te_layer_spec):
+    """Same TE class in every slot as Megatron-Core's own TE GPT layer (norms fused into
+    linear_qkv and linear_fc1, identity norms around them). Megatron's key map only renames
+    the modules of TE's op fuser, which is not used here; ours is checked in
+    test_sharing_layer_differs_from_the_computing_layer_only_in_qk."""
+    ours = _tree(layer_spec(role, TRANSFORMER_ENGINE))
+    reference = _tree(megatron_te_layer_spec)
+    _assert_megatron_roles(ours, reference)
+    _assert_same_except(ours, reference, skip=[".module", ATTENTION + ".module", ATTENTION + ".params", KEYS_MAP])
+
+
+def test_local_computing_layer_is_megatron_cores_local_layer():
+    """Megatron-Core's own local GPT layer (RMSNorm) with unfused attention, slot by slot,
+    checkpoint key map included; only the norm class is ours (Megatron's local norm refuses
+    sequence parallelism, see model/norm.py). The default local attention kernel, SDPA, takes
+    the place of ``DotProductAttention``."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     from epas_megatron.model.core_attention import SDPAttention
 
-    share = layer_spec("share", LOCAL, share="kv")
-    attn = share.submodules.self_attention
-    assert attn.params["share"] == "kv"
-    assert attn.submodules.linear_own is ColumnParallelLinear
-    assert attn.submodules.core_attention is SDPAttention
-    assert share.submodules.input_layernorm is LOCAL.norm
-    # Local and TE layers save norms under the same keys.
-    assert share.submodules.sharded_state_dict_keys_map["input_layernorm."] == "self_attention.linear_qkv.layer_norm_"
+    reference = _tree(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    ours = _tree(layer_spec("compute", get_backend("local", "unfused")))
+    _assert_megatron_roles(ours, reference)
+    norms = [".submodules.input_layernorm", ".submodules.pre_mlp_layernorm"]
+    _assert_same_except(ours, reference, skip=[".module", ATTENTION + ".module", ATTENTION + ".params", *norms])
+    assert ours[norms[0]] is ours[norms[1]] is not IdentityOp
+
+    sdpa = _tree(layer_spec("compute", LOCAL))
+    core = ATTENTION + ".submodules.core_attention"
+    assert (reference[core], sdpa[core]) == (DotProductAttention, SDPAttention)
+    _assert_same_except(sdpa, ours, skip=[core])
+
+
+@pytest.mark.parametrize("backend", [LOCAL, TRANSFORMER_ENGINE], ids=lambda b: b.name)
+@pytest.mark.parametrize("share, own", [("qk", "v"), ("kv", "q")])
+def test_sharing_layer_differs_from_the_computing_layer_only_in_qk(backend, share, own):
+    """A sharing layer is the computing layer with its attention's QKV GEMM replaced by a GEMM of
+    the same class for its own part alone (V for EPAS, Q for the KV variant; the width is checked
+    in test_sharing_layer.py) and a frozen weight holder that never runs; everything else, core
+    attention and output projection included, is the computing layer's. Its fused norm (TE) is
+    saved under the computing layer's key, so one checkpoint loads into either."""
+    computing = _tree(layer_spec("compute", backend, share=share))
+    sharing = _tree(layer_spec("share", backend, share=share))
+    _assert_same_except(sharing, computing, skip=[ATTENTION, KEYS_MAP])
+
+    attention = ATTENTION + ".submodules."
+    assert sharing[ATTENTION + ".module"] is SharedAttention
+    assert sharing[ATTENTION + ".params"]["share"] == share
+    assert sharing[ATTENTION + ".params"]["attn_mask_type"] == computing[ATTENTION + ".params"]["attn_mask_type"]
+    slots = {p[len(attention):] for p in sharing if p.startswith(attention)}
+    assert slots == {"linear_own", "linear_frozen", "core_attention", "linear_proj"}  # no linear_qkv
+    assert sharing[attention + "linear_own"] == computing[attention + "linear_qkv"]
+    for slot in ("core_attention", "linear_proj"):
+        assert sharing[attention + slot] == computing[attention + slot]
+    frozen = sharing[attention + "linear_frozen"]
+    assert frozen is FrozenProjection and issubclass(frozen, torch.nn.Module)
+    with pytest.raises(RuntimeError, match="never run"):
+        frozen.forward(None)
+
+    norm_key = "self_attention.linear_qkv.layer_norm_"
+    if backend is LOCAL:  # unfused norms: the same map as the computing layer (Megatron's)
+        assert sharing[KEYS_MAP] == computing[KEYS_MAP]
+        assert computing[KEYS_MAP]["input_layernorm."] == norm_key
+    else:
+        assert sharing[KEYS_MAP] == {**computing[KEYS_MAP], f"self_attention.linear_{own}.layer_norm_": norm_key}
+
+
+def test_building_a_te_spec_imports_no_transformer_engine():
+    before = "transformer_engine" in sys.modules
+    layer_spec("compute", TRANSFORMER_ENGINE)
+    layer_spec("share", TRANSFORMER_ENGINE)
+    assert ("transformer_engine" in sys.modules) == before
 
 
 def test_decoder_specs_follow_roles():
