@@ -99,8 +99,18 @@ def run_script(script: Path, args: Sequence[str] = (), nproc: int = 2, timeout: 
 
 
 def json_lines(stdout: str, tag: str) -> list[dict]:
-    """Objects printed as '<tag> {json}' lines."""
-    return [json.loads(l[len(tag) + 1:]) for l in stdout.splitlines() if l.startswith(tag + " ")]
+    """Objects printed as '<tag> {json}' lines.
+
+    Ranks share one stdout pipe and, unbuffered, ``print`` writes the text and its newline in
+    two calls, so another rank's line can land between them (``<tag> {a}<tag> {b}``): every
+    object that follows the tag at a line start or right after another object is read."""
+    decoder, prefix, found = json.JSONDecoder(), tag + " ", []
+    for line in stdout.splitlines():
+        pos = 0
+        while line.startswith(prefix, pos):
+            obj, pos = decoder.raw_decode(line, pos + len(prefix))
+            found.append(obj)
+    return found
 
 
 def assert_close(a: dict, b: dict, rel: float = 1e-5, what: str = "") -> None:

@@ -22,7 +22,6 @@ import math
 from contextlib import nullcontext
 from typing import Optional
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
