@@ -31,6 +31,11 @@ out, the iterator raises :class:`DataExhaustedError` (a partial last chunk is dr
 ``cycle=True`` continues from sample 0 (sample positions are taken modulo the dataset length).
 Batches are dicts of CPU tensors: ``tokens``, ``labels``, ``position_ids`` (int64, ``[b, s]``)
 and ``loss_mask`` (float32, ``[b, s]``).
+
+Why not Megatron-LM's sampler itself: ``MegatronPretrainingSampler`` ships in the wheel but in
+``megatron.training``, whose data loader reads the global training arguments; it cannot cycle
+(validation re-reads its split), and it asserts where we raise errors that name a flag. The index
+order is the same, and a test checks it against that sampler.
 """
 
 from __future__ import annotations

@@ -131,3 +131,17 @@ def test_resume_yields_the_uninterrupted_batches(train_dataset, dp, rank):
         indices = [step * chunk + rank * micro_batch_size + j for j in range(micro_batch_size)]
         expected = torch.stack([train_dataset[i]["tokens"] for i in indices])
         assert torch.equal(batch["tokens"], expected)
+
+
+@pytest.mark.parametrize("total,consumed,mbs,dp", [(20, 0, 2, 1), (20, 4, 2, 3), (37, 6, 3, 2), (64, 8, 4, 4)])
+def test_indices_equal_megatron_lms_pretraining_sampler(total, consumed, mbs, dp):
+    """Megatron-LM's own sampler (``megatron.training``, shipped in the wheel but tied to its
+    global-args training loop) is the reference for the non-cycling order."""
+    from megatron.training.datasets.data_samplers import MegatronPretrainingSampler
+
+    from epas_megatron.data.datasets import micro_batch_indices
+
+    for rank in range(dp):
+        theirs = list(MegatronPretrainingSampler(total, consumed, mbs, rank, dp, drop_last=True))
+        ours = list(micro_batch_indices(total, consumed, mbs, rank, dp))
+        assert ours == theirs, (rank, ours[:3], theirs[:3])

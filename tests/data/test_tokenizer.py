@@ -183,3 +183,16 @@ def test_default_tokenizer_races_are_safe(tmp_path):
     assert not errors and len(set(results)) == 1
     assert load_tokenizer(results[0]).vocab_size == 512
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_ids_and_text_equal_megatron_cores_sentencepiece_tokenizer(tokenizer, tokenizer_model, small_documents):
+    """Megatron-Core's wrapper over the same model is the reference for ids and text (with its
+    whitespace handling switched to keep text as is, as this project's models are trained)."""
+    from megatron.core.tokenizers.text.libraries.sentencepiece_tokenizer import SentencePieceTokenizer
+
+    theirs = SentencePieceTokenizer(str(tokenizer_model), ignore_extra_whitespaces=False)
+    for text in [*small_documents[:5], "plain words", "tabs\tand  double  spaces\n"]:
+        ids = tokenizer.tokenize(text)
+        assert ids == theirs.text_to_ids(text)
+        assert tokenizer.detokenize(ids) == theirs.ids_to_text(ids)
+    assert (tokenizer.eod, tokenizer.bos, tokenizer.pad) == (theirs.eos_id, theirs.bos_id, theirs.pad_id)
