@@ -1,0 +1,1 @@
+"""Custom kernels (Triton), each imported lazily and selected by config; see README.md here."""

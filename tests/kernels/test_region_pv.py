@@ -1,0 +1,82 @@
+"""The region P·V kernel: the PyTorch path against a per-layer loop, the Triton kernel against
+the PyTorch path in Triton's interpreter (a subprocess: the interpreter must be chosen before
+Triton is imported), the dispatcher's errors, and the byte count by hand."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from epas_testing import REPO
+from epas_megatron.kernels.region_pv import region_pv, region_pv_bytes, region_pv_reference
+
+SHAPES = [  # (L, b, g, m, T_max, length, d)
+    (1, 1, 1, 1, 8, 5, 16),
+    (5, 2, 2, 4, 20, 17, 24),  # GQA rows, length < T, d not a power of two
+    (3, 1, 3, 2, 70, 70, 8),  # more than one position tile
+]
+
+
+def inputs(shape, dtype=torch.float32, seed=0):
+    layers, b, g, m, t_max, length, d = shape
+    gen = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(b, g, m, t_max, generator=gen), dim=-1)
+    values = torch.randn(layers, b, g, t_max, d, generator=gen).to(dtype)
+    return probs, values, length
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_reference_equals_a_per_layer_loop(shape):
+    probs, values, length = inputs(shape)
+    expected = torch.stack([torch.einsum("bgmt,bgtd->bgmd", probs[..., :length], values[l, :, :, :length])
+                            for l in range(values.size(0))])
+    torch.testing.assert_close(region_pv_reference(probs, values, length), expected, rtol=1e-5, atol=1e-6)
+
+
+_INTERPRETED = """
+import json, sys, torch
+sys.path.insert(0, {tests!r})
+from kernels.test_region_pv import SHAPES, inputs
+from epas_megatron.kernels.region_pv import region_pv, region_pv_reference
+errors = {{}}
+for shape in SHAPES:
+    probs, values, length = inputs(shape)
+    errors[str(shape)] = (region_pv(probs, values, length, kernel="triton") - region_pv_reference(probs, values, length)).abs().max().item()
+probs, values, length = inputs(SHAPES[1], dtype=torch.bfloat16)
+ours = region_pv(probs, values, length, kernel="triton").float()
+ref = region_pv_reference(probs.float(), values.float(), length)
+errors["bf16"] = ((ours - ref).abs().max() / ref.abs().max()).item()
+print("ERRORS " + json.dumps(errors))
+"""
+
+
+def test_triton_kernel_equals_the_reference_in_the_interpreter():
+    pytest.importorskip("triton")
+    code = _INTERPRETED.format(tests=str(REPO / "tests"))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    errors = json.loads([l for l in proc.stdout.splitlines() if l.startswith("ERRORS ")][-1][7:])
+    for shape in map(str, SHAPES):
+        assert errors[shape] < 1e-5, (shape, errors[shape])
+    # bf16 inputs, fp32 accumulation: within bf16's rounding of the inputs and output
+    assert errors["bf16"] < 2e-2
+
+
+def test_dispatcher_errors():
+    probs, values, length = inputs(SHAPES[0])
+    with pytest.raises(ValueError, match="unknown region kernel 'cuda'"):
+        region_pv(probs, values, length, kernel="cuda")
+    if "TRITON_INTERPRET" not in __import__("os").environ:
+        with pytest.raises(RuntimeError, match="needs a CUDA device, or TRITON_INTERPRET=1"):
+            region_pv(probs, values, length, kernel="triton")
+    with pytest.raises(ValueError, match="length 9 outside"):
+        region_pv(probs, values, 9)
+
+
+def test_bytes_by_hand():
+    # L=3 layers, b=2, g=2, m=4, length=10, d=8, fp32: P 2*2*4*10*4 = 640 B; V 3*2*2*10*8*4 = 3840 B;
+    # out 3*2*2*4*8*4 = 1536 B.
+    assert region_pv_bytes(3, 2, 2, 4, 10, 8, 4) == {"one_launch": 640 + 3840 + 1536, "per_layer": 3 * 640 + 3840 + 1536}
