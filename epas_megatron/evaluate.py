@@ -48,8 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_regions(text: str, trained: int, num_layers: int, allow_untrained: bool) -> list[int]:
-    """'0,2,max' -> [0, 2, trained]; ConfigError naming --regions for bad or too-large values."""
+def parse_regions(text: str, trained: int, num_layers: int, allow_untrained: bool, flag: str = "--regions") -> list[int]:
+    """'0,2,max' -> [0, 2, trained]; ConfigError naming ``flag`` for bad or too-large values."""
     regions = []
     for item in text.split(","):
         item = item.strip()
@@ -57,14 +57,14 @@ def parse_regions(text: str, trained: int, num_layers: int, allow_untrained: boo
             regions.append(trained)
             continue
         if not item.isdigit():
-            raise ConfigError(f"--regions: {item!r} is not a non-negative integer or 'max'")
+            raise ConfigError(f"{flag}: {item!r} is not a non-negative integer or 'max'")
         regions.append(int(item))
     for r in regions:
         if r > num_layers - 1:
-            raise ConfigError(f"--regions: {r} layers cannot share in a {num_layers}-layer model (at most {num_layers - 1}; one layer must compute Q/K)")
+            raise ConfigError(f"{flag}: {r} layers cannot share in a {num_layers}-layer model (at most {num_layers - 1}; one layer must compute Q/K)")
         if r > trained and not allow_untrained:
             raise ConfigError(
-                f"--regions: {r} is larger than the region this checkpoint was trained with ({trained} layers); "
+                f"{flag}: {r} is larger than the region this checkpoint was trained with ({trained} layers); "
                 "layers beyond it never trained in sharing mode (pass --allow-untrained-regions to measure that anyway)"
             )
     return regions
@@ -103,7 +103,7 @@ def evaluate_regions(args, checkpoint: Path, meta: dict) -> list[dict]:
     )
     arch = architecture_from_config(cfg.model)
     share = meta.get("epas_share", "qk")
-    precision, backend = _precision_and_backend(args.precision, cfg.model.transformer_impl)
+    precision, backend = precision_and_backend(args.precision, cfg.model.transformer_impl)
     results = []
     for region in args.region_list:
         sharing = region_layers(arch.num_layers, region, flag="--regions")
@@ -120,7 +120,7 @@ def evaluate_regions(args, checkpoint: Path, meta: dict) -> list[dict]:
     return results
 
 
-def _precision_and_backend(precision: str, transformer_impl: str) -> tuple[str, str]:
+def precision_and_backend(precision: str, transformer_impl: str) -> tuple[str, str]:
     """What to evaluate with on this machine: the requested precision ('auto': bf16 on a GPU),
     and the run's layer backend where it is available here (checkpoints load into either)."""
     import torch

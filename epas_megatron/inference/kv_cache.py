@@ -1,0 +1,110 @@
+"""A preallocated, in-place KV cache that stores only what each layer of an EPAS model owns.
+
+Per layer mode (``share`` is what sharing layers reuse):
+
+=============================  ===========  =============================================
+layer                          caches       reads at attention
+=============================  ===========  =============================================
+computing / source             K and V      its own K and V
+sharing, ``share='qk'``        V only       the source's K (or, with probability reuse,
+                                            the source's probabilities and no K at all)
+sharing, ``share='kv'``        nothing      the source's K and V
+=============================  ===========  =============================================
+
+Buffers are allocated once for ``max_length`` positions and written in place at every step (no
+``torch.cat``). Computing layers' K and V live in two ``[Lc, b, g, T, hn]`` tensors and the
+sharing layers' V in one ``[Ls, b, g, T, hn]`` tensor, so a kernel can read the V of the whole
+region in one launch (:mod:`epas_megatron.kernels.region_pv`).
+
+Batched prompts are **left-padded**: every sequence's newest token sits at the same slot, so one
+write position serves the batch; ``pad[i]`` slots at the start of row ``i`` are masked out of
+attention and the row's RoPE positions start at 0 after its padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from epas_megatron.sharing.schedule import LayerMode
+
+
+def cached_parts(mode: LayerMode | str, share: str) -> tuple[str, ...]:
+    """What a layer in ``mode`` keeps in the cache: ``('k', 'v')``, ``('v',)`` or ``()``."""
+    if mode != LayerMode.SHARE:
+        return ("k", "v")
+    return ("v",) if share == "qk" else ()
+
+
+def kv_bytes_per_token(modes: Sequence[LayerMode | str], share: str, num_query_groups: int, head_dim: int,
+                       bytes_per_element: int) -> int:
+    """Cache bytes one token (one sequence position) takes over all layers."""
+    tensors = sum(len(cached_parts(mode, share)) for mode in modes)
+    return tensors * num_query_groups * head_dim * bytes_per_element
+
+
+def source_layer(modes: Sequence[LayerMode | str]) -> Optional[int]:
+    """Index of the source layer (the last computing layer before the region), None if no region."""
+    for index, mode in enumerate(modes):
+        if mode == LayerMode.SOURCE:
+            return index
+    return None
+
+
+class KVCache:
+    """Cache buffers for ``batch`` sequences of up to ``max_length`` positions (see module doc)."""
+
+    def __init__(self, modes: Sequence[LayerMode | str], share: str, batch: int, max_length: int,
+                 num_query_groups: int, head_dim: int, dtype: torch.dtype, device: torch.device | str):
+        self.modes = tuple(LayerMode(m) for m in modes)
+        self.share = share
+        self.batch, self.max_length = batch, max_length
+        self.source = source_layer(self.modes)
+        computing = [i for i, m in enumerate(self.modes) if "k" in cached_parts(m, share)]
+        v_only = [i for i, m in enumerate(self.modes) if cached_parts(m, share) == ("v",)]
+        shape = (batch, num_query_groups, max_length, head_dim)
+        # [Lc, b, g, T, hn] each; [Ls, b, g, T, hn] for the sharing layers' V.
+        self.computing_keys = torch.zeros((len(computing), *shape), dtype=dtype, device=device)
+        self.computing_values = torch.zeros((len(computing), *shape), dtype=dtype, device=device)
+        self.sharing_values = torch.zeros((len(v_only), *shape), dtype=dtype, device=device)
+        self._computing_slot = {layer: slot for slot, layer in enumerate(computing)}
+        self._sharing_slot = {layer: slot for slot, layer in enumerate(v_only)}
+        self.length = 0
+        """Positions filled so far (the same for every row: prompts are left-padded)."""
+        self.pad = torch.zeros(batch, dtype=torch.long, device=device)
+        """Left-padding slots of each row."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated for the cache."""
+        return sum(t.numel() * t.element_size() for t in (self.computing_keys, self.computing_values, self.sharing_values))
+
+    def sharing_slot(self, layer: int) -> int:
+        """Index of ``layer``'s V in :attr:`sharing_values` (``share='qk'`` sharing layers)."""
+        return self._sharing_slot[layer]
+
+    def keys(self, layer: int) -> Tensor:
+        """``[b, g, T, hn]`` keys ``layer`` attends over: its own, or its source's when it shares."""
+        owner = self.source if self.modes[layer] == LayerMode.SHARE else layer
+        return self.computing_keys[self._computing_slot[owner]]
+
+    def values(self, layer: int) -> Tensor:
+        """``[b, g, T, hn]`` values ``layer`` attends over (its own, or the source's for 'kv')."""
+        if layer in self._computing_slot:
+            return self.computing_values[self._computing_slot[layer]]
+        if layer in self._sharing_slot:
+            return self.sharing_values[self._sharing_slot[layer]]
+        return self.computing_values[self._computing_slot[self.source]]
+
+    def write(self, layer: int, start: int, key: Optional[Tensor], value: Optional[Tensor]) -> None:
+        """Store ``[n, b, g, hn]`` key/value of positions ``start .. start + n`` for ``layer``."""
+        if key is not None:
+            n = key.size(0)
+            # [n, b, g, hn] -> [b, g, n, hn], copied in place
+            self.keys(layer)[:, :, start:start + n].copy_(key.permute(1, 2, 0, 3))
+        if value is not None:
+            n = value.size(0)
+            self.values(layer)[:, :, start:start + n].copy_(value.permute(1, 2, 0, 3))
