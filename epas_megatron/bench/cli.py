@@ -3,9 +3,11 @@
     epas-bench train --preset small --region 4 --iters 20
     epas-bench train --preset 125m --region 6 --iters 12 --seq-length 512 --micro-batch-size 2
     torchrun --nproc-per-node 2 -m epas_megatron.bench.cli pipeline --preset small --region 4
+    epas-bench decode --preset 125m --batch 8 --context 2048
 
 ``train``: baseline vs EPAS with a fixed region, same model and process (see
-:mod:`epas_megatron.bench.train_bench`). ``pipeline``: PP=2 baseline vs EPAS without and with
+:mod:`epas_megatron.bench.train_bench`). ``decode``: generation throughput, baseline vs EPAS
+with and without probability reuse (see :mod:`epas_megatron.bench.decode_bench`). ``pipeline``: PP=2 baseline vs EPAS without and with
 stage rebalancing, plus a model-predicted table for 7B on PP=4/8 (see
 :mod:`epas_megatron.bench.pipeline_bench`).
 """
@@ -47,7 +49,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _common(pipe)
     pipe.add_argument("--pp", type=int, default=2)
     pipe.add_argument("--vpp", type=int, default=None)
+    decode = commands.add_parser("decode", help="generation: baseline, EPAS Q/K path, EPAS probability reuse")
+    decode.add_argument("--preset", default="125m", help="model preset")
+    decode.add_argument("--region", type=int, default=None, help="sharing layers of the EPAS model (default: half the layers)")
+    decode.add_argument("--batch", type=int, default=8, help="sequences decoded together")
+    decode.add_argument("--context", type=int, default=2048, help="cached positions each decode step attends over")
+    decode.add_argument("--new-tokens", type=int, default=16, help="timed decode steps per block")
+    decode.add_argument("--blocks", type=int, default=4, help="alternating timed blocks per variant")
+    decode.add_argument("--warmup", type=int, default=2, help="untimed decode steps per variant first")
+    decode.add_argument("--share", default="qk", choices=["qk", "kv"])
+    decode.add_argument("--kv-budget-mb", type=float, default=None,
+                        help="KV-cache budget of the fixed-memory serving figure (default: the baseline's cache at --batch)")
+    decode.add_argument("--region-kernel", default="none", choices=["none", "torch", "triton"],
+                        help="also measure reuse with the region's P.V in one launch")
+    decode.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
+    if args.command == "decode":
+        return _decode(args)
 
     from epas_megatron.config.presets import get_preset
     from epas_megatron.runtime.distributed import destroy_distributed, init_distributed, world_size_from_env
@@ -88,6 +106,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 share=args.share, seed=args.seed, core_attention=args.core_attention)
             record = run_pipeline_bench(cfg, log=log)
         log(format_record(record))
+    finally:
+        destroy_distributed()
+    return 0
+
+
+def _decode(args) -> int:
+    from epas_megatron.bench.decode_bench import DecodeBenchConfig, check_config, run_decode_bench
+    from epas_megatron.bench.train_bench import format_record
+    from epas_megatron.config.presets import get_preset
+    from epas_megatron.runtime.distributed import destroy_distributed, init_distributed, world_size_from_env
+
+    try:
+        preset = get_preset(args.preset)
+        if world_size_from_env() != 1:
+            raise ConfigError("epas-bench decode runs in one process; do not start it with torchrun")
+        cfg = DecodeBenchConfig(args.preset, preset.num_layers // 2 if args.region is None else args.region, args.batch,
+                                args.context, args.new_tokens, args.blocks, args.warmup, args.share, args.kv_budget_mb,
+                                None if args.region_kernel == "none" else args.region_kernel, args.seed)
+        check_config(cfg, preset.num_layers)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return ConfigError.exit_code
+    init_distributed(1, 1, None, seed=args.seed)
+    try:
+        print(format_record(run_decode_bench(cfg)), flush=True)
     finally:
         destroy_distributed()
     return 0

@@ -151,13 +151,15 @@ def _sync() -> None:
         dist.barrier()
 
 
-def alternating_throughput(variants: dict, tokens_per_iteration: int, *, iters: int, blocks: int, warmup: int, log) -> dict:
+def alternating_throughput(variants: dict, tokens_per_iteration: int, *, iters: int, blocks: int, warmup: int, log,
+                           step=run_iteration) -> dict:
     """Tokens/s of each variant: tokens per iteration over the median of its per-block mean
     iteration times, the blocks alternating between the variants (after ``warmup`` iterations
-    each). With an even number of blocks the median is the mean of the middle two times."""
+    each). With an even number of blocks the median is the mean of the middle two times.
+    ``step(variant)`` runs one iteration (a training step by default)."""
     for state in variants.values():
         for _ in range(warmup):
-            run_iteration(state)
+            step(state)
     per_block = max(1, iters // blocks)
     names = list(variants)
     times = {name: [] for name in names}
@@ -166,7 +168,7 @@ def alternating_throughput(variants: dict, tokens_per_iteration: int, *, iters: 
             _sync()
             start = time.perf_counter()
             for _ in range(per_block):
-                run_iteration(variants[name])
+                step(variants[name])
             _sync()
             times[name].append((time.perf_counter() - start) / per_block)
         log(f"  block {block + 1}/{blocks}: " + ", ".join(f"{n} {tokens_per_iteration / times[n][-1]:.1f} tok/s" for n in names))

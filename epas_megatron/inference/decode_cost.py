@@ -1,0 +1,71 @@
+"""Bytes one decode step reads: the ceiling of a memory-bound step, baseline against EPAS.
+
+A decode step (one new token for each of ``b`` sequences at context ``c``) does little
+arithmetic per byte: it reads every weight it uses once and the KV cache of every layer. Per
+step, with ``h`` hidden, ``np`` query heads, ``ng`` KV groups, ``hn`` head size, ``f`` FFN size
+(SwiGLU: three ``h x f`` matrices), ``V`` vocabulary and ``e`` bytes per element:
+
+* weights: per computing layer two norms ``2h``, QKV ``h·(np + 2ng)·hn``, output projection
+  ``np·hn·h`` and MLP ``3h·f``; a sharing layer reads only its own projection (V: ``h·ng·hn`` for
+  'qk', Q: ``h·np·hn`` for 'kv') instead of the QKV (its frozen Q/K rows are never read); plus the
+  final norm ``h``, the LM head ``h·V`` and ``b`` embedding rows;
+* KV cache: a computing layer reads its K and V, ``2·b·ng·c·hn``; a 'qk' sharing layer reads the
+  source's K and its own V on the Q/K path (the same ``2·b·ng·c·hn``: the paper's inference saves
+  cache *memory*, not cache *reads*), but only its own V with probability reuse, plus the
+  source's probabilities ``b·np·c`` in fp32; a 'kv' sharing layer reads the source's K and V.
+
+The byte-limit ratio (baseline bytes / EPAS bytes) is the speed-up a purely memory-bound step
+could reach; the decode benchmark reports measured / limit. Activations (``b·h`` per layer) are
+left out: they are tiny next to weights and cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from epas_megatron.sharing.schedule import LayerMode
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """Bytes read by one decode step."""
+
+    weights: int
+    """Parameters read (embedding: the batch's rows only)."""
+
+    kv_cache: int
+    """KV cache (and, with probability reuse, the source's probabilities) read."""
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache
+
+
+def decode_bytes_per_step(arch, modes: Sequence[LayerMode | str], share: str, decode_attention: str, batch: int,
+                          context: int, bytes_per_element: int) -> StepBytes:
+    """See the module doc; ``arch`` is a :class:`~epas_megatron.model.builder.LlamaArchitecture`."""
+    h, heads, groups = arch.hidden_size, arch.num_attention_heads, arch.num_query_groups
+    hn = h // heads
+    qkv = h * (heads + 2 * groups) * hn
+    own = h * groups * hn if share == "qk" else h * heads * hn
+    rest = 2 * h + heads * hn * h + 3 * h * arch.ffn_hidden_size  # norms, output projection, MLP
+    kv_layer = 2 * batch * groups * context * hn * bytes_per_element
+    weights = h + h * arch.vocab_size + batch * h  # final norm, LM head, embedding rows
+    cache = 0
+    for mode in modes:
+        if mode == LayerMode.SHARE:
+            weights += own + rest
+            if share == "qk" and decode_attention == "reuse":
+                cache += kv_layer // 2 + batch * heads * context * 4
+            else:
+                cache += kv_layer
+        else:
+            weights += qkv + rest
+            cache += kv_layer
+    return StepBytes(weights=weights * bytes_per_element, kv_cache=cache)
+
+
+def max_batch_for_budget(kv_budget_bytes: int, kv_bytes_per_token: int, context: int) -> int:
+    """Most sequences of ``context`` positions whose caches fit in ``kv_budget_bytes``."""
+    return kv_budget_bytes // (kv_bytes_per_token * context)

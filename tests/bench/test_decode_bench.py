@@ -1,0 +1,35 @@
+"""epas-bench decode runs end to end and reports what it promises (speed itself is not asserted)."""
+
+import json
+import subprocess
+import sys
+
+from epas_testing import REPO
+
+CMD = [sys.executable, "-m", "epas_megatron.bench.cli", "decode", "--preset", "tiny", "--region", "2", "--batch", "2",
+       "--context", "24", "--new-tokens", "3", "--blocks", "2", "--warmup", "1"]
+ENV = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+
+
+def test_decode_bench_reports_ratios_cache_bytes_and_serving_batches():
+    proc = subprocess.run([*CMD, "--kv-budget-mb", "0.25"], cwd=REPO, capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads([l for l in proc.stdout.splitlines() if l.startswith("BENCH ")][-1][6:])
+    assert record["ratio_qk"] == record["qk_tokens_per_s"] / record["baseline_tokens_per_s"]
+    assert record["ratio_reuse"] == record["reuse_tokens_per_s"] / record["baseline_tokens_per_s"]
+    # tiny: 4 layers, 2 KV groups of 16, fp32 -- per token 2 groups x 16 x 4 B = 128 B per cached tensor;
+    # baseline 4 layers x K+V = 1024 B; region 2 with qk sharing: 2 x 2 + 2 x 1 tensors = 768 B.
+    assert (record["kv_bytes_per_token_baseline"], record["kv_bytes_per_token_epas"]) == (1024, 768)
+    # 0.25 MiB = 262144 B over contexts of 24 positions: 262144 // (1024 * 24) = 10, // (768 * 24) = 14.
+    assert (record["max_batch_baseline"], record["max_batch_epas"]) == (10, 14)
+    assert record["serving_tokens_per_s_baseline"] > 0 and record["serving_tokens_per_s_epas"] > 0
+    assert 1.0 < record["byte_limit_ratio_qk"] < record["byte_limit_ratio"]
+    assert "| EPAS, probability reuse |" in proc.stdout
+
+
+def test_decode_bench_bad_region_is_one_error_line():
+    proc = subprocess.run([sys.executable, "-m", "epas_megatron.bench.cli", "decode", "--preset", "tiny", "--region", "4"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 2
+    assert [l for l in proc.stderr.splitlines() if l.startswith("error:")] == [
+        "error: --region must be between 1 and 3 for the tiny preset"]
