@@ -80,3 +80,31 @@ def test_bytes_by_hand():
     # L=3 layers, b=2, g=2, m=4, length=10, d=8, fp32: P 2*2*4*10*4 = 640 B; V 3*2*2*10*8*4 = 3840 B;
     # out 3*2*2*4*8*4 = 1536 B.
     assert region_pv_bytes(3, 2, 2, 4, 10, 8, 4) == {"one_launch": 640 + 3840 + 1536, "per_layer": 3 * 640 + 3840 + 1536}
+
+
+_ENGINE = """
+import json, sys, torch
+sys.path.insert(0, {tests!r})
+from epas_testing import build
+from epas_megatron.runtime.distributed import init_distributed
+from epas_megatron.model.builder import LlamaArchitecture
+from epas_megatron.inference.engine import DecodeEngine
+from inference.test_engine import cached_greedy, prompts
+init_distributed(1, 1, None, seed=1)
+arch = LlamaArchitecture(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                         ffn_hidden_size=176, vocab_size=256, max_sequence_length=32, init_method_std=0.2)
+model = build(arch, (2, 3)).eval()
+batch = prompts(256, seed=2)
+qk_tokens, qk_logits, _ = cached_greedy(DecodeEngine(model, "qk"), batch)
+tri_tokens, tri_logits, _ = cached_greedy(DecodeEngine(model, "reuse", region_kernel="triton"), batch)
+print("ENGINE " + json.dumps({{"same_tokens": qk_tokens == tri_tokens, "max_error": (qk_logits - tri_logits).abs().max().item()}}))
+"""
+
+
+def test_engine_with_the_triton_kernel_generates_the_qk_paths_tokens():
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, "-c", _ENGINE.format(tests=str(REPO / "tests"))], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env={"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads([l for l in proc.stdout.splitlines() if l.startswith("ENGINE ")][-1][7:])
+    assert result["same_tokens"] and result["max_error"] < 1e-4, result
