@@ -39,11 +39,22 @@ _INTERPRETED = """
 import json, sys, torch
 sys.path.insert(0, {tests!r})
 from kernels.test_region_pv import SHAPES, inputs
-from epas_megatron.kernels.region_pv import region_pv, region_pv_reference
+from epas_megatron.kernels.region_pv import region_pv, region_pv_reference, region_pv_triton
 errors = {{}}
 for shape in SHAPES:
     probs, values, length = inputs(shape)
     errors[str(shape)] = (region_pv(probs, values, length, kernel="triton") - region_pv_reference(probs, values, length)).abs().max().item()
+# all layers and a 16-column d-tile per program: two d-tiles (the second partial), P read twice
+probs, values, length = inputs(SHAPES[1])
+ours = region_pv_triton(probs, values, length, max_columns=16 * 8)
+errors["d_tiles"] = (ours - region_pv_reference(probs, values, length)).abs().max().item()
+# strided inputs (no copy of the cache): V a slice of wider heads, P a transposed tensor
+probs, values, length = inputs((3, 2, 2, 3, 12, 9, 20))
+wide = torch.randn(*values.shape[:-1], 32)
+wide[..., :20] = values
+probs_t = probs.transpose(-1, -2).contiguous().transpose(-1, -2)
+ours = region_pv(probs_t, wide[..., :20], length, kernel="triton")
+errors["strided"] = (ours - region_pv_reference(probs, values, length)).abs().max().item()
 probs, values, length = inputs(SHAPES[1], dtype=torch.bfloat16)
 ours = region_pv(probs, values, length, kernel="triton").float()
 ref = region_pv_reference(probs.float(), values.float(), length)
@@ -59,7 +70,7 @@ def test_triton_kernel_equals_the_reference_in_the_interpreter():
                           env={"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     errors = json.loads([l for l in proc.stdout.splitlines() if l.startswith("ERRORS ")][-1][7:])
-    for shape in map(str, SHAPES):
+    for shape in [*map(str, SHAPES), "d_tiles", "strided"]:
         assert errors[shape] < 1e-5, (shape, errors[shape])
     # bf16 inputs, fp32 accumulation: within bf16's rounding of the inputs and output
     assert errors["bf16"] < 2e-2
