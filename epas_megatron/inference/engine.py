@@ -117,12 +117,12 @@ class DecodeEngine:
     def _layer(self, index, layer, hidden, cache, start, end, freqs, mask, region):
         residual = hidden
         normed = layer.input_layernorm(hidden)
+        if isinstance(normed, tuple):  # norms that also return the residual (as in model/layer.py)
+            normed, residual = normed
         context = self._attention(index, layer.self_attention, normed, cache, start, end, freqs, mask, region)
-        n = hidden.size(0)
         # [n, b, np * hn] -> [n, b, h]
         output = layer.self_attention.linear_proj(context)
         hidden = layer.self_attn_bda(False, layer.config.bias_dropout_fusion)(output, residual, layer.hidden_dropout)
-        assert hidden.size(0) == n
         return layer._forward_mlp(hidden)
 
     def _attention(self, index, attention, normed, cache, start, end, freqs, mask, region) -> Tensor:
