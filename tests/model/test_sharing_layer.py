@@ -91,7 +91,8 @@ def test_sharing_layer_output_matches_reference_attention(tiny_arch):
     xn = ref.rms_norm(h1, layer.pre_mlp_layernorm.weight, 1e-5)
     gate, up = mlp.linear_fc1.weight.chunk(2)
     expected = h1 + (torch.nn.functional.silu(xn @ gate.T) * (xn @ up.T)) @ mlp.linear_fc2.weight.T
-    torch.testing.assert_close(out.transpose(0, 1), expected, rtol=1e-6, atol=1e-6)
+    # fp32 rounding of SDPA vs a matmul reference reaches ~1e-6 on outputs of size ~1; a wrong Q/K is O(1) off.
+    torch.testing.assert_close(out.transpose(0, 1), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_detach_shared_stops_gradients_into_the_source(tiny_arch):
