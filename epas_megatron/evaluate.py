@@ -48,20 +48,20 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_regions(text: str, trained: int, num_layers: int, allow_untrained: bool, flag: str = "--regions") -> list[int]:
-    """'0,2,max' -> [0, 2, trained]; ConfigError naming ``flag`` for bad or too-large values."""
-    regions = []
-    for item in text.split(","):
-        item = item.strip()
-        if item == "max":
-            regions.append(trained)
-            continue
-        if not item.isdigit():
-            raise ConfigError(f"{flag}: {item!r} is not a non-negative integer or 'max'")
-        regions.append(int(item))
+def parse_regions(text: str, trained: int, num_layers: int, allow_untrained: bool, flag: str = "--regions",
+                  exclude_last: int = 0) -> list[int]:
+    """'0,half,2,max' -> [0, trained // 2, 2, trained], in the order given; ConfigError naming
+    ``flag`` for bad or impossible values (the grammar of :class:`~epas_megatron.evaluation.regions.RegionSpec`).
+
+    ``exclude_last`` is the checkpoint's ``--epas-exclude-last``
+    (:func:`~epas_megatron.checkpointing.checkpoint.exclude_last_of`): its regions end that many
+    layers before the last, so at most ``num_layers - 1 - exclude_last`` layers can share."""
+    from epas_megatron.evaluation.regions import RegionSpec
+
+    spec = RegionSpec.parse(text, flag)
+    spec.check_limit(num_layers - 1 - exclude_last, flag, exclude_last)
+    regions = spec.sizes(trained)
     for r in regions:
-        if r > num_layers - 1:
-            raise ConfigError(f"{flag}: {r} layers cannot share in a {num_layers}-layer model (at most {num_layers - 1}; one layer must compute Q/K)")
         if r > trained and not allow_untrained:
             raise ConfigError(
                 f"{flag}: {r} is larger than the region this checkpoint was trained with ({trained} layers); "
@@ -74,7 +74,7 @@ def evaluate_regions(args, checkpoint: Path, meta: dict) -> list[dict]:
     """Validation loss per region (runs inside an initialised process group)."""
     from megatron.core import parallel_state
 
-    from epas_megatron.checkpointing.checkpoint import load_checkpoint
+    from epas_megatron.checkpointing.checkpoint import exclude_last_of, load_checkpoint
     from epas_megatron.config.cli import from_dict
     from epas_megatron.data.datasets import build_data_iterator, build_gpt_datasets
     from epas_megatron.data.sources import prepare_data_sources
@@ -85,6 +85,11 @@ def evaluate_regions(args, checkpoint: Path, meta: dict) -> list[dict]:
     from epas_megatron.training.step import eval_step
 
     cfg = from_dict(meta["config"])
+    # The checkpoint's regions end exclude_last layers before the last; check every requested
+    # region against that before any data or model work.
+    exclude_last = exclude_last_of(meta)
+    regions = {region: region_layers(cfg.model.num_layers, region, flag="--regions", exclude_last=exclude_last)
+               for region in args.region_list}
     data_cfg = cfg.data
     if args.data is not None:
         data_cfg = replace(data_cfg, data=args.data, tokenizer_model=args.tokenizer_model)
@@ -106,9 +111,10 @@ def evaluate_regions(args, checkpoint: Path, meta: dict) -> list[dict]:
     precision, backend = precision_and_backend(args.precision, cfg.model.transformer_impl)
     results = []
     for region in args.region_list:
-        sharing = region_layers(arch.num_layers, region, flag="--regions")
+        sharing = regions[region]
         plan = BuildPlan.for_region(arch, sharing, seq_length=t.seq_length, tp=args.tp, pp=args.pp, share=share,
-                                    precision=precision, backend=backend, core_attention=cfg.model.core_attention)
+                                    precision=precision, backend=backend, core_attention=cfg.model.core_attention,
+                                    exclude_last=exclude_last)
         state = build_training_state(plan)  # chunks only: no optimizer
         chunks, schedule_seq = state.model, state.schedule_seq_length
         load_checkpoint(checkpoint, chunks, restore_rng=False)
@@ -152,7 +158,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     quiet_library_noise()
     args = _parser().parse_args(argv)
     try:
-        from epas_megatron.checkpointing.checkpoint import read_meta, resolve_checkpoint
+        from epas_megatron.checkpointing.checkpoint import exclude_last_of, read_meta, resolve_checkpoint
         from epas_megatron.runtime.distributed import world_size_from_env
 
         checkpoint = resolve_checkpoint(args.load) if Path(args.load).exists() else None
@@ -163,7 +169,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise ConfigError(f"--load {args.load}: checkpoint metadata has no run config (written by an older version)")
         num_layers = meta["model"]["num_layers"]
         trained = len(meta.get("sharing_layers", []))
-        args.region_list = parse_regions(args.regions, trained, num_layers, args.allow_untrained_regions)
+        args.region_list = parse_regions(args.regions, trained, num_layers, args.allow_untrained_regions,
+                                         exclude_last=exclude_last_of(meta))
         world = world_size_from_env()
         if world % (args.tp * args.pp):
             raise ConfigError(f"--tp {args.tp} x --pp {args.pp} does not divide the {world} processes")

@@ -58,12 +58,17 @@ def _model_config(preset: str, extra: list[str]):
 
 
 def region_layers(preset: str, region: str, extra: Optional[list[str]] = None) -> tuple[int, int]:
-    """(sharing layers, num_layers) for a region given as a count or a fraction."""
-    from epas_megatron.sharing.schedule import resolve_target_layers
+    """(sharing layers, num_layers) for a region given as a count or a fraction; checked against
+    the trainer flags in ``extra`` (e.g. ``--epas-exclude-last``) before anything is submitted."""
+    from epas_megatron.sharing.schedule import SharingSchedule, resolve_target_layers
 
     cfg = _model_config(preset, extra or [])
     num_layers = cfg.model.num_layers
-    return resolve_target_layers(region, num_layers), num_layers
+    layers = resolve_target_layers(region, num_layers)
+    # The region as region_flags sets it up (one switch of all its layers) must fit before the
+    # layers --epas-exclude-last keeps computing; the schedule says so with the flags' names.
+    SharingSchedule(num_layers, 1, max(layers, 1), layers, FIRST_SWITCH, exclude_last=cfg.epas.epas_exclude_last)
+    return layers, num_layers
 
 
 def region_flags(preset: str, region: str, extra: Optional[list[str]] = None) -> list[str]:

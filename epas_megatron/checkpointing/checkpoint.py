@@ -73,6 +73,17 @@ def read_meta(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     return json.loads((Path(checkpoint_dir) / META).read_text())
 
 
+def exclude_last_of(meta: dict[str, Any]) -> int:
+    """The ``--epas-exclude-last`` a checkpoint was trained with: where every region built from
+    it must end (``num_layers - 1 - exclude_last``). From the saved schedule, else the saved
+    config; 0 for checkpoints written before the option existed (their regions included the
+    last layer) and for imported ones."""
+    schedule = meta.get("epas_schedule") or {}
+    if "exclude_last" in schedule:
+        return int(schedule["exclude_last"])
+    return int((meta.get("config") or {}).get("epas", {}).get("epas_exclude_last", 0))
+
+
 def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 

@@ -277,8 +277,11 @@ def _resolve_training(cfg: RunConfig, m, dp: int):
 def _resolve_epas(cfg: RunConfig, m, t) -> tuple[SharingSchedule, bool, list[str]]:
     """(sharing schedule, whether stages are rebalanced at switches, warnings)."""
     p, e = cfg.parallel, cfg.epas
-    schedule = SharingSchedule.from_flags(m.num_layers, e.epas_interval, e.epas_growth, e.epas_target_layers, e.epas_first_switch)
+    schedule = SharingSchedule.from_flags(m.num_layers, e.epas_interval, e.epas_growth, e.epas_target_layers, e.epas_first_switch,
+                                          exclude_last=e.epas_exclude_last)
     warnings = schedule.check_against_training(t.train_iters) if schedule.enabled else []
+    if e.epas_exclude_last and not schedule.enabled:
+        warnings.append(f"--epas-exclude-last {e.epas_exclude_last} has no effect: EPAS is off (--epas-target-layers 0)")
     rebalance = {"on": True, "off": False, "auto": p.pp > 1 and p.pipeline_layout is None}[e.epas_rebalance]
     if rebalance and p.pipeline_layout is not None:
         raise ConfigError("--epas-rebalance on conflicts with a fixed --pipeline-layout; drop one of them")

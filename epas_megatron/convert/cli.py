@@ -99,7 +99,7 @@ def hf_export(load: Path, output: Path) -> Path:
     """Checkpoint (any sharing region) -> Hugging Face LlamaForCausalLM directory."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from epas_megatron.checkpointing.checkpoint import load_checkpoint, read_meta, resolve_checkpoint
+    from epas_megatron.checkpointing.checkpoint import exclude_last_of, load_checkpoint, read_meta, resolve_checkpoint
     from epas_megatron.config.cli import from_dict
     from epas_megatron.convert.hf_llama import hf_config_kwargs, megatron_to_hf, strip_extra_state
     from epas_megatron.model.build_plan import BuildPlan
@@ -117,7 +117,8 @@ def hf_export(load: Path, output: Path) -> Path:
     init_distributed(1, 1, None, seed=0)
     try:
         arch = architecture_from_config(m)
-        plan = BuildPlan.for_region(arch, tuple(meta.get("sharing_layers", [])), share=meta.get("epas_share", "qk"))
+        plan = BuildPlan.for_region(arch, tuple(meta.get("sharing_layers", [])), share=meta.get("epas_share", "qk"),
+                                    exclude_last=exclude_last_of(meta))
         model = build_model(plan).chunks[0]
         load_checkpoint(checkpoint, [model], restore_rng=False)
         hf_state = megatron_to_hf(strip_extra_state(model.state_dict()), _shape(m))

@@ -69,12 +69,13 @@ class Generator:
     def from_checkpoint(cls, load: str | Path, region: int | str | None = None, *, allow_untrained_region: bool = False,
                         decode_attention: str = "auto", region_kernel: Optional[str] = None,
                         precision: str = "auto", tokenizer_model: Optional[str] = None) -> "Generator":
-        """Build the model at ``region`` sharing layers (None / 'max': the trained region) and
-        load ``load`` (a checkpoint root or an ``iter_*`` directory) into it. Starts a world of
-        one process if none is running."""
+        """Build the model at ``region`` sharing layers (None / 'max': the trained region; the
+        block ends where the checkpoint's regions end, see ``--epas-exclude-last``) and load
+        ``load`` (a checkpoint root or an ``iter_*`` directory) into it. Starts a world of one
+        process if none is running."""
         from torch import distributed as dist
 
-        from epas_megatron.checkpointing.checkpoint import load_checkpoint, read_meta, resolve_checkpoint
+        from epas_megatron.checkpointing.checkpoint import exclude_last_of, load_checkpoint, read_meta, resolve_checkpoint
         from epas_megatron.config.cli import from_dict
         from epas_megatron.data.tokenizer import load_tokenizer
         from epas_megatron.evaluate import parse_regions, precision_and_backend
@@ -92,8 +93,10 @@ class Generator:
         cfg = from_dict(meta["config"])
         arch = architecture_from_config(cfg.model)
         trained = len(meta.get("sharing_layers", []))
+        exclude_last = exclude_last_of(meta)  # every region of this checkpoint ends there
         text = "max" if region is None else str(region)
-        (region,) = parse_regions(text, trained, arch.num_layers, allow_untrained_region, flag="--region")
+        (region,) = parse_regions(text, trained, arch.num_layers, allow_untrained_region, flag="--region",
+                                  exclude_last=exclude_last)
         tokenizer_path = tokenizer_model or meta.get("tokenizer_model")
         if tokenizer_path is None or not Path(tokenizer_path).is_file():
             raise ConfigError(f"the checkpoint's tokenizer {tokenizer_path!r} is not there; pass --tokenizer-model")
@@ -104,9 +107,10 @@ class Generator:
         if not dist.is_initialized():
             init_distributed(1, 1, None, seed=0)
         precision, _ = precision_and_backend(precision, "local")
-        sharing = region_layers(arch.num_layers, region, flag="--region")
+        sharing = region_layers(arch.num_layers, region, flag="--region", exclude_last=exclude_last)
         plan = BuildPlan.for_region(arch, sharing, seq_length=cfg.training.seq_length, share=meta.get("epas_share", "qk"),
-                                    precision=precision, backend="local", core_attention=cfg.model.core_attention)
+                                    precision=precision, backend="local", core_attention=cfg.model.core_attention,
+                                    exclude_last=exclude_last)
         chunks = build_model(plan, seed=0).chunks
         load_checkpoint(checkpoint, chunks, restore_rng=False)
         generator = cls(chunks[0], tokenizer, decode_attention, region_kernel)

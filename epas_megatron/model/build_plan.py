@@ -9,7 +9,7 @@ trainer, the benchmarks, evaluation and conversion. It is frozen; a switch makes
 Normalised here, once:
 
 * the per-layer roles, as :class:`~epas_megatron.sharing.schedule.LayerMode` (validated: one
-  contiguous region at the deep end, layer 0 computing);
+  contiguous region ending at layer ``num_layers - 1 - exclude_last``, a source before it);
 * the virtual-pipeline size: ``None`` without interleaving (``--vpp 1`` and ``--vpp`` unset
   mean the same), otherwise the number of chunks per rank -- taken from the layout when there
   is one, as Megatron-Core does;
@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from epas_megatron.sharing.schedule import LayerMode, layer_modes
+from epas_megatron.sharing.schedule import LayerMode, layer_modes, region_layers
 
 if TYPE_CHECKING:
     from epas_megatron.model.builder import LlamaArchitecture
@@ -104,9 +104,22 @@ class BuildPlan:
     deterministic: bool = False
     """Megatron's deterministic mode (and deterministic kernels where they exist)."""
 
+    exclude_last: int = 0
+    """Deepest layers that never share (``--epas-exclude-last``): every region of this plan --
+    the one built and the ones a switch or an evaluation at another region size makes from it --
+    ends at layer ``num_layers - 1 - exclude_last``. Kept on the plan so that those regions are
+    derived and validated in one place (:meth:`region_layers`, :meth:`with_region`)."""
+
     def __post_init__(self):
         if len(self.modes) != self.arch.num_layers:
             raise ValueError(f"BuildPlan: {len(self.modes)} layer modes for {self.arch.num_layers} layers")
+        # The modes must be those of a region this plan's exclude_last allows (layer_modes
+        # raises a ConfigError otherwise).
+        expected = layer_modes(self.arch.num_layers, self.sharing_layers, exclude_last=self.exclude_last)
+        if list(self.modes) != expected:
+            raise ValueError(
+                f"BuildPlan: layer modes {[str(m) for m in self.modes]} are not those of their sharing region ({expected})"
+            )
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.vpp != normalise_vpp(self.vpp, self.layout):
@@ -128,31 +141,40 @@ class BuildPlan:
         seq_length: Optional[int] = None,
         vpp: Optional[int] = None,
         layout: Optional["StageLayout"] = None,
+        exclude_last: int = 0,
         **settings,
     ) -> BuildPlan:
-        """The plan for ``sharing_layers`` (validated) with ``vpp`` normalised; ``seq_length``
-        defaults to the architecture's longest sequence; ``settings`` are the other fields."""
+        """The plan for ``sharing_layers`` (validated against ``exclude_last``) with ``vpp``
+        normalised; ``seq_length`` defaults to the architecture's longest sequence;
+        ``settings`` are the other fields."""
         return cls(
             arch=arch,
-            modes=tuple(layer_modes(arch.num_layers, sharing_layers)),
+            modes=tuple(layer_modes(arch.num_layers, sharing_layers, exclude_last=exclude_last)),
             seq_length=arch.max_sequence_length if seq_length is None else seq_length,
             vpp=normalise_vpp(vpp, layout),
             layout=layout,
+            exclude_last=exclude_last,
             **settings,
         )
 
     def with_region(self, sharing_layers: Sequence[int], layout: Optional["StageLayout"] = None) -> BuildPlan:
-        """The same plan for another sharing region (and pipeline layout), as at a switch."""
+        """The same plan (``exclude_last`` included) for another sharing region (and pipeline
+        layout), as at a switch."""
         return dataclasses.replace(
             self,
-            modes=tuple(layer_modes(self.arch.num_layers, sharing_layers)),
+            modes=tuple(layer_modes(self.arch.num_layers, sharing_layers, exclude_last=self.exclude_last)),
             layout=layout,
             vpp=normalise_vpp(self.vpp, layout),
         )
 
+    def region_layers(self, size: int, flag: str = "--regions") -> tuple[int, ...]:
+        """The sharing layers of a region of ``size`` layers under this plan's ``exclude_last``
+        (what :meth:`with_region` takes); a ``ConfigError`` naming ``flag`` if it cannot exist."""
+        return region_layers(self.arch.num_layers, size, flag=flag, exclude_last=self.exclude_last)
+
     @property
     def sharing_layers(self) -> tuple[int, ...]:
-        """The layers in sharing mode (the deep end)."""
+        """The layers in sharing mode (a block ending ``exclude_last`` layers before the end)."""
         return tuple(i for i, mode in enumerate(self.modes) if mode == LayerMode.SHARE)
 
     @property

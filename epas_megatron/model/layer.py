@@ -5,9 +5,11 @@ tensor from each layer to the next: ``hidden_states, context = layer(..., contex
 GPT layers have no cross-attention, so :class:`EpasTransformerLayer` uses that slot for the
 QK hand-off: a source layer returns its post-RoPE (Q, K) as ``context``, a sharing layer consumes the
 incoming ``context`` and returns it unchanged, a plain computing layer is exactly Megatron's
-``TransformerLayer`` (``context`` passes through untouched). Because the hand-off is an ordinary
-argument and return value, activation checkpointing saves it as an input and recomputation sees
-the same tensor (no side channel that a later micro-batch could overwrite).
+``TransformerLayer`` (``context`` passes through untouched: with ``--epas-exclude-last`` the
+computing layers after the region carry the hand-off on to the end of the stage, where nothing
+reads it, and a stage that starts after the region receives none). Because the hand-off is an
+ordinary argument and return value, activation checkpointing saves it as an input and
+recomputation sees the same tensor (no side channel that a later micro-batch could overwrite).
 """
 
 from __future__ import annotations

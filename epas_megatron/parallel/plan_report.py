@@ -14,11 +14,17 @@ from epas_megatron.sharing.schedule import layer_modes, region_layers
 
 
 def even_layout(
-    layer_costs: LayerCosts, num_layers: int, sharing_layers: Iterable[int], p: int, v: int = 1
+    layer_costs: LayerCosts,
+    num_layers: int,
+    sharing_layers: Iterable[int],
+    p: int,
+    v: int = 1,
+    *,
+    exclude_last: int = 0,
 ) -> StageLayout:
     """Megatron's even split, priced while ``sharing_layers`` share (the hand-off charged when
     the split crosses the region)."""
-    modes = layer_modes(num_layers, sharing_layers)
+    modes = layer_modes(num_layers, sharing_layers, exclude_last=exclude_last)
     return priced_layout(
         StageLayout.even(num_layers, p, v).stage_sizes,
         p,
@@ -38,11 +44,14 @@ def format_plan(
     virtual_pipeline_parallel_size: int = 1,
     sharing_sets: Sequence[tuple[int, Iterable[int]]] = (),
     plan: Sequence[tuple[int, StageLayout]] | None = None,
+    *,
+    exclude_last: int = 0,
 ) -> str:
     """A readable table of a schedule's layouts.
 
     ``sharing_sets`` lists ``(iteration, sharing layers)``, each the complete region from that
-    iteration on; ``plan`` the ``(iteration, layout)`` for each (default: :func:`plan_region`).
+    iteration on (ending ``exclude_last`` layers before the end); ``plan`` the
+    ``(iteration, layout)`` for each (default: :func:`plan_region`).
     Per switch: the layers each rank holds (``a-b`` per chunk, chunks separated by commas), its
     predicted cost under the planned layout and under the fixed even split, the bottlenecks, and
     the speedups over the baseline (no sharing, even split): ``fixed`` keeps the even split,
@@ -53,7 +62,7 @@ def format_plan(
     sharing_sets = [(iteration, sorted(set(sharing))) for iteration, sharing in sharing_sets]
     if plan is None:
         plan = [
-            (iteration, plan_region(layer_costs, num_layers, sharing, p, v))
+            (iteration, plan_region(layer_costs, num_layers, sharing, p, v, exclude_last=exclude_last))
             for iteration, sharing in sharing_sets
         ]
     if len(plan) != len(sharing_sets):
@@ -66,8 +75,8 @@ def format_plan(
     for (iteration, sharing), (plan_iteration, layout) in zip(sharing_sets, plan):
         if iteration != plan_iteration:
             raise ValueError("format_plan: plan and sharing_sets differ in iterations")
-        fixed = even_layout(layer_costs, num_layers, sharing, p, v)
-        crossing = crosses_region(layout.stage_sizes, layer_modes(num_layers, sharing))
+        fixed = even_layout(layer_costs, num_layers, sharing, p, v, exclude_last=exclude_last)
+        crossing = crosses_region(layout.stage_sizes, layer_modes(num_layers, sharing, exclude_last=exclude_last))
         notes = "; Q/K cross a stage boundary" if crossing else ""
         if not layout.optimal:
             notes += " (search budget hit: best found, not proven optimal)"
@@ -163,22 +172,25 @@ def predict_pipeline_speedup(
     pipeline_parallel_size: int,
     virtual_pipeline_parallel_size: int = 1,
     region_size: int = 0,
+    *,
+    exclude_last: int = 0,
 ) -> PipelineSpeedup:
-    """Predicted pipeline throughput gain of EPAS with its deepest ``region_size`` layers in
-    sharing mode (their source is the layer just before the region), with and without
-    rebalancing the stages; see :class:`PipelineSpeedup` for the model."""
+    """Predicted pipeline throughput gain of EPAS with ``region_size`` layers in sharing mode,
+    the block ending ``exclude_last`` layers before the end (their source is the layer just
+    before the region), with and without rebalancing the stages; see :class:`PipelineSpeedup`
+    for the model."""
     p, v = pipeline_parallel_size, virtual_pipeline_parallel_size
-    sharing = region_layers(num_layers, region_size, flag="sharing region size")
+    sharing = region_layers(num_layers, region_size, flag="sharing region size", exclude_last=exclude_last)
     fixed_costs = layer_costs.embedding + layer_costs.output_layer
 
     def total(region) -> float:
-        layers = costs_for_modes(layer_costs, layer_modes(num_layers, region))
+        layers = costs_for_modes(layer_costs, layer_modes(num_layers, region, exclude_last=exclude_last))
         return math.fsum(layers) + fixed_costs
 
     return PipelineSpeedup(
         baseline_bottleneck=even_layout(layer_costs, num_layers, (), p, v).bottleneck,
         baseline_rebalanced_bottleneck=plan_region(layer_costs, num_layers, (), p, v).bottleneck,
-        fixed_bottleneck=even_layout(layer_costs, num_layers, sharing, p, v).bottleneck,
-        rebalanced_bottleneck=plan_region(layer_costs, num_layers, sharing, p, v).bottleneck,
+        fixed_bottleneck=even_layout(layer_costs, num_layers, sharing, p, v, exclude_last=exclude_last).bottleneck,
+        rebalanced_bottleneck=plan_region(layer_costs, num_layers, sharing, p, v, exclude_last=exclude_last).bottleneck,
         ideal_speedup=total(()) / total(sharing),
     )

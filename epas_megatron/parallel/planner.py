@@ -11,9 +11,11 @@ picks the split of the decoder layers into virtual stages (a
 - the Q/K hand-off: a layout with a stage boundary just before a sharing layer sends the source's
   Q/K through the pipeline, and then every boundary's p2p tensor grows (Megatron uses one p2p
   shape), so every boundary costs ``handoff_cost`` more to each of the two virtual stages at it.
-  A layout avoids that only by keeping the source and the whole sharing region in the last
-  virtual stage. :func:`plan_layout` plans both ways (region kept together, or crossing and paying
-  at every boundary) and takes the faster; on a tie the one without hand-off traffic.
+  A layout avoids that only by keeping the source and the whole sharing region in one virtual
+  stage (the last one when the region includes the last layer; with ``--epas-exclude-last`` a
+  boundary after the region, before the computing layers that follow it, carries no hand-off).
+  :func:`plan_layout` plans both ways (region kept together, or crossing and paying at every
+  boundary) and takes the faster; on a tie the one without hand-off traffic.
 
 The search is :func:`epas_megatron.parallel.partition.best_split` (exact, ties toward Megatron's
 even split; see there). :func:`plan_region` plans for a sharing region from
@@ -156,10 +158,12 @@ def plan_region(
     sharing_layers: Iterable[int],
     pipeline_parallel_size: int,
     virtual_pipeline_parallel_size: int = 1,
+    *,
+    exclude_last: int = 0,
 ) -> StageLayout:
-    """The planned layout while ``sharing_layers`` (a deep block, see
-    :func:`~epas_megatron.sharing.schedule.layer_modes`) share Q/K."""
-    modes = layer_modes(num_layers, sharing_layers)
+    """The planned layout while ``sharing_layers`` (a deep block ending ``exclude_last`` layers
+    before the end, see :func:`~epas_megatron.sharing.schedule.layer_modes`) share Q/K."""
+    modes = layer_modes(num_layers, sharing_layers, exclude_last=exclude_last)
     return plan_layout(
         costs_for_modes(layer_costs, modes),
         pipeline_parallel_size,

@@ -59,25 +59,26 @@ def plan_for_region(
     pp: int,
     vpp: Optional[int],
     sharing_layers: Sequence[int],
+    exclude_last: int = 0,
 ) -> StageLayout:
-    """The planned layout for one sharing region."""
-    return plan_region(layer_costs, num_layers, sharing_layers, pp, vpp or 1)
+    """The planned layout for one sharing region (ending ``exclude_last`` layers before the end)."""
+    return plan_region(layer_costs, num_layers, sharing_layers, pp, vpp or 1, exclude_last=exclude_last)
 
 
 def plan_stage_layout(plan, sharing_layers: Sequence[int], timer=None) -> StageLayout:
     """The layout for ``sharing_layers`` given a :class:`~epas_megatron.model.build_plan.BuildPlan`
-    (its architecture, sequence length, share mode and PP/VPP).
+    (its architecture, sequence length, share mode, PP/VPP and ``exclude_last``).
 
     With a :class:`~epas_megatron.parallel.layer_timing.LayerTimer` (``--epas-cost-model
     measured``) the FLOPs costs are calibrated by its measurements (a collective call)."""
     from epas_megatron.parallel.layer_timing import calibrated_costs
 
     costs = calibrated_costs(flops_layer_costs(plan.arch, plan.seq_length, plan.share), timer)
-    return plan_for_region(costs, plan.arch.num_layers, plan.pp, plan.vpp, sharing_layers)
+    return plan_for_region(costs, plan.arch.num_layers, plan.pp, plan.vpp, sharing_layers, plan.exclude_last)
 
 
 def describe_schedule_layouts(plan, schedule) -> str:
     """The layouts planned for every region of the schedule (printed at start)."""
     costs = flops_layer_costs(plan.arch, plan.seq_length, plan.share)
     regions = [(0, ())] + [(it, schedule.sharing_layers(it)) for it, _ in schedule.switch_iterations()]
-    return format_plan(costs, plan.arch.num_layers, plan.pp, plan.vpp or 1, regions)
+    return format_plan(costs, plan.arch.num_layers, plan.pp, plan.vpp or 1, regions, exclude_last=schedule.exclude_last)

@@ -2,7 +2,10 @@
 
 EPAS layer modes (docs/EPAS.md §1): a decoder layer either *computes* its own Q/K or *shares*
 (reuses) the post-RoPE Q/K of the last computing layer before it, the *source*. The sharing
-region is one contiguous block at the deep end that includes the last layer. Layers are 0-based.
+region is one contiguous block at the deep end; by default it includes the last layer (the
+paper's choice), and ``exclude_last = N`` (``--epas-exclude-last``) keeps the deepest ``N``
+layers computing, so the region ends at layer ``num_layers - 1 - N`` (the paper's ablation of
+where the region ends). Layers are 0-based.
 
 Algorithm 1 of the paper (docs/EPAS.md §2), in our words: with interval ``I``, target layers
 ``S_c`` (shallow→deep, a contiguous deep block including the last layer) and growth ``B``
@@ -18,10 +21,12 @@ Our generalisation and decisions (the paper leaves them open):
   step of iteration t**: the region in effect for step ``t`` includes every switch at an
   iteration ``<= t``. Iteration 0 means "before any step" (e.g. a checkpoint saved at
   iteration 0) and never has a region, because ``first_switch >= 1``.
-* The target set is described by its size only: the deepest ``target_layers`` layers. A target
-  count of 0 means EPAS is off.
-* At least one layer must keep computing (the source of the region), so at most
-  ``num_layers - 1`` layers can be targets.
+* The target set is described by its size (and ``exclude_last``) only: the ``target_layers``
+  layers ending at layer ``num_layers - 1 - exclude_last``. A target count of 0 means EPAS is
+  off. The region grows from its end toward shallower layers exactly as with ``exclude_last =
+  0``; layers after the region (mode ``COMPUTE``) never share and compute their own Q/K.
+* At least one layer must keep computing before the region (the source), so at most
+  ``num_layers - 1 - exclude_last`` layers can be targets.
 
 Everything here is a pure function of the configuration; the trainer asks the schedule *what*
 changes at a switch and one place (model specs, freezing, optimizer, pipeline layout) carries it
@@ -50,7 +55,11 @@ __all__ = [
 #: of training (here: the last 10%).
 _LATE_FINAL_DENOMINATOR = 10
 
-_STATE_KEYS = ("num_layers", "interval", "growth", "target_layers", "first_switch")
+_STATE_KEYS = ("num_layers", "interval", "growth", "target_layers", "first_switch", "exclude_last")
+
+#: State keys that checkpoints written before the key existed lack, with the value that gives
+#: those runs' behaviour (the region then included the last layer).
+_STATE_DEFAULTS = {"exclude_last": 0}
 
 #: Flag to change for each schedule field, used in error and difference messages.
 _FIELD_FLAGS = {
@@ -59,6 +68,7 @@ _FIELD_FLAGS = {
     "growth": "--epas-growth",
     "target_layers": "--epas-target-layers",
     "first_switch": "--epas-first-switch",
+    "exclude_last": "--epas-exclude-last",
 }
 
 
@@ -148,35 +158,59 @@ def resolve_target_layers(target: float | int | str, num_layers: int) -> int:
     return count
 
 
+def _check_exclude_last(num_layers: int, exclude_last: int) -> None:
+    """``exclude_last`` must leave at least one layer (the source) in a ``num_layers`` model."""
+    if not _is_int(exclude_last) or not 0 <= exclude_last <= num_layers - 1:
+        raise ConfigError(
+            f"--epas-exclude-last must be an integer between 0 and {num_layers - 1} for a "
+            f"{num_layers}-layer model (the deepest layers that never share), got {exclude_last!r}"
+        )
+
+
 def region_layers(
-    num_layers: int, region_size: int, flag: str = "--epas-target-layers"
+    num_layers: int, size: int, flag: str = "--epas-target-layers", exclude_last: int = 0
 ) -> tuple[int, ...]:
-    """The sharing region of ``region_size`` layers: the deepest layers, ascending.
+    """The sharing region of ``size`` layers, ascending: the block that ends at layer
+    ``num_layers - 1 - exclude_last`` (the deepest layers when ``exclude_last`` is 0).
 
     For callers that pick a region length directly (e.g. evaluation at several region sizes).
     ``flag`` names the option to change in the error message.
     """
-    if not _is_int(region_size) or not 0 <= region_size <= num_layers - 1:
-        raise ConfigError(
-            f"{flag} {region_size!r}: a sharing region must have between 0 and "
-            f"{num_layers - 1} layers for a {num_layers}-layer model (one layer must remain the "
-            "source)"
+    if not _is_int(num_layers) or num_layers < 1:
+        raise ConfigError(f"--num-layers must be a positive integer, got {num_layers!r}")
+    _check_exclude_last(num_layers, exclude_last)
+    end = num_layers - 1 - exclude_last  # the region's last layer
+    if not _is_int(size) or not 0 <= size <= end:
+        after = (
+            f" with --epas-exclude-last {exclude_last} (layer(s) "
+            f"{_format_layers(range(end + 1, num_layers))} never share)"
+            if exclude_last
+            else ""
         )
-    return tuple(range(num_layers - region_size, num_layers))
+        raise ConfigError(
+            f"{flag} {size!r}: a sharing region must have between 0 and {end} layers for a "
+            f"{num_layers}-layer model{after} (one layer before the region must remain the source)"
+        )
+    return tuple(range(end + 1 - size, end + 1))
 
 
 def layer_modes(
-    num_layers: int, sharing_layers: Iterable[int], flag: str = "--epas-target-layers"
+    num_layers: int,
+    sharing_layers: Iterable[int],
+    flag: str = "--epas-target-layers",
+    exclude_last: int = 0,
 ) -> list[LayerMode]:
     """Per-layer mode (``"compute"`` / ``"source"`` / ``"share"``) for a sharing set.
 
-    ``sharing_layers`` must be one contiguous block of 0-based layer indices ending at the last
-    layer and must leave layer 0 computing; otherwise a ``ConfigError`` naming ``flag`` is
-    raised. The source is the last computing layer before a non-empty region; with an empty
-    region every layer is ``"compute"``.
+    ``sharing_layers`` must be one contiguous block of 0-based layer indices ending at layer
+    ``num_layers - 1 - exclude_last`` (the last layer by default) and must leave layer 0
+    computing; otherwise a ``ConfigError`` naming ``flag`` is raised. The source is the last
+    computing layer before a non-empty region; layers after the region compute (``"compute"``);
+    with an empty region every layer is ``"compute"``.
     """
     if not _is_int(num_layers) or num_layers < 1:
         raise ConfigError(f"--num-layers must be a positive integer, got {num_layers!r}")
+    _check_exclude_last(num_layers, exclude_last)
     layers = list(sharing_layers)
     for layer in layers:
         if not _is_int(layer) or not 0 <= layer < num_layers:
@@ -187,21 +221,30 @@ def layer_modes(
     if len(set(layers)) != len(layers):
         raise ConfigError(f"{flag}: sharing layers {layers} contain duplicates")
     region = sorted(layers)
+    end = num_layers - 1 - exclude_last  # where the region must end
     if region:
-        if region[-1] != num_layers - 1:
+        if region[-1] != end:
+            if exclude_last:
+                where = (
+                    f"layer {end} (--epas-exclude-last {exclude_last} keeps layers "
+                    f"{_format_layers(range(end + 1, num_layers))} computing)"
+                )
+            else:
+                where = f"the last layer ({end}); EPAS shares a deep block that includes the last layer"
             raise ConfigError(
-                f"{flag}: the sharing region {_format_layers(region)} must end at the last layer "
-                f"({num_layers - 1}); EPAS shares a deep block that includes the last layer"
+                f"{flag}: the sharing region {_format_layers(region)} must end at {where}; use "
+                f"layers ending at {end}, or the --epas-exclude-last that makes "
+                f"{region[-1]} the region's end ({num_layers - 1 - region[-1]})"
             )
-        if region != list(range(region[0], num_layers)):
+        if region != list(range(region[0], end + 1)):
             raise ConfigError(
                 f"{flag}: the sharing layers {_format_layers(region)} are not one contiguous "
-                f"block; use layers {region[0]}-{num_layers - 1} or a shorter deep block"
+                f"block; use layers {region[0]}-{end} or a shorter block ending at {end}"
             )
         if region[0] == 0:
             raise ConfigError(
-                f"{flag}: all {num_layers} layers would share, leaving no source layer; use at "
-                f"most {num_layers - 1} sharing layers"
+                f"{flag}: the region {_format_layers(region)} starts at layer 0, leaving no "
+                f"source layer before it; use at most {end} sharing layers"
             )
     modes = [LayerMode.COMPUTE] * num_layers
     if region:
@@ -218,7 +261,8 @@ class SharingSchedule:
     Switch ``k`` (``k = 0, 1, ...``) happens at iteration ``first_switch + k * interval`` and
     moves the deepest ``growth`` layers that still compute (among the targets) to sharing. The
     region in effect for the training step of iteration ``t`` includes every switch at an
-    iteration ``<= t``.
+    iteration ``<= t``. The targets end at layer :attr:`region_end` (``num_layers - 1 -
+    exclude_last``); the ``exclude_last`` layers after them always compute.
     """
 
     num_layers: int
@@ -229,13 +273,18 @@ class SharingSchedule:
     """Layers that switch at each switch, ``B`` in the paper (``--epas-growth``, >= 1); must
     divide ``target_layers``."""
     target_layers: int
-    """Size of the final sharing region, ``|S_c|`` in the paper: the deepest ``target_layers``
-    layers (``--epas-target-layers``, resolved by :func:`resolve_target_layers`). 0 turns EPAS
-    off; at most ``num_layers - 1`` so that a source layer remains."""
+    """Size of the final sharing region, ``|S_c|`` in the paper: the ``target_layers`` layers
+    ending at :attr:`region_end` (``--epas-target-layers``, resolved by
+    :func:`resolve_target_layers`). 0 turns EPAS off; at most ``num_layers - 1 - exclude_last``
+    so that a source layer remains before the region."""
     first_switch: int | None = None
     """Iteration of the first switch (``--epas-first-switch``, >= 1). ``None`` means
     ``interval`` (Algorithm 1); it is resolved to that number on construction, so two schedules
     with the same switches compare equal."""
+    exclude_last: int = 0
+    """Deepest layers that never share (``--epas-exclude-last``, >= 0): the region ends at layer
+    ``num_layers - 1 - exclude_last``. 0 is the paper's default (the region includes the last
+    layer, which its ablation found better); a positive value reproduces the ablation."""
 
     def __post_init__(self) -> None:
         if not _is_int(self.num_layers) or self.num_layers < 1:
@@ -254,10 +303,19 @@ class SharingSchedule:
                 f"--epas-target-layers must be a layer count >= 0 (0 turns EPAS off), got "
                 f"{self.target_layers!r}"
             )
-        if self.target_layers > self.num_layers - 1:
+        _check_exclude_last(self.num_layers, self.exclude_last)
+        if self.target_layers > self.region_end:
+            excluded = (
+                f" with --epas-exclude-last {self.exclude_last} (the region ends at layer "
+                f"{self.region_end})"
+                if self.exclude_last
+                else ""
+            )
             raise ConfigError(
-                f"--epas-target-layers {self.target_layers} leaves no source layer in a "
-                f"{self.num_layers}-layer model; use at most {self.num_layers - 1}"
+                f"--epas-target-layers {self.target_layers} leaves no source layer before the "
+                f"region in a {self.num_layers}-layer model{excluded}; use at most "
+                f"{self.region_end} target layers"
+                + (" or a smaller --epas-exclude-last" if self.exclude_last else "")
             )
         if self.target_layers % self.growth:
             divisors = [d for d in range(1, self.target_layers + 1) if self.target_layers % d == 0]
@@ -281,17 +339,25 @@ class SharingSchedule:
         growth: int,
         target: float | int | str,
         first_switch: int | None = None,
+        exclude_last: int = 0,
     ) -> SharingSchedule:
-        """Build from command-line values; ``target`` may be a count or a fraction."""
+        """Build from command-line values; ``target`` may be a count or a fraction (of all
+        ``num_layers`` layers, whatever ``exclude_last`` is)."""
         return cls(
             num_layers=num_layers,
             interval=interval,
             growth=growth,
             target_layers=resolve_target_layers(target, num_layers),
             first_switch=first_switch,
+            exclude_last=exclude_last,
         )
 
     # ------------------------------------------------------------------ the plan
+    @property
+    def region_end(self) -> int:
+        """The region's last (deepest) layer: ``num_layers - 1 - exclude_last``."""
+        return self.num_layers - 1 - self.exclude_last
+
     @property
     def enabled(self) -> bool:
         """Whether any layer ever shares."""
@@ -326,23 +392,26 @@ class SharingSchedule:
 
     def sharing_layers(self, iteration: int) -> tuple[int, ...]:
         """Sharing layers (ascending) in effect for the step of ``iteration``."""
-        return tuple(range(self.num_layers - self.region_size(iteration), self.num_layers))
+        end = self.region_end
+        return tuple(range(end + 1 - self.region_size(iteration), end + 1))
 
     def source_layer(self, iteration: int) -> int | None:
         """The last computing layer before the region, whose Q/K the region reuses; ``None``
         when no layer shares at ``iteration``."""
         size = self.region_size(iteration)
-        return self.num_layers - size - 1 if size else None
+        return self.region_end - size if size else None
 
     def layer_modes(self, iteration: int) -> list[LayerMode]:
         """Per-layer mode in effect for the step of ``iteration``."""
-        return layer_modes(self.num_layers, self.sharing_layers(iteration))
+        return layer_modes(
+            self.num_layers, self.sharing_layers(iteration), exclude_last=self.exclude_last
+        )
 
     def switch_iterations(self) -> list[tuple[int, tuple[int, ...]]]:
         """Every switch as ``(iteration, layers that switch there, deep -> shallow)``."""
         plan = []
         for k in range(self.num_switches):
-            deepest = self.num_layers - 1 - k * self.growth
+            deepest = self.region_end - k * self.growth
             plan.append(
                 (
                     self.first_switch + k * self.interval,
@@ -404,11 +473,17 @@ class SharingSchedule:
         """Multi-line human-readable plan, one line per switch, for printing at start."""
         if not self.enabled:
             return f"EPAS off: all {self.num_layers} layers compute their own Q/K"
-        targets = range(self.num_layers - self.target_layers, self.num_layers)
+        targets = range(self.region_end + 1 - self.target_layers, self.region_end + 1)
+        excluded = (
+            f", layer(s) {_format_layers(range(self.region_end + 1, self.num_layers))} never "
+            f"share (--epas-exclude-last {self.exclude_last})"
+            if self.exclude_last
+            else ""
+        )
         lines = [
             f"EPAS schedule: {self.num_layers} layers, target region {_format_layers(targets)} "
-            f"({self.target_layers} layers), growth {self.growth} every {self.interval} "
-            f"iteration(s) from iteration {self.first_switch}"
+            f"({self.target_layers} layers){excluded}, growth {self.growth} every "
+            f"{self.interval} iteration(s) from iteration {self.first_switch}"
         ]
         width = len(str(self.final_iteration))
         for iteration, switching in self.switch_iterations():
@@ -433,7 +508,9 @@ class SharingSchedule:
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, int]) -> SharingSchedule:
-        """Inverse of :meth:`state_dict`; validates like the constructor."""
+        """Inverse of :meth:`state_dict`; validates like the constructor. Keys added after a
+        checkpoint was written (``exclude_last``) take the value that reproduces that run."""
+        state = {**_STATE_DEFAULTS, **state}
         missing = [key for key in _STATE_KEYS if key not in state]
         unknown = sorted(set(state) - set(_STATE_KEYS))
         if missing or unknown:

@@ -247,6 +247,7 @@ class Trainer:
             core_attention=m.core_attention,
             share=self.cfg.epas.epas_share,
             detach_shared=self.cfg.epas.epas_detach_shared,
+            exclude_last=self.cfg.epas.epas_exclude_last,
             deterministic=self.cfg.training.deterministic,
         )
         if self.run.rebalance:

@@ -98,6 +98,9 @@ def test_bad_epas_schedule(isolated, capsys):
     fails(["--epas-target-layers", "3", "--epas-growth", "2"], isolated, capsys, "--epas-growth")
     fails(["--epas-target-layers", "4"], isolated, capsys, "--epas-target-layers")
     fails(["--epas-target-layers", "2", "--epas-interval", "60", "--train-iters", "100"], isolated, capsys, "--train-iters")
+    fails(["--epas-target-layers", "3", "--epas-exclude-last", "1"], isolated, capsys, "--epas-target-layers",
+          match="--epas-exclude-last 1 (the region ends at layer 2); use at most 2")
+    fails(["--epas-exclude-last", "-1"], isolated, capsys, "--epas-exclude-last")
 
 
 def test_output_dir_holding_another_run(isolated, capsys):
@@ -127,7 +130,7 @@ def test_help_is_readable(capsys):
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for expected in ("--epas-target-layers", "--tp", "--global-batch-size", "Deepest layers that will share",
-                     "parallel:", "epas:"):
+                     "--epas-exclude-last", "Deepest layers that never share", "parallel:", "epas:"):
         assert expected in text, expected
 
 

@@ -57,3 +57,15 @@ def test_default_ffn_size_is_llama_swiglu():
     assert default_ffn_hidden_size(4096) == 11008
     assert default_ffn_hidden_size(768) == 2048
     assert default_ffn_hidden_size(2048) == 5632  # TinyLLaMA
+
+
+def test_epas_exclude_last_resolves_into_the_schedule(tmp_path):
+    from epas_megatron.config.validation import resolve_run
+
+    base = ["--preset", "tiny", "--output-dir", str(tmp_path / "out")]
+    run = resolve_run(parse_config([*base, "--epas-target-layers", "2", "--epas-interval", "10", "--epas-exclude-last", "1"]), world_size=1)
+    assert run.schedule.exclude_last == 1 and run.schedule.sharing_layers(20) == (1, 2)
+    assert run.warnings == ()
+    off = resolve_run(parse_config([*base, "--epas-exclude-last", "1"]), world_size=1)
+    assert off.warnings == ("--epas-exclude-last 1 has no effect: EPAS is off (--epas-target-layers 0)",)
+    assert parse_config(["--preset", "tiny"]).epas.epas_exclude_last == 0

@@ -49,3 +49,14 @@ def test_untrained_regions_on_request(trained, capsys):
     code, payload, _ = evaluate(capsys, "--load", str(trained.output_dir / "checkpoints"), "--regions", "3",
                                 "--allow-untrained-regions", "--eval-iters", "1")
     assert code == 0 and payload["results"][0]["sharing_layers"] == [1, 2, 3]
+
+
+def test_parse_regions_with_exclude_last():
+    from epas_megatron.errors import ConfigError
+    from epas_megatron.evaluate import parse_regions
+
+    assert parse_regions("0,2,max", 2, 8, False, exclude_last=3) == [0, 2, 2]
+    assert parse_regions("4", 2, 8, True, exclude_last=3) == [4]
+    with pytest.raises(ConfigError, match=r"at most 4 .*--epas-exclude-last 3"):
+        parse_regions("5", 2, 8, True, exclude_last=3)
+    assert parse_regions("7", 2, 8, True) == [7]  # the default: the region may reach layer 1

@@ -105,3 +105,23 @@ def test_engine_refuses_reuse_for_kv_models(tiny_arch):
     model = build(tiny_arch, (3,), share="kv").eval()
     with pytest.raises(ConfigError, match="reuse needs a 'qk' sharing model"):
         DecodeEngine(model, "reuse")
+
+
+@pytest.mark.parametrize("share, attention, kernel", [("qk", "qk", None), ("qk", "reuse", "torch"), ("kv", "qk", None)])
+@pytest.mark.parametrize("sharing, exclude_last", [((1, 2), 1), ((2,), 1)])
+def test_region_before_computing_layers_decodes_like_full_forwards(tiny_arch, sharing, exclude_last, share, attention, kernel):
+    """--epas-exclude-last: the computing layer after the region caches its own K and V and
+    attends over them; cached decoding equals full forward passes without a cache."""
+    model = build(tiny_arch, sharing, share=share, exclude_last=exclude_last).eval()
+    engine = DecodeEngine(model, attention, region_kernel=kernel)
+    assert engine.modes[-1] == "compute" and engine.source == sharing[0] - 1
+    batch = prompts(tiny_arch.vocab_size, seed=2)
+    tokens, logits, cache = cached_greedy(engine, batch, chunk=3)
+    for row, ids in enumerate(batch):
+        expected_tokens, expected_logits = full_forward_greedy(model, ids)
+        assert tokens[row] == expected_tokens, f"row {row}"
+        torch.testing.assert_close(logits[row], expected_logits, rtol=1e-4, atol=1e-4)
+    # K and V for every computing layer (the tail included), V for each 'qk' sharing layer.
+    computing = tiny_arch.num_layers - len(sharing)
+    assert cache.computing_keys.size(0) == computing
+    assert cache.sharing_values.size(0) == (len(sharing) if share == "qk" else 0)

@@ -175,3 +175,39 @@ def test_decoder_specs_follow_roles():
     kinds = [s.submodules.self_attention.module.__name__ for s in specs]
     assert kinds == ["ComputingAttention"] * 4 + ["SharedAttention"] * 2
     assert [s.submodules.self_attention.params.get("hand_off") for s in specs[:4]] == [None, None, None, "qk"]
+
+
+def test_build_plan_keeps_exclude_last_and_places_the_hand_off():
+    """--epas-exclude-last on the build plan: its regions end at num_layers - 1 - N through a
+    switch (with_region) and region_layers; the computing tail never receives a hand-off."""
+    from epas_megatron.model.build_plan import BuildPlan
+    from epas_megatron.model.builder import LlamaArchitecture, chunk_placements, make_transformer_config, pipeline_handoff_rows
+    from epas_megatron.parallel.layout import StageLayout
+
+    arch = LlamaArchitecture(8, 64, 4, 2, 176, 256, 32)
+    plan = BuildPlan.for_region(arch, (5,), seq_length=32, pp=2, exclude_last=2)
+    assert plan.exclude_last == 2 and plan.sharing_layers == (5,)
+    assert plan.modes[4:] == ("source", "share", "compute", "compute")
+    assert plan.region_layers(3) == (3, 4, 5) and plan.region_layers(0) == ()
+    with pytest.raises(ConfigError, match="--regions 6"):
+        plan.region_layers(6)
+    grown = plan.with_region(plan.region_layers(3))
+    assert grown.exclude_last == 2 and grown.sharing_layers == (3, 4, 5)
+    with pytest.raises(ConfigError, match="--epas-exclude-last 2"):
+        plan.with_region((6, 7))
+    with pytest.raises(ConfigError, match="--epas-exclude-last"):
+        BuildPlan.for_region(arch, (3, 4, 5))  # exclude_last 0: must end at the last layer
+    with pytest.raises(ConfigError):
+        dataclasses.replace(grown, exclude_last=0)  # modes that are not the plan's region
+
+    def placements(plan):
+        config = make_transformer_config(plan)
+        rows = pipeline_handoff_rows(config, plan.modes, 32, "qk")[1]
+        return [(p.layer_ids, p.receives_handoff, p.sends_handoff) for r in range(2) for p in chunk_placements(config, plan.modes, r)], rows
+
+    # Even split (0-3 | 4-7): the region 3-5 crosses the boundary; the tail 6-7 is on stage 1.
+    assert placements(grown) == ([((0, 1, 2, 3), False, True), ((4, 5, 6, 7), True, False)], 32 + 48)
+    # A region within one stage, and a boundary right after the region: nothing to send.
+    assert placements(plan)[1] == 32
+    after = grown.with_region((3, 4, 5), StageLayout.from_layout_string("Etttttt|ttL", 2))
+    assert placements(after) == ([((0, 1, 2, 3, 4, 5), False, False), ((6, 7), False, False)], 32)

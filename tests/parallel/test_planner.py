@@ -461,3 +461,43 @@ def test_format_plan_says_when_qk_cross_a_stage():
     # 8 layers on 4 ranks with layers 2-7 sharing: no split keeps them (and layer 1) together.
     text = format_plan(TINY, 8, 4, 1, [(0, range(2, 8))])
     assert "6 sharing layers (2-7); Q/K cross a stage boundary" in text
+
+
+# --------------------------------------------------------------------------------------------
+# --epas-exclude-last: a region that ends before the last layer (computing layers after it)
+
+
+@pytest.mark.parametrize("p, v", [(2, 1), (3, 1), (2, 2)])
+def test_region_with_a_computing_tail_matches_brute_force(p, v):
+    """A boundary after the region (before the computing tail) carries no hand-off; one inside
+    it does -- the brute force prices every split by that rule."""
+    rng = random.Random(500 + 10 * p + v)
+    for _ in range(40):
+        n = rng.randint(p * v, 10)
+        exclude_last = rng.randint(1, n - 2) if n > 2 else 1
+        region = rng.randint(1, n - 1 - exclude_last) if n - 1 - exclude_last >= 1 else 0
+        end = n - 1 - exclude_last
+        modes = layer_modes(n, range(end + 1 - region, end + 1), exclude_last=exclude_last)
+        assert modes[end + 1:] == [LayerMode.COMPUTE] * exclude_last
+        costs = [0.5 if mode == LayerMode.SHARE else 1.0 for mode in modes]
+        _check(costs, p, v, rng.choice([0.0, 0.3]), rng.choice([0.0, 0.65]), modes, rng.choice([0.05, 0.3, 5.0]))
+
+
+def test_plan_region_and_reports_with_a_computing_tail_by_hand():
+    """6 layers on 2 ranks, layers 3-4 share (source 2), layer 5 computes: costs
+    1, 1, 1, 0.5, 0.5, 1. The even split (3,3) cuts before layer 3, the region's start:
+    3 + 0.25 and 2 + 0.25. (2,4) cuts before the source and sends nothing: 2 and 3."""
+    assert layer_modes(6, [3, 4], exclude_last=1) == ["compute", "compute", "source", "share", "share", "compute"]
+    layout = plan_region(TINY, 6, [3, 4], 2, exclude_last=1)
+    assert layout.stage_sizes == (2, 4) and layout.rank_costs == (2.0, 3.0)
+    with pytest.raises(ConfigError, match="--epas-exclude-last"):
+        plan_region(TINY, 6, [3, 4], 2)  # the default region must include the last layer
+    speedup = predict_pipeline_speedup(TINY, 6, 2, 1, region_size=2, exclude_last=1)
+    assert speedup.fixed_bottleneck == 3.25 and speedup.rebalanced_bottleneck == 3.0
+    assert speedup.ideal_speedup == pytest.approx(6 / 5)
+    text = format_plan(TINY, 6, 2, 1, [(0, []), (100, [3, 4])], exclude_last=1)
+    assert "iteration 100: 2 sharing layers (3-4)\n" in text  # no crossing note
+    assert "bottleneck 3 (even split 3.25)" in text
+    # A boundary right after the region sends nothing: layers 1-3 share, (4, 2) cuts before 4.
+    after = plan_region(LayerCosts(1.0, 0.5, 0.0, 0.0, 100.0), 6, [1, 2, 3], 2, exclude_last=2)
+    assert after.stage_sizes == (4, 2) and after.rank_costs == (2.5, 2.0)

@@ -18,13 +18,15 @@ from epas_megatron.sharing.schedule import (
 
 
 # ---------------------------------------------------------------------------- references
-def algorithm1(num_layers, interval, growth, target_layers, last_iteration, first_switch=None):
-    """Algorithm 1 of the paper as a stateful loop, with the optional first switch.
+def algorithm1(num_layers, interval, growth, target_layers, last_iteration, first_switch=None, exclude_last=0):
+    """Algorithm 1 of the paper as a stateful loop, with the optional first switch and the
+    target block ``S_c`` ending ``exclude_last`` layers before the last (the paper's ablation).
 
     Returns ``regions[t]`` (sorted sharing layers for the step of iteration t, t = 0 included)
     and ``log`` (iteration, layers popped in order) for every switch.
     """
-    remaining = list(range(num_layers - target_layers, num_layers))  # S_c, shallow -> deep
+    end = num_layers - exclude_last  # one past S_c's deepest layer
+    remaining = list(range(end - target_layers, end))  # S_c, shallow -> deep
     sharing = set()
     regions = {0: ()}
     log = []
@@ -427,3 +429,165 @@ def test_layer_modes_custom_flag_and_region_layers():
     for bad in (22, -1, 2.0):
         with pytest.raises(ConfigError, match="--eval-region"):
             region_layers(22, bad, flag="--eval-region")
+
+
+# ---------------------------------------------------------------------------- --epas-exclude-last
+def test_exclude_last_matches_algorithm1_exhaustively():
+    """Every valid (layers, exclude_last, target, growth, interval, first switch) against the
+    reference loop: switches, regions, sources, and the tail layers that always compute."""
+    checked = 0
+    for num_layers in range(2, 9):
+        for exclude_last in range(1, num_layers):
+            for target in range(num_layers - exclude_last):
+                for growth in divisors(target) if target else [1]:
+                    for interval, first_switch in ((1, None), (3, None), (2, 5)):
+                        schedule = SharingSchedule(num_layers, interval, growth, target, first_switch, exclude_last)
+                        final = schedule.final_iteration
+                        last = final + 2 * interval + 1
+                        regions, log = algorithm1(num_layers, interval, growth, target, last, first_switch, exclude_last)
+                        assert schedule.switch_iterations() == log
+                        end = num_layers - 1 - exclude_last
+                        assert schedule.region_end == end
+                        for t in range(last + 1):
+                            region = schedule.sharing_layers(t)
+                            assert region == regions[t], (schedule, t)
+                            assert schedule.source_layer(t) == (region[0] - 1 if region else None)
+                            modes = schedule.layer_modes(t)
+                            assert modes[end + 1:] == [LayerMode.COMPUTE] * exclude_last
+                            assert modes.count(LayerMode.SHARE) == len(region)
+                            if region:
+                                assert region[-1] == end and modes[region[0] - 1] == LayerMode.SOURCE
+                        checked += 1
+    assert checked > 300
+
+
+def test_exclude_last_paper_ablation_case():
+    # 22 layers, a region of 5 that stops one layer short of the last.
+    schedule = SharingSchedule(22, interval=1000, growth=1, target_layers=5, exclude_last=1)
+    assert schedule.switch_iterations() == [(1000, (20,)), (2000, (19,)), (3000, (18,)), (4000, (17,)), (5000, (16,))]
+    assert schedule.sharing_layers(999) == ()
+    assert schedule.sharing_layers(1000) == (20,) and schedule.source_layer(1000) == 19
+    assert schedule.sharing_layers(5000) == (16, 17, 18, 19, 20) and schedule.source_layer(5000) == 15
+    assert schedule.layer_modes(5000)[15:] == [SRC, SH, SH, SH, SH, SH, C]
+    # growth 2 from the region's end
+    schedule = SharingSchedule(12, interval=100, growth=2, target_layers=6, first_switch=10, exclude_last=2)
+    assert schedule.switch_iterations() == [(10, (9, 8)), (110, (7, 6)), (210, (5, 4))]
+    # 0 is the default and changes nothing
+    assert SharingSchedule(12, 100, 2, 6, 10, 0) == SharingSchedule(12, 100, 2, 6, 10)
+
+
+def test_exclude_last_describe():
+    schedule = SharingSchedule(8, interval=10, growth=1, target_layers=3, exclude_last=2)
+    lines = schedule.describe(train_iters=100).splitlines()
+    assert lines[0] == ("EPAS schedule: 8 layers, target region 3-5 (3 layers), layer(s) 6-7 never share "
+                        "(--epas-exclude-last 2), growth 1 every 10 iteration(s) from iteration 10")
+    assert "iteration 10: layer(s) 5 switch to sharing -> region 5 (1 layers), source layer 4" in lines[1]
+    assert "iteration 30: layer(s) 3 switch to sharing -> region 3-5 (3 layers), source layer 2" in lines[3]
+    assert "never share" not in SharingSchedule(8, 10, 1, 3).describe()
+
+
+@pytest.mark.parametrize(
+    "kwargs, needles",
+    [
+        (dict(num_layers=4, interval=1, growth=1, target_layers=3, exclude_last=1),
+         ["--epas-target-layers 3", "--epas-exclude-last 1", "at most 2"]),
+        (dict(num_layers=8, interval=1, growth=1, target_layers=2, exclude_last=6),
+         ["--epas-target-layers 2", "--epas-exclude-last 6", "at most 1"]),
+        (dict(num_layers=4, interval=1, growth=1, target_layers=0, exclude_last=4), ["--epas-exclude-last", "between 0 and 3"]),
+        (dict(num_layers=4, interval=1, growth=1, target_layers=1, exclude_last=-1), ["--epas-exclude-last"]),
+        (dict(num_layers=4, interval=1, growth=1, target_layers=1, exclude_last=1.0), ["--epas-exclude-last"]),
+        (dict(num_layers=4, interval=1, growth=1, target_layers=1, exclude_last=True), ["--epas-exclude-last"]),
+        (dict(num_layers=4, interval=1, growth=1, target_layers=1, exclude_last="1"), ["--epas-exclude-last"]),
+    ],
+)
+def test_exclude_last_validation_names_the_flags(kwargs, needles):
+    with pytest.raises(ConfigError) as info:
+        SharingSchedule(**kwargs)
+    for needle in needles:
+        assert needle in str(info.value)
+
+
+def test_exclude_last_from_flags_and_largest_target():
+    # A fraction is of all layers; the count must still fit before the excluded tail.
+    assert SharingSchedule.from_flags(8, 10, 1, "0.5", exclude_last=3) == SharingSchedule(8, 10, 1, 4, exclude_last=3)
+    with pytest.raises(ConfigError, match="--epas-exclude-last 4"):
+        SharingSchedule.from_flags(8, 10, 1, "0.5", exclude_last=4)
+    for num_layers in range(2, 9):
+        for exclude_last in range(num_layers):
+            SharingSchedule(num_layers, 1, 1, num_layers - 1 - exclude_last, exclude_last=exclude_last)
+            with pytest.raises(ConfigError, match="--epas-target-layers"):
+                SharingSchedule(num_layers, 1, 1, num_layers - exclude_last, exclude_last=exclude_last)
+
+
+def test_region_layers_with_exclude_last():
+    assert region_layers(22, 5, exclude_last=2) == (15, 16, 17, 18, 19)
+    assert region_layers(4, 2, exclude_last=1) == (1, 2)
+    assert region_layers(4, 0, exclude_last=3) == ()
+    assert region_layers(4, 2, "--regions", 0) == (2, 3)
+    with pytest.raises(ConfigError) as info:
+        region_layers(4, 3, flag="--regions", exclude_last=1)
+    assert "--regions 3" in str(info.value) and "--epas-exclude-last 1" in str(info.value)
+    assert "between 0 and 2 layers" in str(info.value)
+    for bad in (-1, 4, 2.0, None):
+        with pytest.raises(ConfigError, match="--epas-exclude-last"):
+            region_layers(4, 0, exclude_last=bad)
+
+
+@pytest.mark.parametrize(
+    "num_layers, sharing, exclude_last, expected",
+    [
+        (4, [], 1, [C, C, C, C]),
+        (4, [2], 1, [C, SRC, SH, C]),
+        (4, [1, 2], 1, [SRC, SH, SH, C]),
+        (4, [1], 2, [SRC, SH, C, C]),
+        (6, range(2, 4), 2, [C, SRC, SH, SH, C, C]),
+    ],
+)
+def test_layer_modes_with_exclude_last(num_layers, sharing, exclude_last, expected):
+    assert layer_modes(num_layers, sharing, exclude_last=exclude_last) == expected
+
+
+def test_layer_modes_with_exclude_last_rejects_and_names_the_flags():
+    with pytest.raises(ConfigError) as info:
+        layer_modes(4, [2, 3], flag="--regions", exclude_last=1)  # includes an excluded layer
+    message = str(info.value)
+    assert message.startswith("--regions:") and "must end at layer 2" in message and "--epas-exclude-last 1" in message
+    with pytest.raises(ConfigError, match="--epas-exclude-last"):
+        layer_modes(4, [1, 2])  # ends before the last layer, but exclude_last is 0
+    with pytest.raises(ConfigError, match="no source"):
+        layer_modes(4, [0, 1, 2], exclude_last=1)
+    with pytest.raises(ConfigError, match="contiguous"):
+        layer_modes(5, [1, 3], exclude_last=1)
+    # exhaustively: valid iff a non-empty-prefix-leaving block ending at num_layers - 1 - N
+    for num_layers in range(1, 7):
+        for exclude_last in range(num_layers):
+            end = num_layers - 1 - exclude_last
+            for size in range(num_layers + 1):
+                for subset in itertools.combinations(range(num_layers), size):
+                    valid = subset == tuple(range(end + 1 - size, end + 1)) and size <= end
+                    if not valid:
+                        with pytest.raises(ConfigError):
+                            layer_modes(num_layers, subset, exclude_last=exclude_last)
+                        continue
+                    modes = layer_modes(num_layers, subset, exclude_last=exclude_last)
+                    assert [m == SH for m in modes] == [i in subset for i in range(num_layers)]
+                    assert modes[end + 1:] == [C] * exclude_last
+
+
+def test_exclude_last_state_round_trip_old_states_and_resume_check():
+    schedule = SharingSchedule(8, 10, 1, 3, exclude_last=2)
+    state = schedule.state_dict()
+    assert state["exclude_last"] == 2
+    assert SharingSchedule.from_state_dict(json.loads(json.dumps(state))) == schedule
+    # States written before the option existed: the region included the last layer.
+    old = {key: value for key, value in SharingSchedule(8, 10, 1, 3).state_dict().items() if key != "exclude_last"}
+    assert SharingSchedule.from_state_dict(old) == SharingSchedule(8, 10, 1, 3)
+    SharingSchedule(8, 10, 1, 3).check_resume(old, iteration=20)
+    with pytest.raises(ConfigError) as info:
+        schedule.check_resume(old, iteration=20)
+    message = str(info.value)
+    assert "--epas-exclude-last: 0 in the checkpoint, 2 in this run" in message
+    assert "checkpoint's region is 6-7 but this run's would be 4-5" in message
+    assert schedule.differences_from(SharingSchedule(8, 10, 1, 3, exclude_last=1)) == [
+        "--epas-exclude-last: 1 in the checkpoint, 2 in this run"
+    ]

@@ -1,5 +1,7 @@
 """Under torchrun (2 processes): one training step of an 8-layer model for every sharing-region
-size 0..7 under several pipeline layouts; prints one RESULT line per (layout, region) from rank 0.
+size 0..7 under several pipeline layouts, plus one region that ends before the last layer
+(--epas-exclude-last: layers 3-5 share, 6-7 compute); prints one RESULT line per (layout, region,
+exclude_last) from rank 0.
 
 The data-parallel layout (PP=1, DP=2) is the reference: with a per-token loss over the global
 batch it computes exactly what one process computes."""
@@ -21,6 +23,10 @@ LAYOUTS = {
     "uneven_vpp_2_3_1_2": dict(pp=2, layout="Ett|ttt|t|ttL"),
 }
 GLOBAL_BATCH, SEQ = 4, 32
+REGIONS = [(size, 0) for size in range(8)] + [(3, 2)]
+"""(region size, exclude_last): every region at the deep end, and layers 3-5 with a computing
+tail -- under pp2 the region crosses the stage boundary and the tail receives the hand-off, under
+uneven_6_2 a boundary lies right after the region (no hand-off)."""
 
 
 def batches(dp_rank, dp_size, vocab):
@@ -56,10 +62,11 @@ def main():
             virtual_pipeline_model_parallel_size=spec.get("vpp") or (2 if spec.get("layout", "").count("|") == 3 else None))
         seed_everything(0)
         dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-        for region in range(8):
-            sharing = region_layers(8, region)
+        for region, exclude_last in REGIONS:
+            sharing = region_layers(8, region, exclude_last=exclude_last)
             layout = StageLayout.from_layout_string(spec["layout"], spec["pp"]) if "layout" in spec else None
-            plan = BuildPlan.for_region(arch, sharing, seq_length=SEQ, pp=spec["pp"], vpp=spec.get("vpp"), layout=layout)
+            plan = BuildPlan.for_region(arch, sharing, seq_length=SEQ, pp=spec["pp"], vpp=spec.get("vpp"), layout=layout,
+                                        exclude_last=exclude_last)
             built = build_model(plan, seed=7)
             seq = built.schedule_seq_length
             model = wrap_ddp(built.chunks, built.config, settings)
@@ -69,7 +76,7 @@ def main():
             result = train_step(model, optimizer, scheduler, iterators, num_microbatches=GLOBAL_BATCH // dp,
                                 seq_length=seq, micro_batch_size=1)
             if dist.get_rank() == 0:
-                print("RESULT " + json.dumps({"layout": name, "region": region, "loss": result.lm_loss,
+                print("RESULT " + json.dumps({"layout": name, "region": region, "exclude_last": exclude_last, "loss": result.lm_loss,
                                               "grad_norm": result.grad_norm, "p2p_rows": seq}), flush=True)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

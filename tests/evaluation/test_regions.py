@@ -1,0 +1,36 @@
+"""--eval-regions: parsing, limits and the regions evaluated as the region in training grows."""
+
+import pytest
+
+from epas_megatron.errors import ConfigError
+from epas_megatron.evaluation.regions import RegionSpec
+
+
+def test_parse_keeps_sizes_and_names_in_order():
+    assert RegionSpec.parse("0, half,MAX,3").items == (0, "half", "max", 3)
+
+
+@pytest.mark.parametrize("text", ["-1", "1.5", "quarter", "", "0,,2"])
+def test_parse_rejects_what_is_not_a_region(text):
+    with pytest.raises(ConfigError, match="--eval-regions: .* is not a region size"):
+        RegionSpec.parse(text)
+
+
+def test_limit_names_the_flag_and_the_largest_region():
+    RegionSpec.parse("0,3,max").check_limit(3)
+    with pytest.raises(ConfigError, match="--eval-regions: 4 sharing layers is more than this model can have: at most 3"):
+        RegionSpec.parse("0,4").check_limit(3)
+
+
+@pytest.mark.parametrize("current, expected, skipped", [
+    (0, [0], [2]),          # before the first switch: 'half' and 'max' are 0, 2 is not trained yet
+    (1, [0, 1], [2]),
+    (2, [0, 1, 2], []),     # half of 2 is 1
+    (5, [0, 2, 5], []),     # half of 5 is 2 (rounded down), equal to the explicit 2: listed once
+])
+def test_resolve_follows_the_region_in_training(current, expected, skipped):
+    assert RegionSpec.parse("0,half,max,2").resolve(current) == (expected, skipped)
+
+
+def test_untrained_regions_on_request():
+    assert RegionSpec.parse("0,max,3").resolve(1, allow_untrained=True) == ([0, 1, 3], [])
