@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import random
 import shutil
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -34,6 +33,7 @@ import torch.distributed as dist
 from epas_megatron.errors import ConfigError
 from epas_megatron.model.wrapping import unwrap_model
 from epas_megatron.runtime.fs import atomic_write_text
+from epas_megatron.runtime.rng import capture_rng_state, restore_rng_state
 
 POINTER = "latest_checkpointed_iteration.txt"
 META = "run_meta.json"
@@ -103,31 +103,6 @@ def _use_thread_queue() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
-def _rng_state() -> dict:
-    from megatron.core import tensor_parallel
-
-    return {
-        "python": random.getstate(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
-
-
-def _set_rng_state(state: dict) -> None:
-    from megatron.core import tensor_parallel
-
-    random.setstate(_to_tuple(state["python"]))
-    torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-
-
-def _to_tuple(x):
-    return tuple(_to_tuple(i) for i in x) if isinstance(x, (list, tuple)) else x
-
-
 def sharded_state(model_chunks: Sequence[torch.nn.Module], optimizer, scheduler, train_state: dict, *, loading: bool, with_optimizer: bool = True, with_rng: bool = True) -> dict:
     """The sharded state dict of a whole training state (what save and load exchange)."""
     from megatron.core import parallel_state
@@ -149,7 +124,7 @@ def sharded_state(model_chunks: Sequence[torch.nn.Module], optimizer, scheduler,
         dp_rank = parallel_state.get_data_parallel_rank()
         state["rng_state"] = ShardedObject(
             "rng_state",
-            _rng_state(),
+            capture_rng_state(),
             (pp, tp, parallel_state.get_data_parallel_world_size()),
             (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(), dp_rank),
             replica_id=0,
@@ -272,5 +247,5 @@ def load_checkpoint(
     elif optimizer is not None and "grad_scalers" in loaded.get("train_state", {}):
         _restore_scaler_states(optimizer, loaded["train_state"]["grad_scalers"])
     if restore_rng and "rng_state" in loaded:
-        _set_rng_state(loaded["rng_state"])
+        restore_rng_state(loaded["rng_state"])
     return loaded.get("train_state", {})

@@ -186,6 +186,19 @@ class TrainingConfig:
     eval_iters: int = 4
     """Validation micro-batch rounds per evaluation."""
 
+    eval_regions: Optional[str] = None
+    """Also evaluate the same weights at other sharing regions at every --eval-interval:
+    comma-separated region sizes ('0,2'), 'half' (half the region in training) and 'max' (the
+    region in training), e.g. '0,half,max'. A size larger than the region in training is skipped
+    until the region has grown to it (its layers never trained in sharing mode) unless
+    --eval-untrained-regions. One validation series per region goes to metrics.jsonl
+    ("kind": "valid", "region": R), TensorBoard and wandb (valid/region_R/lm_loss). Training is
+    unaffected (same losses with and without)."""
+
+    eval_untrained_regions: bool = False
+    """With --eval-regions: also evaluate regions larger than the one in training (inference-time
+    sharing on layers that never trained in sharing mode, the paper's baseline)."""
+
     exit_interval: Optional[int] = None
     """Save and stop after this many iterations of this run (for tests and preemption drills)."""
 

@@ -21,6 +21,7 @@ from epas_megatron.model.build_plan import normalise_vpp
 from epas_megatron.sharing.schedule import SharingSchedule
 
 if TYPE_CHECKING:
+    from epas_megatron.evaluation.regions import RegionSpec
     from epas_megatron.parallel.layout import StageLayout
 
 _CHOICES = {
@@ -88,6 +89,9 @@ class ResolvedRun:
 
     warnings: tuple[str, ...] = ()
     """Things to print at start."""
+
+    eval_regions: Optional["RegionSpec"] = None
+    """--eval-regions parsed (None: validate the region in training only)."""
 
     @property
     def bf16(self) -> bool:
@@ -167,6 +171,7 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
     t = _resolve_training(cfg, m, dp)
     m = replace(m, max_position_embeddings=m.max_position_embeddings or t.seq_length)
     schedule, rebalance, warnings = _resolve_epas(cfg, m, t)
+    eval_regions = _resolve_eval_regions(t, schedule)
     _check_data(cfg)
     if cfg.data.data is not None and cfg.data.tokenizer_model is None:
         raise ConfigError("--data needs --tokenizer-model (the tokenizer the data was preprocessed with)")
@@ -186,6 +191,7 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
         schedule=schedule,
         rebalance=rebalance,
         warnings=tuple(warnings),
+        eval_regions=eval_regions,
         **sources,
     )
 
@@ -286,6 +292,21 @@ def _resolve_epas(cfg: RunConfig, m, t) -> tuple[SharingSchedule, bool, list[str
     if rebalance and p.pipeline_layout is not None:
         raise ConfigError("--epas-rebalance on conflicts with a fixed --pipeline-layout; drop one of them")
     return schedule, rebalance and p.pp >= 2, list(warnings)
+
+
+def _resolve_eval_regions(t, schedule: SharingSchedule) -> Optional["RegionSpec"]:
+    """--eval-regions parsed and checked against the model (sizes it can have at all)."""
+    from epas_megatron.evaluation.regions import RegionSpec
+
+    if t.eval_regions is None:
+        if t.eval_untrained_regions:
+            raise ConfigError("--eval-untrained-regions applies to --eval-regions; give the regions to evaluate")
+        return None
+    if not t.eval_interval:
+        raise ConfigError("--eval-regions needs --eval-interval > 0 (regions are evaluated at every evaluation)")
+    spec = RegionSpec.parse(t.eval_regions, "--eval-regions")
+    spec.check_limit(schedule.num_layers - 1 - schedule.exclude_last, "--eval-regions", schedule.exclude_last)
+    return spec
 
 
 def resolve_vocabulary(data_cfg, vocab_size: Optional[int]) -> int:

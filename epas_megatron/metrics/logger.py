@@ -13,7 +13,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 
 def _jsonable(value: Any):
@@ -62,15 +62,20 @@ class MetricsLogger:
                 resume="allow",
             )
 
-    def log(self, record: dict[str, Any], step: int, prefix: str = "train") -> None:
-        """Write one record; numeric fields also go to TensorBoard/wandb under ``prefix/``."""
+    def log(self, record: dict[str, Any], step: int, prefix: str = "train", scalars: Optional[Sequence[str]] = None,
+            to_jsonl: bool = True) -> None:
+        """Write one record; its numeric fields (those named in ``scalars``, default all) also go
+        to TensorBoard/wandb under ``prefix/``. ``to_jsonl=False``: TensorBoard/wandb only (a
+        second name for a series already in metrics.jsonl)."""
         if not self.enabled:
             return
-        self._jsonl.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
+        if to_jsonl:
+            self._jsonl.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
         numeric = {
             f"{prefix}/{k}": v
             for k, v in record.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "iteration"
+            and (scalars is None or k in scalars)
         }
         if self._tb is not None:
             for key, value in numeric.items():

@@ -126,6 +126,12 @@ def fuse_qkv_rows(parts: dict[str, Tensor], order: tuple[str, ...], num_groups: 
     return torch.cat(grouped, dim=1).reshape(-1, hidden)
 
 
+def _rename_prefix(state_dict: dict, old: str, new: str) -> None:
+    """Move every entry of ``state_dict`` under ``old`` to the same name under ``new``."""
+    for key in [k for k in state_dict if k.startswith(old)]:
+        state_dict[new + key[len(old):]] = state_dict.pop(key)
+
+
 def qkv_split_factory(
     original: ShardedTensor,
     fused_key_suffix: str,
@@ -209,6 +215,24 @@ class ComputingAttention(_AttentionOps, SelfAttention):
         shared = (query, key) if self.hand_off == "qk" else (key, value)
         output = self._attend_and_project(query, key, value, attention_mask, attention_bias, packed_seq_params)
         return output, tuple(t.detach() for t in shared) if self.detach_shared else shared
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # A plain (non-sharded) state dict of a sharing layer holds its own and frozen rows
+        # (linear_v + linear_qk, or linear_q + linear_kv): fuse them back into linear_qkv, the
+        # inverse of SharedAttention's conversion, so plain state dicts load into any region in
+        # both directions (evaluation at a smaller region than the one training).
+        for share, own in _OWN_PART.items():
+            own_key = f"{prefix}linear_{own}.weight"
+            frozen_key = f"{prefix}linear_{''.join(_FROZEN_PARTS[share])}.weight"
+            if own_key in state_dict and frozen_key in state_dict:
+                groups, hn = self.num_query_groups_per_partition, self.hidden_size_per_attention_head
+                qpg = self.num_attention_heads_per_partition // groups
+                parts = split_qkv_rows(state_dict.pop(frozen_key), _FROZEN_PARTS[share], groups, qpg, hn)
+                parts[own] = state_dict.pop(own_key)
+                state_dict[f"{prefix}linear_qkv.weight"] = fuse_qkv_rows(parts, ("q", "k", "v"), groups, qpg, hn)
+                # The rest of the running GEMM (TE's fused norm weight, FP8 extra state) is the fused one's.
+                _rename_prefix(state_dict, f"{prefix}linear_{own}.", f"{prefix}linear_qkv.")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
@@ -397,10 +421,9 @@ class SharedAttention(_AttentionOps, Attention):
         fused_key = f"{prefix}linear_qkv.weight"
         if fused_key in state_dict:
             fused = state_dict.pop(fused_key)
-            # The fused GEMM's extra state (TE's FP8 metadata) belongs to the GEMM that runs.
-            extra_key = f"{prefix}linear_qkv._extra_state"
-            if extra_key in state_dict:
-                state_dict[f"{prefix}{self._own_name}._extra_state"] = state_dict.pop(extra_key)
+            # The rest of the fused GEMM (TE's fused norm weight, FP8 extra state) belongs to the
+            # GEMM that runs.
+            _rename_prefix(state_dict, f"{prefix}linear_qkv.", f"{prefix}{self._own_name}.")
             groups, qpg, hn = self.num_query_groups_per_partition, self._queries_per_group, self.hidden_size_per_attention_head
             parts = split_qkv_rows(fused, ("q", "k", "v"), groups, qpg, hn)
             state_dict[f"{prefix}{self._own_name}.weight"] = parts[self.own_part]

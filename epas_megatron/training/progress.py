@@ -26,7 +26,7 @@ class TrainingProgress:
     """Counts, sums and clocks of one run of the training loop."""
 
     def __init__(self, start_iteration: int, stop_at: int, train_iters: int, tokens_per_iteration: int,
-                 world_size: int, peak: str):
+                 world_size: int, peak: str, train_seconds: float = 0.0):
         self.start_iteration = start_iteration
         self.stop_at = stop_at
         self.train_iters = train_iters
@@ -40,12 +40,16 @@ class TrainingProgress:
         self.skipped_iterations = 0
         """fp16 steps whose update was skipped (gradient overflow)."""
         self.total_train_time, self.timed_iterations = 0.0, 0
+        self.train_seconds = train_seconds
+        """Training time of the run so far, resumes included: every step and every switch, but
+        no evaluation or checkpoint -- the clock that time-to-target-loss comparisons read."""
         self._interval_iterations, self._interval_time = 0, 0.0
         self._loss_sum, self._loss_count = 0.0, 0
 
     def step(self, iteration: int, result, step_time: float, after_rebuild: bool) -> None:
         """Account for the step that made ``iteration`` (a :class:`~epas_megatron.training.step.StepResult`)."""
         self.last_step_time = step_time
+        self.train_seconds += step_time
         self._interval_iterations += 1
         self._interval_time += step_time
         if iteration > self.start_iteration + 1 and not after_rebuild:  # one-off costs stay out of tokens_per_s
@@ -56,8 +60,10 @@ class TrainingProgress:
         self._loss_sum += result.lm_loss
         self._loss_count += 1
 
-    def switch_cost_in_iterations(self, seconds: float) -> Optional[float]:
-        """A switch's cost as a number of the latest steps (None before the first step)."""
+    def switch(self, seconds: float) -> Optional[float]:
+        """Account for a switch that took ``seconds``; its cost as a number of the latest steps
+        (None before the first step)."""
+        self.train_seconds += seconds
         return seconds / self.last_step_time if self.last_step_time else None
 
     def interval_record(self, iteration: int, result, lr: float, flops_per_iteration: float, extra: dict) -> dict:
@@ -77,6 +83,7 @@ class TrainingProgress:
             "tflops_per_device": tflops,
             "mfu": mfu(tflops, self.peak),
             "iteration_time_s": per_iter,
+            "train_time_s": self.train_seconds,
             **extra,
         }
         self._interval_iterations, self._interval_time = 0, 0.0

@@ -84,6 +84,10 @@ class Trainer:
         self.exit_signal = exit_signal or ExitSignal()
         self._own_signal_handler = exit_signal is None
         self.switch_seconds: list[float] = []
+        self.progress = None  # TrainingProgress of the loop (set by train)
+        self.resumed_train_seconds = 0.0
+        """Training time (steps and switches) before this run, from the resumed checkpoint."""
+        self.skipped_eval_regions: set[int] = set()  # --eval-regions sizes reported as skipped
         self.layer_timer = None
         self.timed_iterations = 0
 
@@ -355,7 +359,13 @@ class Trainer:
         }
 
     def _train_state(self) -> dict:
-        return {"iteration": self.iteration, "consumed_samples": self.consumed_samples, "sharing_layers": list(self.sharing_layers)}
+        from epas_megatron.runtime.distributed import all_reduce_values
+
+        train_seconds = self.progress.train_seconds if self.progress is not None else self.resumed_train_seconds
+        # Every rank clocks its own time; the checkpoint's common state must be one value (the slowest rank's).
+        (train_seconds,) = all_reduce_values([train_seconds], op=dist.ReduceOp.MAX)
+        return {"iteration": self.iteration, "consumed_samples": self.consumed_samples, "sharing_layers": list(self.sharing_layers),
+                "train_time_s": train_seconds}
 
     def save(self, root: Optional[Path] = None, keep_last: Optional[int] = None) -> Path:
         """Checkpoint the full training state at the current iteration."""
@@ -373,6 +383,7 @@ class Trainer:
         state = ckpt.load_checkpoint(checkpoint_dir, self.model, self.optimizer, self.scheduler, restore_rng=same_sizes)
         self.iteration = int(state.get("iteration", meta["iteration"]))
         self.consumed_samples = int(state.get("consumed_samples", meta.get("consumed_samples", 0)))
+        self.resumed_train_seconds = float(state.get("train_time_s", 0.0))
 
     # ------------------------------------------------------------------ the switch event
     def apply_switch(self, sharing_layers: tuple[int, ...]) -> dict:
@@ -420,19 +431,26 @@ class Trainer:
                 return key
         return "cpu"
 
-    def evaluate(self) -> float:
-        """Validation loss over --eval-iters global batches."""
+    def evaluate(self, region: Optional[int] = None) -> float:
+        """Validation loss over --eval-iters global batches, with the region in training or, given
+        ``region`` (a size), the same weights with that many layers sharing."""
         from epas_megatron.training.step import eval_step
 
         t = self.cfg.training
-        result = eval_step(
-            self.model,
-            self._valid_iterators(),
-            num_microbatches=self.run.num_microbatches * t.eval_iters,
-            seq_length=self.schedule_seq_length,
-            micro_batch_size=t.micro_batch_size,
-        )
+        num_microbatches = self.run.num_microbatches * t.eval_iters
+        if region is None or region == len(self.sharing_layers):
+            result = eval_step(self.model, self._valid_iterators(), num_microbatches=num_microbatches,
+                               seq_length=self.schedule_seq_length, micro_batch_size=t.micro_batch_size)
+        else:
+            from epas_megatron.training.region_eval import evaluate_region
+
+            result = evaluate_region(self.plan, self._region_layers(region), self.model, self._valid_iterators,
+                                     num_microbatches=num_microbatches, micro_batch_size=t.micro_batch_size)
         return result.lm_loss
+
+    def _region_layers(self, size: int) -> tuple[int, ...]:
+        """The sharing layers of a region of ``size`` layers in this model."""
+        return self.plan.region_layers(size, flag="--eval-regions")
 
     def train(self) -> dict:
         """Run until --train-iters (or --exit-interval, or an exit signal); return the summary."""
@@ -443,8 +461,9 @@ class Trainer:
         self.print(f"throughput: TFLOP/s per device from the sharing-aware model FLOPs (3 x forward matmuls, causal attention halved, as megatron-core 0.19); MFU peak: {peak}")
         stop_at = min(t.train_iters, self.iteration + t.exit_interval) if t.exit_interval else t.train_iters
         progress = TrainingProgress(self.iteration, stop_at, t.train_iters, t.global_batch_size * t.seq_length,
-                                    self.dims.world_size, peak)
-        last_valid, exit_reason = None, "completed"
+                                    self.dims.world_size, peak, train_seconds=self.resumed_train_seconds)
+        self.progress = progress
+        last_valid, exit_reason = (None, {}), "completed"
 
         while self.iteration < stop_at:
             next_iteration = self.iteration + 1
@@ -460,7 +479,7 @@ class Trainer:
             if self.iteration % self.cfg.logging.log_interval == 0 or self.iteration == stop_at:
                 self._log_interval(progress, result)
             if t.eval_interval and self.valid_ds is not None and self.iteration % t.eval_interval == 0:
-                last_valid = self._log_validation()
+                last_valid = self._log_validation(progress)
             if self.cfg.checkpoint.save_interval and self.iteration % self.cfg.checkpoint.save_interval == 0:
                 self.print(f"saved checkpoint {self.save()}")
             signum = self.exit_signal.agreed()
@@ -494,7 +513,7 @@ class Trainer:
         """Carry out the switch before ``iteration``'s step, and report it."""
         info = self.apply_switch(target)
         source = self.run.schedule.source_layer(iteration)
-        in_iterations = progress.switch_cost_in_iterations(info["seconds"])
+        in_iterations = progress.switch(info["seconds"])
         cost = f" (= {in_iterations:.1f} iterations)" if in_iterations is not None else ""
         relayout = f"; pipeline layout {info['previous_layout']} -> {info['layout']}" if info["layout"] != info["previous_layout"] else ""
         self.print(
@@ -514,25 +533,49 @@ class Trainer:
         self.metrics.log(record, step=self.iteration)
         self.print(progress.console_line(record))
 
-    def _log_validation(self) -> float:
+    def _log_validation(self, progress) -> tuple[int, dict[int, float]]:
+        """Validation loss of the region in training and of every --eval-regions region (one
+        ``"kind": "valid"`` record each); returns (the region in training, {region size: loss})."""
         from epas_megatron.training.progress import perplexity
 
-        loss = self.evaluate()
-        self.metrics.log({"kind": "valid", "iteration": self.iteration, "valid_lm_loss": loss, "valid_ppl": perplexity(loss)},
-                         step=self.iteration, prefix="valid")
-        self.print(f" validation at iteration {self.iteration}: lm loss {loss:.6E} | ppl {perplexity(loss):.3f}")
-        return loss
+        current = len(self.sharing_layers)
+        regions = [current]
+        if self.run.eval_regions is not None:
+            regions, skipped = self.run.eval_regions.resolve(current, self.cfg.training.eval_untrained_regions)
+            for size in sorted(set(skipped) - self.skipped_eval_regions):
+                self.print(f" --eval-regions: region {size} is skipped until the region in training has grown to it "
+                           f"(now {current}); --eval-untrained-regions evaluates it anyway")
+            self.skipped_eval_regions.update(skipped)
+        losses = {size: self.evaluate(size) for size in sorted(set(regions) | {current})}
+        for size, loss in losses.items():
+            in_training = size == current
+            record = {"kind": "valid", "iteration": self.iteration, "region": size,
+                      "sharing_layers": list(self._region_layers(size)), "in_training": in_training, "lm_loss": loss,
+                      "ppl": perplexity(loss), "consumed_samples": self.consumed_samples,
+                      "train_time_s": progress.train_seconds}
+            self.metrics.log(record, step=self.iteration, prefix=f"valid/region_{size}", scalars=("lm_loss", "ppl"))
+            if in_training:  # the run's main validation curve keeps its name
+                self.metrics.log(record, step=self.iteration, prefix="valid", scalars=("lm_loss", "ppl"), to_jsonl=False)
+                self.print(f" validation at iteration {self.iteration}: lm loss {loss:.6E} | ppl {perplexity(loss):.3f}")
+        for size, loss in losses.items():
+            if size != current:
+                self.print(f"   at region {size}: lm loss {loss:.6E} | ppl {perplexity(loss):.3f} | "
+                           f"{loss - losses[current]:+.4f} vs the region in training ({current})")
+        return current, losses
 
-    def _summary(self, progress, last_valid: Optional[float], exit_reason: str) -> dict:
+    def _summary(self, progress, last_valid: tuple[Optional[int], dict[int, float]], exit_reason: str) -> dict:
+        valid_region, valid_losses = last_valid
         d, t = self.dims, self.cfg.training
         return {
             "iterations": self.iteration,
             "train_iters": t.train_iters,
             "iterations_this_run": self.iteration - progress.start_iteration,
             "final_lm_loss": progress.last_loss,
-            "final_valid_lm_loss": last_valid,
+            "final_valid_lm_loss": valid_losses.get(valid_region),
+            "final_valid_lm_loss_by_region": {str(size): loss for size, loss in valid_losses.items()},
             "tokens_per_s": progress.tokens_per_s(),
             "wall_s": progress.wall_seconds(),
+            "train_time_s": progress.train_seconds,
             "world_size": d.world_size,
             "tp": d.tp,
             "pp": d.pp,

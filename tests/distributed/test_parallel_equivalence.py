@@ -4,6 +4,12 @@ or distributed optimizer) equal the single-process run from the same seed.
 EPAS switching is on (layers 3, then 2-3 share from iterations 3 and 5), so this also checks that
 sharing with TP=2 equals sharing with TP=1 and that the QK hand-off crosses pipeline stages
 correctly. Tolerance 1e-5 relative on the loss and grad norm of every iteration (fp32).
+
+Every run also validates at iterations 3 and 6 at regions 0, 1, the region in training and 3
+(--eval-regions with untrained regions: layer 1 shares with layer 0 as the source), so the
+evaluation of other regions -- modules built for the region on the training layout, weights
+copied in memory -- is checked on every layout too, including hand-offs that cross the PP stage
+boundary (regions 2 and 3) where training's does not yet.
 """
 
 import pytest
@@ -15,6 +21,7 @@ pytestmark = pytest.mark.distributed
 ARGS = [*TINY, "--train-iters", "6", "--global-batch-size", "4", "--micro-batch-size", "1",
         "--epas-target-layers", "2", "--epas-interval", "2", "--epas-first-switch", "3",
         "--seed", "7", "--no-save-final",
+        "--eval-interval", "3", "--eval-iters", "1", "--eval-regions", "0,1,max,3", "--eval-untrained-regions",
         # Large init so attention is far from uniform: a wrong Q/K hand-off then changes the loss.
         "--init-method-std", "0.2"]
 
@@ -34,10 +41,15 @@ def reference(tmp_path_factory):
     return run_trainer(ARGS, tmp_path_factory.mktemp("single") / "run")
 
 
+def valid_losses(run):
+    return {(m["iteration"], m["region"]): m["lm_loss"] for m in run.metrics if m.get("kind") == "valid"}
+
+
 def test_reference_switches(reference):
     assert [s["iteration"] for s in reference.switches] == [3, 5]
     assert [s["sharing_layers"] for s in reference.switches] == [[3], [2, 3]]
     assert sorted(reference.losses) == list(range(1, 7))
+    assert sorted(valid_losses(reference)) == [(3, 0), (3, 1), (3, 3), (6, 0), (6, 1), (6, 2), (6, 3)]
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -46,6 +58,7 @@ def test_parallel_run_matches_single_process(name, reference, tmp_path):
     assert [s["sharing_layers"] for s in run.switches] == [[3], [2, 3]]
     assert_close(run.losses, reference.losses, 1e-5, f"{name} loss")
     assert_close(run.grad_norms, reference.grad_norms, 1e-5, f"{name} grad norm")
+    assert_close(valid_losses(run), valid_losses(reference), 1e-5, f"{name} validation per region")
 
 
 @pytest.mark.parametrize("recompute", [["--recompute", "full", "--recompute-num-layers", "1"],

@@ -31,8 +31,11 @@ def planned_layouts(max_region=7):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("rebalance")
-    single = run_trainer(ARGS, base / "pp1")
-    pp2 = run_trainer([*ARGS, "--pp", "2", "--epas-rebalance", "on"], base / "pp2", nproc=2)
+    # Both validate at every third iteration at regions 0, half the region in training and 7 (as
+    # inference-time sharing until reached), on whatever layout is in place then.
+    regions = ["--eval-interval", "3", "--eval-iters", "1", "--eval-regions", "0,half,7", "--eval-untrained-regions"]
+    single = run_trainer([*ARGS, *regions], base / "pp1")
+    pp2 = run_trainer([*ARGS, *regions, "--pp", "2", "--epas-rebalance", "on"], base / "pp2", nproc=2)
     return single, pp2
 
 
@@ -40,6 +43,13 @@ def test_rebalanced_pp2_matches_pp1_every_iteration(runs):
     single, pp2 = runs
     assert_close(pp2.losses, single.losses, 1e-5, "loss")
     assert_close(pp2.grad_norms, single.grad_norms, 1e-5, "grad norm")
+
+
+def test_regions_evaluated_on_rebalanced_layouts_match_pp1(runs):
+    single, pp2 = runs
+    valid = lambda run: {(m["iteration"], m["region"]): m["lm_loss"] for m in run.metrics if m.get("kind") == "valid"}
+    assert sorted(valid(single)) == [(3, 0), (3, 1), (3, 3), (3, 7), (6, 0), (6, 3), (6, 6), (6, 7), (9, 0), (9, 3), (9, 7)]
+    assert_close(valid(pp2), valid(single), 1e-5, "validation per region")
 
 
 def test_layout_changes_at_switches_as_planned(runs):
