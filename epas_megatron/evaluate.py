@@ -2,14 +2,19 @@
 
 One EPAS-trained model serves many compute budgets: the same weights run with any region length
 from 0 (every layer computes with its own, frozen Q/K) to the largest region it was trained with.
-For each requested length the deepest layers share; the model is rebuilt with those specs and
-the checkpoint loaded into it (the checkpoint format makes that exact), then the validation split
-of the training data (or ``--data``) is evaluated.
+For each requested length (a count, ``half`` or ``max`` of the trained region) the layers ending
+where the checkpoint's regions end (the last layer, or ``--epas-exclude-last`` layers before it)
+share; the model is rebuilt with those specs and the checkpoint loaded into it (the checkpoint
+format makes that exact), then the validation split of the training data (or ``--data``) is
+evaluated -- or, with ``--lm-eval-tasks``, EleutherAI's lm-evaluation-harness runs at every
+region (:mod:`epas_megatron.evaluation.lm_eval_model`; one process).
 
     epas-eval --load runs/demo/checkpoints --regions 0,2,4
     torchrun --nproc-per-node 2 -m epas_megatron.evaluate --load CKPT --regions 0,4 --tp 2
+    epas-eval --load CKPT --regions 0,half,max --lm-eval-tasks hellaswag,arc_easy
 
-Prints a markdown table and a final ``EVAL {json}`` line; ``--output FILE`` also writes the JSON.
+Prints a markdown table and a final ``EVAL {json}`` (``LM_EVAL {json}``) line; ``--output FILE``
+also writes the JSON.
 A region larger than the trained one is an error unless ``--allow-untrained-regions`` (which
 measures inference-time sharing on layers that never trained with it, as in the paper's
 baseline).
@@ -45,6 +50,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="model precision ('auto': bf16 on a GPU, fp32 on CPU)")
     p.add_argument("--output", default=None, help="also write the results as JSON here")
+    lm = p.add_argument_group("lm-evaluation-harness (instead of the validation loss; needs `pip install lm-eval`)")
+    lm.add_argument("--lm-eval-tasks", default=None,
+                    help="comma-separated lm_eval task names (e.g. hellaswag,arc_easy): run them at every --regions entry")
+    lm.add_argument("--lm-eval-include-path", default=None, help="a directory of custom lm_eval task YAMLs")
+    lm.add_argument("--lm-eval-limit", type=int, default=None, help="at most this many documents per task (for quick checks)")
+    lm.add_argument("--lm-eval-batch-size", type=int, default=8, help="sequences per forward or generation batch")
+    lm.add_argument("--lm-eval-num-fewshot", type=int, default=None, help="few-shot examples per prompt (None: each task's own number)")
     return p
 
 
@@ -172,6 +184,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.region_list = parse_regions(args.regions, trained, num_layers, args.allow_untrained_regions,
                                          exclude_last=exclude_last_of(meta))
         world = world_size_from_env()
+        task_manager = check_lm_eval_args(args, world)  # None without --lm-eval-tasks
         if world % (args.tp * args.pp):
             raise ConfigError(f"--tp {args.tp} x --pp {args.pp} does not divide the {world} processes")
         if num_layers % args.pp:
@@ -181,6 +194,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return ConfigError.exit_code
+    if task_manager is not None:
+        return lm_eval_main(args, task_manager)
 
     from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
 
@@ -199,6 +214,63 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("EVAL " + json.dumps(payload), flush=True)
         if args.output:
             Path(args.output).write_text(json.dumps(payload, indent=1))
+    return 0
+
+
+LM_EVAL_FLAGS = ("lm_eval_include_path", "lm_eval_limit", "lm_eval_num_fewshot")
+"""Options of the lm-eval path that mean nothing without --lm-eval-tasks (and have no default)."""
+
+
+def check_lm_eval_args(args, world: int):
+    """The lm-eval path's checks, before any model is built: one process, sane numbers, lm_eval
+    installed, every task known. Returns lm_eval's TaskManager (None without --lm-eval-tasks)."""
+    if args.lm_eval_tasks is None:
+        given = [name for name in LM_EVAL_FLAGS if getattr(args, name) is not None]
+        if given:
+            raise ConfigError(f"--{given[0].replace('_', '-')} needs --lm-eval-tasks")
+        return None
+    if world > 1:
+        raise ConfigError(f"--lm-eval-tasks runs in one process; start epas-eval without torchrun (WORLD_SIZE is {world})")
+    for flag, size in (("--tp", args.tp), ("--pp", args.pp)):
+        if size != 1:
+            raise ConfigError(f"{flag} {size}: --lm-eval-tasks runs with TP = PP = 1 (one process)")
+    for flag, value, least in (("--lm-eval-limit", args.lm_eval_limit, 1), ("--lm-eval-batch-size", args.lm_eval_batch_size, 1),
+                               ("--lm-eval-num-fewshot", args.lm_eval_num_fewshot, 0)):
+        if value is not None and value < least:
+            raise ConfigError(f"{flag} {value}: must be >= {least}")
+    if args.lm_eval_include_path is not None and not Path(args.lm_eval_include_path).is_dir():
+        raise ConfigError(f"--lm-eval-include-path {args.lm_eval_include_path}: not a directory")
+    args.lm_eval_task_list = [name.strip() for name in args.lm_eval_tasks.split(",") if name.strip()]
+    if not args.lm_eval_task_list:
+        raise ConfigError("--lm-eval-tasks: no task named")
+    try:
+        import lm_eval  # noqa: F401  (optional dependency)
+    except ImportError:
+        raise ConfigError("--lm-eval-tasks needs the lm-eval package: pip install lm-eval "
+                          "(or pip install 'epas-megatron[eval]')") from None
+    from epas_megatron.evaluation.lm_eval_model import task_manager_for
+
+    return task_manager_for(args.lm_eval_task_list, args.lm_eval_include_path)
+
+
+def lm_eval_main(args, task_manager) -> int:
+    """--lm-eval-tasks: the harness at every region; one table, an ``LM_EVAL {json}`` line."""
+    from epas_megatron.evaluation.lm_eval_model import run_lm_eval
+    from epas_megatron.evaluation.lm_eval_model import markdown_table as lm_eval_table
+
+    try:
+        payload = run_lm_eval(args.load, args.region_list, args.lm_eval_task_list, include_path=args.lm_eval_include_path,
+                              limit=args.lm_eval_limit, batch_size=args.lm_eval_batch_size,
+                              num_fewshot=args.lm_eval_num_fewshot, allow_untrained=args.allow_untrained_regions,
+                              precision=args.precision, task_manager=task_manager)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return ConfigError.exit_code
+    print(f"checkpoint {payload['checkpoint']} (iteration {payload['iteration']}, trained region {payload['trained_region']} layers)")
+    print(lm_eval_table(payload))
+    print("LM_EVAL " + json.dumps(payload), flush=True)
+    if args.output:
+        Path(args.output).write_text(json.dumps(payload, indent=1))
     return 0
 
 
