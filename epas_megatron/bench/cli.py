@@ -4,12 +4,15 @@
     epas-bench train --preset 125m --region 6 --iters 12 --seq-length 512 --micro-batch-size 2
     torchrun --nproc-per-node 2 -m epas_megatron.bench.cli pipeline --preset small --region 4
     epas-bench decode --preset 125m --batch 8 --context 2048
+    epas-bench quality --scale cpu --output-dir runs/quality
 
 ``train``: baseline vs EPAS with a fixed region, same model and process (see
 :mod:`epas_megatron.bench.train_bench`). ``decode``: generation throughput, baseline vs EPAS
 with and without probability reuse (see :mod:`epas_megatron.bench.decode_bench`). ``pipeline``: PP=2 baseline vs EPAS without and with
 stage rebalancing, plus a model-predicted table for 7B on PP=4/8 (see
-:mod:`epas_megatron.bench.pipeline_bench`).
+:mod:`epas_megatron.bench.pipeline_bench`). ``quality``: the paper's quality claims -- baseline vs
+EPAS from scratch, continual pretraining evaluated at every region, an ablation -- as a recipe
+of training runs with tables and plots (see :mod:`epas_megatron.bench.quality`).
 """
 
 from __future__ import annotations
@@ -63,9 +66,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     decode.add_argument("--region-kernel", default="none", choices=["none", "torch", "triton"],
                         help="also measure reuse with the region's P.V in one launch")
     decode.add_argument("--seed", type=int, default=1234)
+    _quality_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "decode":
         return _decode(args)
+    if args.command == "quality":
+        return _quality(args)
 
     from epas_megatron.config.presets import get_preset
     from epas_megatron.runtime.distributed import destroy_distributed, init_distributed, world_size_from_env
@@ -133,6 +139,63 @@ def _decode(args) -> int:
         print(format_record(run_decode_bench(cfg)), flush=True)
     finally:
         destroy_distributed()
+    return 0
+
+
+def _quality_parser(commands) -> None:
+    from epas_megatron.bench.quality import SCALES
+
+    quality = commands.add_parser("quality", help="the paper's quality claims: loss gap, continual pretraining, ablation")
+    quality.add_argument("--scale", default="cpu", choices=list(SCALES),
+                         help="recipe size: smoke (CI), cpu (~40 min on 2 cores), 125m / 1b (GPUs), tinyllama (continual only)")
+    quality.add_argument("--output-dir", default="runs/quality", help="runs, quality.md, quality.json and plots go here")
+    quality.add_argument("--parts", default="scratch,continual,ablation", help="experiments to run (comma-separated)")
+    quality.add_argument("--nproc", type=int, default=1, help="processes per training run (torchrun when > 1)")
+    quality.add_argument("--base-checkpoint", default=None,
+                         help="continual pretraining from this checkpoint (default: the from-scratch baseline)")
+    quality.add_argument("--data", nargs="+", default=None, help="indexed dataset prefixes (default: the embedded corpus)")
+    quality.add_argument("--tokenizer-model", default=None, help="with --data: its tokenizer")
+    quality.add_argument("--force", action="store_true", help="rerun arms that already finished")
+    quality.add_argument("--dry-run", action="store_true", help="print the training commands and exit")
+
+
+def _quality(args) -> int:
+    from pathlib import Path
+
+    from epas_megatron.bench.quality import SCALES, QualityRecipe
+
+    try:
+        parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
+        unknown = sorted(set(parts) - {"scratch", "continual", "ablation"})
+        if unknown or not parts:
+            raise ConfigError(f"--parts {args.parts!r}: choose among scratch, continual, ablation")
+        scale = SCALES[args.scale]
+        if scale.continual_only and args.base_checkpoint is None:
+            raise ConfigError(f"--scale {args.scale} is continual pretraining only: give --base-checkpoint (e.g. an epas-convert hf-import)")
+        if scale.continual_only and args.data is None:
+            raise ConfigError(f"--scale {args.scale}: give --data and --tokenizer-model (the embedded corpus is a CPU demo)")
+        if args.data is not None and args.tokenizer_model is None:
+            raise ConfigError("--data needs --tokenizer-model")
+        if args.nproc < 1:
+            raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return ConfigError.exit_code
+    data_args = [] if args.data is None else ["--data", *args.data, "--tokenizer-model", args.tokenizer_model]
+    recipe = QualityRecipe(args.scale, Path(args.output_dir), args.nproc, args.base_checkpoint, data_args, parts, args.force,
+                           echo=lambda line: print(line, flush=True))
+    if args.dry_run:
+        for arm in recipe.arms():
+            print(f"{arm.name}: {' '.join(recipe.train_command(arm))}")
+        return 0
+    try:
+        recipe.run()
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return ConfigError.exit_code
+    except RuntimeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

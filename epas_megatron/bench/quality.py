@@ -1,0 +1,357 @@
+"""``epas-bench quality``: the paper's quality claims, reproduced with this framework.
+
+Three experiments, each a set of ordinary ``epas-train`` / ``epas-eval`` runs (one process each,
+or torchrun with ``--nproc``) whose outputs the report reads back:
+
+1. **From scratch** (for every seed): the baseline and EPAS growing to the target region (half
+   the layers) with the same data, seed, token budget and learning-rate schedule. EPAS runs with
+   ``--eval-regions 0,half,max``, so its curves at smaller regions come for free. Reported: final
+   validation losses and their gap (the paper: at most +0.05), throughput in the same runs, and
+   the training time each run needs to reach the baseline's final validation loss.
+2. **Continual pretraining** (the shape of the paper's TinyLLaMA experiment): the from-scratch
+   baseline of the first seed (or ``--base-checkpoint``, e.g. an ``epas-convert hf-import`` of
+   TinyLLaMA) is trained further (a) with EPAS growing to region R and (b) without EPAS; both are
+   evaluated at regions 0..R with ``epas-eval`` ((b) with ``--allow-untrained-regions``: the
+   paper's inference-time-sharing baseline).
+3. **Ablation** (one the paper reports): the EPAS run with the region ending one layer before
+   the last (``--epas-exclude-last 1``) against the default region, which includes it.
+
+Every arm writes ``<output-dir>/<arm>/`` (the run directory, ``train.log``, ``summary.json``
+once it finished); an arm whose ``summary.json`` exists is not run again, so an interrupted
+recipe continues where it stopped (``--force`` reruns). The report -- ``quality.md`` (tables and
+the exact commands), ``quality.json`` (every number), ``loss_vs_tokens.png``,
+``loss_vs_time.png``, ``continual_regions.png`` -- is written at the end.
+
+    epas-bench quality                                   # CPU: ~40 minutes on 2 cores
+    epas-bench quality --scale 125m --nproc 8            # 8 GPUs
+    epas-bench quality --scale tinyllama --nproc 8 --base-checkpoint ckpts/tinyllama \\
+        --data data/slimpajama_text_document --tokenizer-model ckpts/tinyllama/tokenizer.model
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from epas_megatron.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class QualityScale:
+    """One size of the recipe: the model, the token budget and the EPAS schedule of every arm."""
+
+    preset: str
+    """Model preset."""
+
+    seq_length: int
+    """Tokens per sequence."""
+
+    micro_batch_size: int
+    """Sequences per micro-batch per data-parallel rank."""
+
+    global_batch_size: int
+    """Sequences per iteration."""
+
+    scratch_iters: int
+    """Iterations of the from-scratch runs (and of the ablation)."""
+
+    epas_interval: int
+    """From scratch: iterations between switches (one layer per switch)."""
+
+    continual_iters: int
+    """Iterations of the continual-pretraining runs."""
+
+    continual_region: int
+    """Continual pretraining: the final EPAS region (the paper: 5 of TinyLLaMA's 22 layers)."""
+
+    continual_interval: int
+    """Continual pretraining: iterations between switches."""
+
+    eval_interval: int
+    """Iterations between validations (every run)."""
+
+    eval_iters: int
+    """Validation batches per evaluation during training."""
+
+    final_eval_iters: int
+    """Validation batches of the continual runs' final evaluation at every region."""
+
+    lr: float = 1e-3
+    """From scratch: peak learning rate (cosine decay to a tenth)."""
+
+    warmup_iters: int = 20
+    """From scratch: warm-up iterations."""
+
+    continual_lr: float = 3e-4
+    """Continual pretraining: peak learning rate (cosine decay to a tenth)."""
+
+    target_layers: str = "0.5"
+    """From scratch: the final EPAS region (a count or a fraction of the layers)."""
+
+    seeds: tuple[int, ...] = (1234, 4321)
+    """From scratch: one baseline and one EPAS run per seed (the spread between seeds is what a
+    gap must exceed to mean anything)."""
+
+    extra_args: tuple[str, ...] = ()
+    """Further epas-train flags of every run (precision, parallelism, ...)."""
+
+    continual_only: bool = False
+    """Skip the from-scratch runs and the ablation (a large pretrained base model)."""
+
+
+SCALES: dict[str, QualityScale] = {
+    # CI: the whole recipe in about a minute (numbers meaningless).
+    "smoke": QualityScale("tiny", 64, 4, 4, scratch_iters=8, epas_interval=2, continual_iters=8, continual_region=1,
+                          continual_interval=4, eval_interval=4, eval_iters=1, final_eval_iters=2, warmup_iters=2,
+                          seeds=(1234,)),
+    # This 2-core CPU: ~19M parameters, 400 x 2048 tokens (about two epochs of the embedded
+    # corpus's 0.44M training tokens), half the layers sharing from iteration 200.
+    "cpu": QualityScale("small", 256, 8, 8, scratch_iters=400, epas_interval=50, continual_iters=200, continual_region=2,
+                        continual_interval=50, eval_interval=25, eval_iters=4, final_eval_iters=16),
+    # GPUs (pass --nproc and --data): the paper's 1B-token budget at 0.5M tokens per iteration.
+    "125m": QualityScale("125m", 2048, 8, 256, scratch_iters=2000, epas_interval=100, continual_iters=1000,
+                         continual_region=3, continual_interval=200, eval_interval=100, eval_iters=20, final_eval_iters=100,
+                         lr=6e-4, warmup_iters=100, seeds=(1234,), extra_args=("--precision", "bf16")),
+    "1b": QualityScale("1b", 2048, 4, 256, scratch_iters=2000, epas_interval=100, continual_iters=1000,
+                       continual_region=5, continual_interval=200, eval_interval=100, eval_iters=20, final_eval_iters=100,
+                       lr=4e-4, warmup_iters=100, seeds=(1234,), extra_args=("--precision", "bf16")),
+    # The paper's continual pretraining of TinyLLaMA (needs --base-checkpoint and --data).
+    "tinyllama": QualityScale("1b", 2048, 4, 256, scratch_iters=0, epas_interval=1, continual_iters=8000,
+                              continual_region=5, continual_interval=1000, eval_interval=500, eval_iters=20,
+                              final_eval_iters=200, seeds=(), extra_args=("--precision", "bf16"), continual_only=True),
+}
+"""Recipe sizes (``--scale``)."""
+
+
+@dataclass
+class ArmSpec:
+    """One run of the recipe."""
+
+    name: str
+    """Directory name under the output directory."""
+
+    train_args: list[str]
+    """epas-train flags (the output directory is added when it runs)."""
+
+    needs: Optional[str] = None
+    """An arm whose final checkpoint this one starts from."""
+
+
+def _common_args(scale: QualityScale, iters: int, lr: float, warmup: int, seed: int, data_args: Sequence[str]) -> list[str]:
+    return [
+        "--preset", scale.preset, "--seq-length", str(scale.seq_length), "--micro-batch-size", str(scale.micro_batch_size),
+        "--global-batch-size", str(scale.global_batch_size), "--train-iters", str(iters), "--lr", f"{lr:g}",
+        "--min-lr", f"{lr / 10:g}", "--lr-warmup-iters", str(warmup), "--eval-interval", str(scale.eval_interval),
+        "--eval-iters", str(scale.eval_iters), "--log-interval", str(max(1, scale.eval_interval // 5)), "--seed", str(seed),
+        "--keep-last", "1", *data_args, *scale.extra_args,
+    ]
+
+
+def plan_arms(scale: QualityScale, out: Path, base_checkpoint: Optional[str] = None,
+              data_args: Sequence[str] = (), parts: Sequence[str] = ("scratch", "continual", "ablation")) -> list[ArmSpec]:
+    """The runs of the recipe, in the order they run (an arm after the arm it starts from)."""
+    arms: list[ArmSpec] = []
+    epas = ["--epas-target-layers", scale.target_layers, "--epas-interval", str(scale.epas_interval)]
+    if not scale.continual_only and ("scratch" in parts or ("continual" in parts and base_checkpoint is None)):
+        for number, seed in enumerate(scale.seeds):
+            suffix = "" if number == 0 else f"_seed{seed}"
+            common = _common_args(scale, scale.scratch_iters, scale.lr, scale.warmup_iters, seed, data_args)
+            arms.append(ArmSpec(f"scratch_baseline{suffix}", [*common, "--epas-target-layers", "0"]))
+            if "scratch" in parts:
+                arms.append(ArmSpec(f"scratch_epas{suffix}", [*common, *epas, "--eval-regions", "0,half,max"]))
+    if not scale.continual_only and "ablation" in parts:
+        common = _common_args(scale, scale.scratch_iters, scale.lr, scale.warmup_iters, scale.seeds[0], data_args)
+        arms.append(ArmSpec("ablation_exclude_last", [*common, *epas, "--epas-exclude-last", "1"]))
+    if "continual" in parts:
+        base = base_checkpoint or str(out / "scratch_baseline" / "run" / "checkpoints")
+        needs = None if base_checkpoint else "scratch_baseline"
+        seed = scale.seeds[0] if scale.seeds else 1234
+        common = _common_args(scale, scale.continual_iters, scale.continual_lr, max(1, scale.warmup_iters // 2), seed, data_args)
+        regions = ",".join(str(r) for r in range(scale.continual_region + 1))
+        arms.append(ArmSpec("continual_epas", [*common, "--pretrained", base, "--epas-target-layers", str(scale.continual_region),
+                                               "--epas-interval", str(scale.continual_interval), "--eval-regions", regions], needs))
+        arms.append(ArmSpec("continual_baseline", [*common, "--pretrained", base, "--epas-target-layers", "0",
+                                                   "--eval-regions", regions, "--eval-untrained-regions"], needs))
+    return arms
+
+
+def launcher(nproc: int, module: str) -> list[str]:
+    """``python -m module`` for one process, torchrun for several."""
+    if nproc == 1:
+        return [sys.executable, "-m", module]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", module]
+
+
+def _run_logged(cmd: list[str], log_path: Path, prefix: str, echo: Callable[[str], None]) -> tuple[int, str]:
+    """Run ``cmd``, writing its output to ``log_path`` and echoing progress lines; (status, stdout)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    lines = []
+    with open(log_path, "a") as log:
+        log.write(f"$ {shlex.join(cmd)}\n")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        for line in proc.stdout:
+            log.write(line)
+            lines.append(line)
+            text = line.rstrip()
+            if text.startswith((" iteration", " validation", "   at region", "EPAS switch", "error:")):
+                echo(f"[{prefix}] {text.strip()}")
+        status = proc.wait()
+    return status, "".join(lines)
+
+
+def _tagged_json(stdout: str, tag: str) -> Optional[dict]:
+    lines = [line for line in stdout.splitlines() if line.startswith(tag + " ")]
+    return json.loads(lines[-1][len(tag) + 1:]) if lines else None
+
+
+@dataclass
+class QualityRecipe:
+    """Runs the arms of one recipe and writes its report."""
+
+    scale_name: str
+    """Key of :data:`SCALES`."""
+
+    out: Path
+    """Output directory."""
+
+    nproc: int = 1
+    """Processes per run (torchrun when > 1)."""
+
+    base_checkpoint: Optional[str] = None
+    """Continual pretraining from this checkpoint instead of the from-scratch baseline."""
+
+    data_args: list[str] = field(default_factory=list)
+    """--data / --tokenizer-model flags for every run."""
+
+    parts: tuple[str, ...] = ("scratch", "continual", "ablation")
+    """Experiments to run."""
+
+    force: bool = False
+    """Rerun arms that already finished."""
+
+    echo: Callable[[str], None] = print
+    """Where progress lines go."""
+
+    commands: list[str] = field(default_factory=list)
+    """Every command run (for the report)."""
+
+    @property
+    def scale(self) -> QualityScale:
+        return SCALES[self.scale_name]
+
+    def arms(self) -> list[ArmSpec]:
+        return plan_arms(self.scale, self.out, self.base_checkpoint, self.data_args, self.parts)
+
+    def train_command(self, arm: ArmSpec) -> list[str]:
+        return [*launcher(self.nproc, "epas_megatron.train"), *arm.train_args, "--output-dir", str(self.out / arm.name / "run")]
+
+    def run_arm(self, arm: ArmSpec) -> dict:
+        """Train one arm unless it finished before; its SUMMARY."""
+        directory = self.out / arm.name
+        done = directory / "summary.json"
+        cmd = self.train_command(arm)
+        self.commands.append(shlex.join(cmd))
+        if done.is_file() and not self.force:
+            self.echo(f"[{arm.name}] finished before; reusing {done}")
+            return json.loads(done.read_text())
+        if self.force and (directory / "run").exists():
+            import shutil
+
+            shutil.rmtree(directory / "run")
+        directory.mkdir(parents=True, exist_ok=True)
+        self.echo(f"[{arm.name}] {shlex.join(cmd)}")
+        start = time.perf_counter()
+        status, stdout = _run_logged(cmd, directory / "train.log", arm.name, self.echo)
+        summary = _tagged_json(stdout, "SUMMARY")
+        if status != 0 or summary is None or summary.get("exit_reason") != "completed":
+            raise RuntimeError(f"arm {arm.name} failed (exit {status}); see {directory / 'train.log'}")
+        done.write_text(json.dumps(summary, indent=1))
+        self.echo(f"[{arm.name}] done in {time.perf_counter() - start:.0f} s: final validation loss {summary['final_valid_lm_loss']:.4f}")
+        return summary
+
+    def evaluate_regions(self, arm: str, regions: int) -> list[dict]:
+        """epas-eval of an arm's final checkpoint at regions 0..``regions`` (cached in eval.json)."""
+        path = self.out / arm / "eval.json"
+        cmd = [*launcher(1, "epas_megatron.evaluate"), "--load", str(self.out / arm / "run" / "checkpoints"),
+               "--regions", ",".join(str(r) for r in range(regions + 1)), "--allow-untrained-regions",
+               "--eval-iters", str(self.scale.final_eval_iters), "--output", str(path)]
+        self.commands.append(shlex.join(cmd))
+        if not path.is_file() or self.force:
+            self.echo(f"[{arm}] {shlex.join(cmd)}")
+            status, stdout = _run_logged(cmd, self.out / arm / "eval.log", arm, self.echo)
+            if status != 0:
+                raise RuntimeError(f"epas-eval of {arm} failed (exit {status}); see {self.out / arm / 'eval.log'}")
+        return json.loads(path.read_text())["results"]
+
+    def run(self) -> dict:
+        """Every arm, then the report; returns the report's numbers."""
+        from epas_megatron.bench import quality_report as report
+        from epas_megatron.checkpointing.checkpoint import resolve_checkpoint
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        if self.base_checkpoint is not None and resolve_checkpoint(self.base_checkpoint) is None:
+            raise ConfigError(f"--base-checkpoint {self.base_checkpoint}: no checkpoint there")
+        results = {name: self.run_arm(arm) for name, arm in ((a.name, a) for a in self.arms())}
+        arm = lambda name: report.ArmResult(name, results[name], _read_metrics(self.out / name / "run"))
+        scale = self.scale
+        numbers: dict = {"scale": self.scale_name, "config": asdict(scale), "nproc": self.nproc}
+        sections: list[str] = []
+        plots: list[str] = []
+        if "scratch" in self.parts and not scale.continual_only:
+            full_region_from = self._full_region_iteration()
+            per_seed = []
+            for number, seed in enumerate(scale.seeds):
+                suffix = "" if number == 0 else f"_seed{seed}"
+                comparison = report.scratch_comparison(arm(f"scratch_baseline{suffix}"), arm(f"scratch_epas{suffix}"), full_region_from)
+                per_seed.append({"seed": seed, **comparison})
+                sections.append(f"### From scratch, seed {seed}\n\n{report.scratch_table(comparison)}")
+            numbers["scratch"] = per_seed
+            numbers["scratch_summary"] = report.seed_summary(per_seed)
+            sections.append(report.seed_summary_text(numbers["scratch_summary"]))
+            report.plot_curves([arm("scratch_baseline"), arm("scratch_epas")], str(self.out / "loss_vs_tokens.png"),
+                               str(self.out / "loss_vs_time.png"), scale.seq_length * scale.global_batch_size)
+            plots += ["loss_vs_tokens.png", "loss_vs_time.png"]
+        if "ablation" in self.parts and not scale.continual_only:
+            reference = arm("scratch_baseline").final_valid_loss
+            rows = [("EPAS, region includes the last layer (default)", arm("scratch_epas").final_valid_loss),
+                    ("EPAS, region ends one layer before the last (--epas-exclude-last 1)", arm("ablation_exclude_last").final_valid_loss)]
+            numbers["ablation"] = {"baseline": reference, **{name: loss for name, loss in rows},
+                                   "exclude_last_minus_default": rows[1][1] - rows[0][1]}
+            sections.append(f"### Ablation: where the region ends (seed {scale.seeds[0]})\n\n{report.ablation_table(rows, reference)}")
+        if "continual" in self.parts:
+            comparison = report.continual_comparison(self.evaluate_regions("continual_epas", scale.continual_region),
+                                                     self.evaluate_regions("continual_baseline", scale.continual_region))
+            numbers["continual"] = comparison
+            sections.append("### Continual pretraining: validation loss at each inference region (vs region 0)\n\n"
+                            + report.continual_table(comparison) + "\n\n" + report.continual_verdict(comparison))
+            report.plot_continual(comparison, str(self.out / "continual_regions.png"))
+            plots.append("continual_regions.png")
+        numbers["commands"] = self.commands
+        (self.out / "quality.json").write_text(json.dumps(numbers, indent=1))
+        markdown = "\n\n".join([f"## EPAS quality recipe (`--scale {self.scale_name}`)", *sections,
+                                "Plots: " + ", ".join(f"`{p}`" for p in plots) if plots else "",
+                                "Commands:\n\n```\n" + "\n".join(self.commands) + "\n```"]) + "\n"
+        (self.out / "quality.md").write_text(markdown)
+        self.echo(markdown)
+        return numbers
+
+    def _full_region_iteration(self) -> int:
+        """First iteration trained with the full from-scratch region."""
+        from epas_megatron.config.presets import get_preset
+        from epas_megatron.sharing.schedule import SharingSchedule
+
+        scale = self.scale
+        schedule = SharingSchedule.from_flags(get_preset(scale.preset).num_layers, scale.epas_interval, 1, scale.target_layers)
+        return schedule.final_iteration
+
+
+def _read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []

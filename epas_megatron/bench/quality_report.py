@@ -1,0 +1,289 @@
+"""The quality recipe's numbers, tables and plots, as pure functions of the runs' records.
+
+Every input is what a training run writes (``metrics.jsonl`` records and the ``SUMMARY``) or
+what ``epas-eval`` prints (``EVAL {json}``); nothing here runs a model, so each figure of the
+report can be checked by hand against those files.
+
+Definitions (the README states them with the measured tables):
+
+* **Final validation loss**: the loss of the last evaluation of a run, with the region in
+  training at that moment (the trained region for EPAS).
+* **Gap**: EPAS final validation loss minus the baseline's (the paper bounds it at +0.05).
+* **Training time**: seconds spent in training steps and EPAS switches, not in evaluation or
+  checkpoint saves (``train_time_s`` of the records): evaluations at several regions would
+  otherwise charge EPAS for measuring it.
+* **Time to target**: the training time at which a run's validation loss first reaches the
+  target (the baseline's final validation loss), linearly interpolated between the two
+  evaluations around the crossing; ``None`` if it never does.
+* **Throughput**: tokens per second over the whole run (``SUMMARY``: the first step and the
+  first step after each rebuild left out) and, for EPAS, over the iterations trained with the
+  final region only (steady state), against the baseline over the same iterations.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+PAPER_GAP_BOUND = 0.05
+"""The largest final-validation-loss gap the paper reports between EPAS and the baseline."""
+
+
+@dataclass
+class ArmResult:
+    """One training run of the recipe, as read back from its output directory."""
+
+    name: str
+    """Arm name (``baseline``, ``epas``, ...)."""
+
+    summary: dict
+    """The run's ``SUMMARY`` object."""
+
+    records: list = field(default_factory=list)
+    """Its ``metrics.jsonl`` records."""
+
+    @property
+    def valid_in_training(self) -> list[dict]:
+        """Validation records of the region in training, by iteration."""
+        rows = [r for r in self.records if r.get("kind") == "valid" and r.get("in_training", True)]
+        return sorted(rows, key=lambda r: r["iteration"])
+
+    def valid_curve(self, region: Optional[int] = None) -> list[dict]:
+        """Validation records at one region size (None: the region in training)."""
+        if region is None:
+            return self.valid_in_training
+        rows = [r for r in self.records if r.get("kind") == "valid" and r.get("region") == region]
+        return sorted(rows, key=lambda r: r["iteration"])
+
+    @property
+    def train_records(self) -> list[dict]:
+        """Periodic training records, by iteration."""
+        return sorted((r for r in self.records if "kind" not in r), key=lambda r: r["iteration"])
+
+    @property
+    def final_valid_loss(self) -> float:
+        rows = self.valid_in_training
+        if not rows:
+            raise ValueError(f"arm {self.name!r} has no validation record (is --eval-interval set?)")
+        return rows[-1]["lm_loss"]
+
+    @property
+    def train_time_s(self) -> float:
+        return float(self.summary["train_time_s"])
+
+    @property
+    def tokens_per_s(self) -> Optional[float]:
+        return self.summary.get("tokens_per_s")
+
+
+def time_to_target(points: Sequence[tuple[float, float]], target: float) -> Optional[float]:
+    """First time at which ``loss <= target`` along ``points`` ((time, loss) in time order),
+    linearly interpolated between the evaluation before and the one reaching it; the first
+    point's time if it already does; None if no point does."""
+    previous = None
+    for time_s, loss in points:
+        if loss <= target:
+            if previous is None or previous[1] == loss:
+                return float(time_s)
+            t0, l0 = previous
+            return float(t0 + (time_s - t0) * (l0 - target) / (l0 - loss))
+        previous = (time_s, loss)
+    return None
+
+
+def steady_state_tokens_per_s(arm: ArmResult, after_iteration: int) -> Optional[float]:
+    """Tokens/s over the logging intervals that start at or after ``after_iteration`` (total
+    tokens over total step time; an interval covers the iterations since the previous record)."""
+    seconds = tokens = 0.0
+    previous = 0
+    for row in arm.train_records:
+        count = row["iteration"] - previous
+        if previous >= after_iteration and row.get("iteration_time_s"):
+            seconds += count * row["iteration_time_s"]
+            tokens += count * row["iteration_time_s"] * row["tokens_per_s"]  # = count x tokens per iteration
+        previous = row["iteration"]
+    return tokens / seconds if seconds else None
+
+
+def scratch_comparison(baseline: ArmResult, epas: ArmResult, full_region_from: int) -> dict:
+    """The from-scratch numbers: final losses, gap, throughput, time to the baseline's loss."""
+    target = baseline.final_valid_loss
+    curve = lambda arm: [(r["train_time_s"], r["lm_loss"]) for r in arm.valid_in_training]
+    gap = epas.final_valid_loss - target
+    steady_base = steady_state_tokens_per_s(baseline, full_region_from)
+    steady_epas = steady_state_tokens_per_s(epas, full_region_from)
+    return {
+        "baseline_final_valid_loss": target,
+        "epas_final_valid_loss": epas.final_valid_loss,
+        "gap": gap,
+        "within_paper_bound": gap <= PAPER_GAP_BOUND,
+        "baseline_tokens_per_s": baseline.tokens_per_s,
+        "epas_tokens_per_s": epas.tokens_per_s,
+        "tokens_per_s_ratio": _ratio(epas.tokens_per_s, baseline.tokens_per_s),
+        "steady_state_from_iteration": full_region_from,
+        "baseline_steady_tokens_per_s": steady_base,
+        "epas_steady_tokens_per_s": steady_epas,
+        "steady_tokens_per_s_ratio": _ratio(steady_epas, steady_base),
+        "baseline_train_time_s": baseline.train_time_s,
+        "epas_train_time_s": epas.train_time_s,
+        "train_time_ratio": _ratio(epas.train_time_s, baseline.train_time_s),
+        "baseline_time_to_target_s": time_to_target(curve(baseline), target),
+        "epas_time_to_target_s": time_to_target(curve(epas), target),
+    }
+
+
+def continual_comparison(epas_eval: Sequence[dict], baseline_eval: Sequence[dict]) -> dict:
+    """Validation loss against region for the EPAS continual run and the baseline continual run
+    with inference-time sharing; the gap of each at the largest region to its own region 0."""
+    epas = {r["region"]: r["lm_loss"] for r in epas_eval}
+    base = {r["region"]: r["lm_loss"] for r in baseline_eval}
+    regions = sorted(set(epas) & set(base))
+    top = regions[-1]
+    return {
+        "regions": regions,
+        "epas": [epas[r] for r in regions],
+        "baseline_inference_sharing": [base[r] for r in regions],
+        "epas_gap_at_max_region": epas[top] - epas[0],
+        "baseline_gap_at_max_region": base[top] - base[0],
+        "epas_degrades_less": (epas[top] - epas[0]) < (base[top] - base[0]),
+    }
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a is not None and b else None
+
+
+def _num(value: Optional[float], fmt: str = ".4f") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return format(value, fmt)
+
+
+def _time(seconds: Optional[float]) -> str:
+    return "not reached" if seconds is None else f"{seconds:.1f} s"
+
+
+def scratch_table(result: dict) -> str:
+    """Markdown: one row per arm (baseline, EPAS) of the from-scratch comparison."""
+    r = result
+    lines = [
+        "| arm | final val loss | gap vs baseline | tokens/s (run) | tokens/s (full region) | training time | time to baseline's final loss |",
+        "|---|---|---|---|---|---|---|",
+        f"| baseline | {_num(r['baseline_final_valid_loss'])} | | {_num(r['baseline_tokens_per_s'], '.0f')} | "
+        f"{_num(r['baseline_steady_tokens_per_s'], '.0f')} | {_time(r['baseline_train_time_s'])} | {_time(r['baseline_time_to_target_s'])} |",
+        f"| EPAS | {_num(r['epas_final_valid_loss'])} | {r['gap']:+.4f} | {_num(r['epas_tokens_per_s'], '.0f')} "
+        f"({_num(r['tokens_per_s_ratio'], '.3f')}x) | {_num(r['epas_steady_tokens_per_s'], '.0f')} "
+        f"({_num(r['steady_tokens_per_s_ratio'], '.3f')}x) | {_time(r['epas_train_time_s'])} "
+        f"({_num(r['train_time_ratio'], '.3f')}x) | {_time(r['epas_time_to_target_s'])} |",
+    ]
+    return "\n".join(lines)
+
+
+def ablation_table(rows: Sequence[tuple[str, float]], reference: float) -> str:
+    """Markdown: final validation loss per arm and its difference to ``reference``."""
+    lines = ["| arm | final val loss | vs baseline |", "|---|---|---|"]
+    lines += [f"| {name} | {loss:.4f} | {loss - reference:+.4f} |" for name, loss in rows]
+    return "\n".join(lines)
+
+
+def continual_table(result: dict) -> str:
+    """Markdown: validation loss per region, EPAS continual pretraining against the baseline
+    continual pretraining run with inference-time sharing (the paper's TinyLLaMA table shape)."""
+    lines = ["| region | EPAS continual pretraining | baseline + inference-time sharing |", "|---|---|---|"]
+    e0, b0 = result["epas"][0], result["baseline_inference_sharing"][0]
+    for region, e, b in zip(result["regions"], result["epas"], result["baseline_inference_sharing"]):
+        lines.append(f"| {region} | {e:.4f} ({e - e0:+.4f}) | {b:.4f} ({b - b0:+.4f}) |")
+    return "\n".join(lines)
+
+
+def plot_curves(arms: Sequence[ArmResult], path_tokens: str, path_time: str, tokens_per_iteration: int) -> None:
+    """Validation loss (region in training) of each arm against tokens and against training time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for path, x_of, label in (
+        (path_tokens, lambda r: r["iteration"] * tokens_per_iteration / 1e6, "tokens (millions)"),
+        (path_time, lambda r: r["train_time_s"] / 60, "training time (minutes; steps and switches)"),
+    ):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for arm in arms:
+            rows = arm.valid_in_training
+            ax.plot([x_of(r) for r in rows], [r["lm_loss"] for r in rows], marker="o", markersize=3, label=arm.name)
+        ax.set_xlabel(label)
+        ax.set_ylabel("validation loss")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+
+def plot_continual(result: dict, path: str) -> None:
+    """Validation loss against region for both continual-pretraining arms."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.plot(result["regions"], result["epas"], marker="o", label="EPAS continual pretraining")
+    ax.plot(result["regions"], result["baseline_inference_sharing"], marker="s", label="baseline + inference-time sharing")
+    ax.set_xlabel("sharing region at inference (layers)")
+    ax.set_ylabel("validation loss")
+    ax.set_xticks(result["regions"])
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def seed_summary(per_seed: Sequence[dict]) -> dict:
+    """The from-scratch comparison over seeds: gaps, their mean, and the seed-to-seed spread of
+    each method's final loss (what a gap must exceed to be told apart from noise)."""
+    gaps = [r["gap"] for r in per_seed]
+    spread = lambda key: (max(r[key] for r in per_seed) - min(r[key] for r in per_seed)) if len(per_seed) > 1 else None
+    mean = lambda key: (sum(r[key] for r in per_seed) / len(per_seed)) if all(r[key] is not None for r in per_seed) else None
+    mean_gap = sum(gaps) / len(gaps)
+    return {
+        "seeds": [r["seed"] for r in per_seed],
+        "gaps": gaps,
+        "mean_gap": mean_gap,
+        "within_paper_bound": mean_gap <= PAPER_GAP_BOUND,
+        "baseline_seed_spread": spread("baseline_final_valid_loss"),
+        "epas_seed_spread": spread("epas_final_valid_loss"),
+        "mean_tokens_per_s_ratio": mean("tokens_per_s_ratio"),
+        "mean_steady_tokens_per_s_ratio": mean("steady_tokens_per_s_ratio"),
+        "mean_train_time_ratio": mean("train_time_ratio"),
+    }
+
+
+def seed_summary_text(summary: dict) -> str:
+    """One paragraph: the gap per seed and on average, against the paper's bound and the noise."""
+    gaps = ", ".join(f"{g:+.4f} (seed {s})" for g, s in zip(summary["gaps"], summary["seeds"]))
+    verdict = "within" if summary["within_paper_bound"] else "outside"
+    text = (f"Final validation loss gap, EPAS minus baseline: {gaps}; mean {summary['mean_gap']:+.4f}, {verdict} the "
+            f"paper's bound of +{PAPER_GAP_BOUND:.2f}.")
+    if summary["baseline_seed_spread"] is not None:
+        text += (f" Seed-to-seed spread of the final loss: baseline {summary['baseline_seed_spread']:.4f}, "
+                 f"EPAS {summary['epas_seed_spread']:.4f}.")
+    if summary["mean_tokens_per_s_ratio"] is not None:
+        text += (f" Throughput, EPAS over baseline, mean over seeds: {summary['mean_tokens_per_s_ratio']:.3f}x over the "
+                 f"whole run, {_num(summary['mean_steady_tokens_per_s_ratio'], '.3f')}x with the full region; "
+                 f"training time {summary['mean_train_time_ratio']:.3f}x.")
+    return text
+
+
+def continual_verdict(result: dict) -> str:
+    """Whether EPAS-trained weights keep their loss at the largest region better than weights
+    trained without EPAS and shared only at inference (the paper's TinyLLaMA claim)."""
+    top = result["regions"][-1]
+    e, b = result["epas_gap_at_max_region"], result["baseline_gap_at_max_region"]
+    holds = "holds here" if result["epas_degrades_less"] else "does NOT hold here"
+    ratio = f" ({b / e:.1f}x less degradation)" if e > 0 and b > e else ""
+    return (f"At region {top}, EPAS continual pretraining is {e:+.4f} from its own region-0 loss; the baseline with "
+            f"inference-time sharing is {b:+.4f} from its own{ratio}. The paper's claim (EPAS keeps its quality when "
+            f"run with a sharing region, inference-time sharing does not) {holds}.")

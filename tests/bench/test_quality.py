@@ -1,0 +1,125 @@
+"""epas-bench quality: the report's arithmetic against hand computations, and the recipe end to
+end at the smoke scale (every number of the report recomputed from the runs' own files)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from epas_testing import REPO
+from epas_megatron.bench import quality_report as report
+from epas_megatron.bench.quality import SCALES, plan_arms
+
+
+def arm(name, valid, train=(), **summary):
+    """An ArmResult from (iteration, train_time_s, loss) validation points and training rows."""
+    records = [{"kind": "valid", "iteration": i, "train_time_s": t, "lm_loss": l, "in_training": True} for i, t, l in valid]
+    records += [{"iteration": i, "iteration_time_s": s, "tokens_per_s": 1000 / s} for i, s in train]
+    return report.ArmResult(name, {"train_time_s": valid[-1][1], **summary}, records)
+
+
+def test_time_to_target_interpolates_between_evaluations():
+    points = [(10.0, 5.0), (20.0, 4.0), (30.0, 3.0)]
+    assert report.time_to_target(points, 3.5) == pytest.approx(25.0)  # halfway from 4.0 at 20 s to 3.0 at 30 s
+    assert report.time_to_target(points, 4.0) == 20.0  # reached exactly at an evaluation
+    assert report.time_to_target(points, 6.0) == 10.0  # already at the first evaluation
+    assert report.time_to_target(points, 2.9) is None  # never
+
+
+def test_steady_state_throughput_counts_only_intervals_after_the_switch():
+    # Records every 10 iterations of 1000 tokens; the interval 10-20 starts before iteration 15.
+    a = arm("x", [(30, 9.0, 1.0)], train=[(10, 0.5), (20, 0.25), (30, 0.2)])
+    # Intervals starting at >= 15: only (20, 30]: 10 iterations of 0.2 s -> 5000 tokens/s.
+    assert report.steady_state_tokens_per_s(a, 15) == pytest.approx(5000.0)
+    # From 10: (10, 20] and (20, 30]: 20 000 tokens in 2.5 + 2.0 s.
+    assert report.steady_state_tokens_per_s(a, 10) == pytest.approx(20000 / 4.5)
+    assert report.steady_state_tokens_per_s(a, 31) is None
+
+
+def test_scratch_comparison_by_hand():
+    base = arm("baseline", [(1, 10.0, 5.0), (2, 20.0, 4.0)], train=[(1, 10.0), (2, 10.0)], tokens_per_s=100.0)
+    epas = arm("epas", [(1, 9.0, 5.0), (2, 18.0, 4.02)], train=[(1, 9.0), (2, 9.0)], tokens_per_s=110.0)
+    result = report.scratch_comparison(base, epas, full_region_from=1)
+    assert result["gap"] == pytest.approx(0.02) and result["within_paper_bound"]
+    assert result["tokens_per_s_ratio"] == pytest.approx(1.1)
+    assert result["steady_tokens_per_s_ratio"] == pytest.approx(10 / 9)
+    assert result["train_time_ratio"] == pytest.approx(0.9)
+    assert result["baseline_time_to_target_s"] == 20.0
+    assert result["epas_time_to_target_s"] is None  # 4.02 never reaches 4.0
+    table = report.scratch_table(result)
+    assert "| EPAS | 4.0200 | +0.0200 |" in table and "not reached" in table
+    summary = report.seed_summary([{"seed": 1, **result}, {"seed": 2, **{**result, "gap": 0.08, "baseline_final_valid_loss": 4.1}}])
+    assert summary["mean_gap"] == pytest.approx(0.05) and summary["baseline_seed_spread"] == pytest.approx(0.1)
+    assert "+0.0200 (seed 1), +0.0800 (seed 2); mean +0.0500, within" in report.seed_summary_text(summary)
+
+
+def test_continual_comparison_and_verdict():
+    epas = [{"region": 0, "lm_loss": 3.0}, {"region": 1, "lm_loss": 3.01}, {"region": 2, "lm_loss": 3.05}]
+    base = [{"region": 0, "lm_loss": 2.98}, {"region": 1, "lm_loss": 3.2}, {"region": 2, "lm_loss": 3.48}]
+    result = report.continual_comparison(epas, base)
+    assert result["epas_gap_at_max_region"] == pytest.approx(0.05)
+    assert result["baseline_gap_at_max_region"] == pytest.approx(0.5)
+    assert result["epas_degrades_less"]
+    assert "(10.0x less degradation)" in report.continual_verdict(result)
+    assert "| 2 | 3.0500 (+0.0500) | 3.4800 (+0.5000) |" in report.continual_table(result)
+    flipped = report.continual_comparison(base, epas)
+    assert "does NOT hold here" in report.continual_verdict(flipped)
+
+
+def test_arms_of_the_cpu_recipe(tmp_path):
+    arms = {a.name: a for a in plan_arms(SCALES["cpu"], tmp_path)}
+    assert list(arms) == ["scratch_baseline", "scratch_epas", "scratch_baseline_seed4321", "scratch_epas_seed4321",
+                          "ablation_exclude_last", "continual_epas", "continual_baseline"]
+    flags = lambda name: " ".join(arms[name].train_args)
+    # Same data, seed, budget and schedule for both from-scratch arms; only EPAS differs.
+    assert flags("scratch_epas").startswith(flags("scratch_baseline").replace(" --epas-target-layers 0", ""))
+    assert "--epas-exclude-last 1" in flags("ablation_exclude_last")
+    base = str(tmp_path / "scratch_baseline" / "run" / "checkpoints")
+    assert f"--pretrained {base}" in flags("continual_epas") and arms["continual_epas"].needs == "scratch_baseline"
+    assert "--eval-untrained-regions" in flags("continual_baseline")
+
+
+def run_bench(*argv):
+    return subprocess.run([sys.executable, "-m", "epas_megatron.bench.cli", "quality", *argv], cwd=REPO, capture_output=True,
+                          text=True, timeout=900, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--parts", "scratch,speed"], "--parts 'scratch,speed': choose among scratch, continual, ablation"),
+    (["--scale", "tinyllama"], "--scale tinyllama is continual pretraining only: give --base-checkpoint"),
+    (["--data", "x"], "--data needs --tokenizer-model"),
+])
+def test_bad_input(argv, message):
+    proc = run_bench(*argv)
+    assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_smoke_recipe_end_to_end(tmp_path):
+    out = tmp_path / "quality"
+    proc = run_bench("--scale", "smoke", "--output-dir", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    numbers = json.loads((out / "quality.json").read_text())
+    summaries = {p.parent.name: json.loads(p.read_text()) for p in out.glob("*/summary.json")}
+    assert set(summaries) == {"scratch_baseline", "scratch_epas", "ablation_exclude_last", "continual_epas", "continual_baseline"}
+    # The gap is the difference of the two runs' own final validation losses.
+    (scratch,) = numbers["scratch"]
+    assert scratch["gap"] == pytest.approx(summaries["scratch_epas"]["final_valid_lm_loss"] - summaries["scratch_baseline"]["final_valid_lm_loss"])
+    assert scratch["tokens_per_s_ratio"] == pytest.approx(summaries["scratch_epas"]["tokens_per_s"] / summaries["scratch_baseline"]["tokens_per_s"])
+    assert summaries["scratch_epas"]["sharing_layers"] == [2, 3] and summaries["ablation_exclude_last"]["sharing_layers"] == [1, 2]
+    assert numbers["ablation"]["exclude_last_minus_default"] == pytest.approx(
+        summaries["ablation_exclude_last"]["final_valid_lm_loss"] - summaries["scratch_epas"]["final_valid_lm_loss"])
+    # Continual: both arms started from the baseline's weights; EPAS trained region 1, the other none.
+    assert summaries["continual_epas"]["sharing_layers"] == [3] and summaries["continual_baseline"]["sharing_layers"] == []
+    evals = {name: json.loads((out / name / "eval.json").read_text()) for name in ("continual_epas", "continual_baseline")}
+    assert numbers["continual"]["epas"] == [r["lm_loss"] for r in evals["continual_epas"]["results"]]
+    assert numbers["continual"]["baseline_inference_sharing"] == [r["lm_loss"] for r in evals["continual_baseline"]["results"]]
+    for name in ("loss_vs_tokens.png", "loss_vs_time.png", "continual_regions.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    markdown = (out / "quality.md").read_text()
+    assert "### From scratch, seed 1234" in markdown and "### Continual pretraining" in markdown
+    assert all(command in markdown for command in numbers["commands"])
+    # A second invocation reuses every finished arm and writes the same numbers.
+    again = run_bench("--scale", "smoke", "--output-dir", str(out))
+    assert again.returncode == 0 and again.stdout.count("finished before; reusing") == 5
+    assert json.loads((out / "quality.json").read_text())["scratch"] == numbers["scratch"]
