@@ -81,6 +81,10 @@ def init_distributed(tp: int, pp: int, vpp: Optional[int], seed: int, timeout_mi
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
     )
+    if not torch.cuda.is_available():
+        from epas_megatron.runtime.gloo_threads import single_threaded_gloo_workers
+
+        single_threaded_gloo_workers()
     seed_everything(seed)
     world = dist.get_world_size()
     return ParallelDims(

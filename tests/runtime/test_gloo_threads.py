@@ -1,0 +1,28 @@
+"""gloo's worker threads make no OpenMP pools of their own (runtime/gloo_threads.py): after the
+collectives of a checkpoint save, no thread is added and small ops keep their speed; without the
+fix (the control) libgomp's pool threads appear, which is what slowed steps down."""
+
+import json
+import os
+import subprocess
+import sys
+
+from epas_testing import REPO
+
+SCRIPT = REPO / "tests" / "runtime" / "scripts" / "gloo_omp_check.py"
+
+
+def run(mode):
+    # Two OpenMP threads, as on the 2-core CI machine (with one there are no pools at all).
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), mode], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads([l for l in proc.stdout.splitlines() if l.startswith("GLOO ")][-1][5:])
+
+
+def test_gloo_collectives_add_no_openmp_threads_and_keep_small_ops_fast():
+    fixed, control = run("on"), run("off")
+    assert fixed["new_threads"] == 0, fixed
+    assert control["new_threads"] > 0, control  # the mechanism the fix prevents (so this test can fail)
+    # The slowdown it caused was ~6x on a small op; allow generous noise.
+    assert fixed["after_us"] < 2.0 * fixed["before_us"], fixed
