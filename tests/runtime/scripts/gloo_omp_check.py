@@ -13,7 +13,7 @@ import torch.distributed as dist
 if sys.argv[1] == "off":
     import epas_megatron.runtime.gloo_threads as gloo_threads
 
-    gloo_threads.single_threaded_gloo_workers = lambda: None
+    gloo_threads.single_threaded_gloo_workers = lambda exempt=None: None
 
 from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
 
@@ -33,7 +33,9 @@ def op_us() -> float:
 
 
 threads = lambda: len(glob.glob(f"/proc/{os.getpid()}/task/*"))
-dist.all_reduce(torch.ones(1 << 22))  # what DDP does every step
+from megatron.core import parallel_state
+
+dist.all_reduce(torch.ones(1 << 22), group=parallel_state.get_data_parallel_group())  # what DDP does every step
 before_us, before_threads = op_us(), threads()
 # What megatron-core's checkpoint save does on the world group: object collectives, large copies.
 dist.gather_object(list(range(300_000)), [None], dst=0)
