@@ -208,7 +208,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         destroy_distributed()
     if dims.is_logging_rank:
-        payload = {"checkpoint": str(checkpoint), "iteration": meta["iteration"], "trained_region": trained, "results": results}
+        payload = {"checkpoint": str(checkpoint), "iteration": meta["iteration"], "trained_region": trained,
+                   "exclude_last": exclude_last_of(meta), "results": results}
         print(f"checkpoint {checkpoint} (iteration {meta['iteration']}, trained region {trained} layers)")
         print(markdown_table(results, trained))
         print("EVAL " + json.dumps(payload), flush=True)

@@ -50,7 +50,7 @@ def test_epas_eval_builds_the_checkpoints_regions(uninterrupted, capsys):
     captured = capsys.readouterr()
     assert code == 0, captured.err
     payload = json.loads([line for line in captured.out.splitlines() if line.startswith("EVAL ")][-1][5:])
-    assert [r["sharing_layers"] for r in payload["results"]] == [[], [2], [1, 2]]
+    assert [r["sharing_layers"] for r in payload["results"]] == [[], [2], [1, 2]] and payload["exclude_last"] == 1
     # The trained region, rebuilt from the checkpoint, reproduces the trainer's validation loss.
     assert payload["results"][2]["lm_loss"] == pytest.approx(uninterrupted.summary["final_valid_lm_loss"], rel=1e-6)
     # At most 2 layers can share: one source before the region, layer 3 after it.
