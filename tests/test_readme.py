@@ -40,3 +40,6 @@ def test_main_command_trains_with_epas_switches_and_loss_falls(tmp_path):
     first, last = sum(losses[i] for i in range(1, 5)) / 4, sum(losses[i] for i in range(21, 25)) / 4
     assert last < first - 0.5, (first, last)
     assert run.summary["iterations"] == 24 and run.summary["final_valid_lm_loss"] is not None
+    # ... and validates the same weights at regions 0, half the region in training and the region in training.
+    valid = {(m["iteration"], m["region"]) for m in run.metrics if m.get("kind") == "valid"}
+    assert valid == {(12, 0), (12, 1), (12, 3), (24, 0), (24, 2), (24, 4)}
