@@ -170,15 +170,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     quiet_library_noise()
     args = _parser().parse_args(argv)
     try:
-        from epas_megatron.checkpointing.checkpoint import exclude_last_of, read_meta, resolve_checkpoint
+        from epas_megatron.checkpointing.checkpoint import exclude_last_of
+        from epas_megatron.checkpointing.integrity import open_checkpoint
         from epas_megatron.runtime.distributed import world_size_from_env
 
-        checkpoint = resolve_checkpoint(args.load) if Path(args.load).exists() else None
-        if checkpoint is None:
-            raise ConfigError(f"--load {args.load}: no checkpoint there")
-        meta = read_meta(checkpoint)
-        if "config" not in meta:
-            raise ConfigError(f"--load {args.load}: checkpoint metadata has no run config (written by an older version)")
+        checkpoint, meta = open_checkpoint(args.load, "--load", needs_config=True)
         num_layers = meta["model"]["num_layers"]
         trained = len(meta.get("sharing_layers", []))
         args.region_list = parse_regions(args.regions, trained, num_layers, args.allow_untrained_regions,

@@ -40,7 +40,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from epas_megatron.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -293,11 +292,11 @@ class QualityRecipe:
     def run(self) -> dict:
         """Every arm, then the report; returns the report's numbers."""
         from epas_megatron.bench import quality_report as report
-        from epas_megatron.checkpointing.checkpoint import resolve_checkpoint
+        from epas_megatron.checkpointing.integrity import open_checkpoint
 
         self.out.mkdir(parents=True, exist_ok=True)
-        if self.base_checkpoint is not None and resolve_checkpoint(self.base_checkpoint) is None:
-            raise ConfigError(f"--base-checkpoint {self.base_checkpoint}: no checkpoint there")
+        if self.base_checkpoint is not None:
+            open_checkpoint(self.base_checkpoint, "--base-checkpoint")
         results = {name: self.run_arm(arm) for name, arm in ((a.name, a) for a in self.arms())}
         arm = lambda name: report.ArmResult(name, results[name], _read_metrics(self.out / name / "run"))
         scale = self.scale

@@ -54,8 +54,13 @@ def latest_iteration(root: str | os.PathLike) -> Optional[int]:
     return int(text) if text.isdigit() else None
 
 
-def resolve_checkpoint(path: str | os.PathLike) -> Optional[Path]:
-    """A checkpoint root (-> its latest checkpoint) or an ``iter_*`` directory; None if empty."""
+REQUIRED_META_KEYS = ("iteration", "model")
+"""Keys of ``run_meta.json`` that every reader needs."""
+
+
+def resolve_checkpoint(path: str | os.PathLike, flag: str = "--load") -> Optional[Path]:
+    """A checkpoint root (-> its latest checkpoint) or an ``iter_*`` directory; None if empty.
+    (:func:`epas_megatron.checkpointing.integrity.open_checkpoint` also checks it is whole.)"""
     path = Path(path)
     if (path / META).is_file():
         return path
@@ -64,13 +69,24 @@ def resolve_checkpoint(path: str | os.PathLike) -> Optional[Path]:
         return None
     found = iteration_dir(path, it)
     if not (found / META).is_file():
-        raise ConfigError(f"--load {path}: {POINTER} names iteration {it} but {found} is incomplete")
+        raise ConfigError(f"{flag} {path}: {POINTER} names iteration {it} but {found} is incomplete (no {META})")
     return found
 
 
-def read_meta(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
-    """The run metadata of one checkpoint (no process group needed)."""
-    return json.loads((Path(checkpoint_dir) / META).read_text())
+def read_meta(checkpoint_dir: str | os.PathLike, required: Sequence[str] = REQUIRED_META_KEYS) -> dict[str, Any]:
+    """The run metadata of one checkpoint (no process group needed); a ``ConfigError`` naming
+    the file when it is unreadable or lacks a ``required`` key."""
+    path = Path(checkpoint_dir) / META
+    try:
+        meta = json.loads(path.read_text())
+    except OSError as error:
+        raise ConfigError(f"{path} cannot be read ({error.strerror or error})") from None
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{path} is not valid JSON ({error}): the checkpoint is damaged") from None
+    missing = [key for key in required if not isinstance(meta, dict) or key not in meta]
+    if missing:
+        raise ConfigError(f"{path} lacks {', '.join(missing)}: the checkpoint is damaged or was not written by epas-megatron")
+    return meta
 
 
 def exclude_last_of(meta: dict[str, Any]) -> int:
@@ -208,10 +224,13 @@ def save_checkpoint(
 
 
 def prune(root: Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` complete checkpoints (never the latest)."""
+    """Delete all but the newest ``keep_last`` complete checkpoints up to the latest (never the
+    latest). Checkpoints newer than the latest -- damaged ones a run fell back from -- are left
+    alone: a later save of that iteration replaces them."""
     latest = latest_iteration(root)
     done = sorted(
-        int(p.name[5:]) for p in root.glob("iter_*") if p.name[5:].isdigit() and (p / META).is_file()
+        int(p.name[5:]) for p in root.glob("iter_*")
+        if p.name[5:].isdigit() and (p / META).is_file() and (latest is None or int(p.name[5:]) <= latest)
     )
     for it in done[:-keep_last]:
         if it != latest:
@@ -233,7 +252,7 @@ def load_checkpoint(
     from megatron.core import dist_checkpointing
 
     # Before the first optimizer step there is no optimizer state to restore (fresh == saved).
-    with_optimizer = optimizer is not None and read_meta(checkpoint_dir).get("has_optimizer_state", True)
+    with_optimizer = optimizer is not None and read_meta(checkpoint_dir, required=()).get("has_optimizer_state", True)
     state = sharded_state(model_chunks, optimizer, scheduler, {}, loading=True, with_optimizer=with_optimizer, with_rng=restore_rng)
     if not with_optimizer:
         state.pop("opt_param_scheduler", None)

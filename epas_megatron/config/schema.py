@@ -235,7 +235,16 @@ class CheckpointConfig:
     """Checkpoint directory. Default: <output-dir>/checkpoints."""
 
     load: Optional[str] = None
-    """Resume from this checkpoint directory (its latest checkpoint, or a given iter_NNNNNNN)."""
+    """Resume from this checkpoint directory (its latest checkpoint, or a given iter_NNNNNNN).
+    A directory that does not exist, or holds no checkpoint, is an error -- except the run's own
+    checkpoint directory (<output-dir>/checkpoints or --save), where it means a first start (as
+    the Slurm script's first job): the run starts from scratch and says so."""
+
+    load_fallback: bool = False
+    """With --load: if the checkpoint to resume is damaged (run_meta.json unreadable, a data
+    file missing or truncated), resume from the newest older checkpoint in the same directory
+    that is whole, naming each one skipped and why. Without it a damaged checkpoint is an
+    error."""
 
     pretrained: Optional[str] = None
     """Start from the model weights of this checkpoint (root or iter_ directory) with a fresh

@@ -93,6 +93,10 @@ class ResolvedRun:
     eval_regions: Optional["RegionSpec"] = None
     """--eval-regions parsed (None: validate the region in training only)."""
 
+    notices: tuple[str, ...] = ()
+    """What the run starts from, when that is not what --load names (a first start, a fall-back
+    past damaged checkpoints): printed at start."""
+
     @property
     def bf16(self) -> bool:
         """bf16 training."""
@@ -325,38 +329,67 @@ def resolve_vocabulary(data_cfg, vocab_size: Optional[int]) -> int:
 
 
 def _resolve_sources(cfg: RunConfig, use_dist_opt: bool) -> dict:
-    """Where checkpoints go and what the run starts from (reads checkpoint metadata): the
-    ``checkpoint_root``, ``load_dir``/``load_meta`` and ``pretrained_dir`` fields."""
-    from epas_megatron.checkpointing.checkpoint import read_meta, resolve_checkpoint
+    """Where checkpoints go and what the run starts from (reads checkpoint metadata, checks the
+    checkpoint is whole): the ``checkpoint_root``, ``load_dir``/``load_meta``, ``pretrained_dir``
+    and ``notices`` fields."""
+    from epas_megatron.checkpointing.integrity import open_checkpoint
 
     out = Path(cfg.logging.output_dir)
     ckpt_root = Path(cfg.checkpoint.save) if cfg.checkpoint.save else out / "checkpoints"
-    load_dir, load_meta = None, None
+    load_dir, load_meta, notices = None, None, []
     if cfg.checkpoint.load:
-        load_path = Path(cfg.checkpoint.load)
-        if load_path.exists() and not load_path.is_dir():
-            raise ConfigError(f"--load {load_path}: not a directory")
-        load_dir = resolve_checkpoint(load_path) if load_path.exists() else None
-        if load_dir is not None:
-            load_meta = read_meta(load_dir)
-            _check_same_model(load_meta, cfg, f"--load {load_path}")
+        load_dir, load_meta, notices = _resolve_load(Path(cfg.checkpoint.load), ckpt_root, cfg.checkpoint.load_fallback)
+        if load_meta is not None:
+            _check_same_model(load_meta, cfg, f"--load {cfg.checkpoint.load}")
             saved_dist = load_meta.get("parallel", {}).get("use_distributed_optimizer")
             if load_meta.get("has_optimizer_state", True) and saved_dist is not None and saved_dist != use_dist_opt:
                 flag = "--use-distributed-optimizer" if saved_dist else "--no-use-distributed-optimizer"
                 raise ConfigError(
-                    f"--load {load_path}: its optimizer state was saved {'with' if saved_dist else 'without'} the distributed "
+                    f"--load {cfg.checkpoint.load}: its optimizer state was saved {'with' if saved_dist else 'without'} the distributed "
                     f"optimizer, whose formats differ; resume with {flag} (or start from its weights with --pretrained)")
+    elif cfg.checkpoint.load_fallback:
+        raise ConfigError("--load-fallback applies to --load; give the checkpoint directory to resume")
     pretrained_dir = None
     if cfg.checkpoint.pretrained and load_dir is None:
-        pre = Path(cfg.checkpoint.pretrained)
-        pretrained_dir = resolve_checkpoint(pre) if pre.exists() else None
-        if pretrained_dir is None:
-            raise ConfigError(f"--pretrained {pre}: no checkpoint there")
-        _check_same_model(read_meta(pretrained_dir), cfg, f"--pretrained {pre}")
+        pretrained_dir, pretrained_meta = open_checkpoint(cfg.checkpoint.pretrained, "--pretrained")
+        _check_same_model(pretrained_meta, cfg, f"--pretrained {cfg.checkpoint.pretrained}")
     if not cfg.checkpoint.load and (out / "config.yaml").exists():
         raise ConfigError(f"--output-dir {out} already holds a run (config.yaml); resume it with --load {ckpt_root} or choose another --output-dir")
     _positive(cfg.checkpoint.keep_last, "--keep-last", minimum=0)
-    return dict(checkpoint_root=ckpt_root, load_dir=load_dir, load_meta=load_meta, pretrained_dir=pretrained_dir)
+    return dict(checkpoint_root=ckpt_root, load_dir=load_dir, load_meta=load_meta, pretrained_dir=pretrained_dir,
+                notices=tuple(notices))
+
+
+def _resolve_load(load_path: Path, ckpt_root: Path, fallback: bool) -> tuple[Optional[Path], Optional[dict], list[str]]:
+    """(checkpoint to resume, its metadata, notices) for ``--load``: None, None for a first start
+    in the run's own checkpoint directory; a whole checkpoint otherwise, or the newest whole one
+    before a damaged one with ``--load-fallback``."""
+    from epas_megatron.checkpointing.checkpoint import read_meta, resolve_checkpoint
+    from epas_megatron.checkpointing.integrity import checkpoint_problem, newest_sound_checkpoint
+
+    own_root = load_path.resolve() == ckpt_root.resolve()
+    if load_path.exists() and not load_path.is_dir():
+        raise ConfigError(f"--load {load_path}: not a directory")
+    checkpoint = resolve_checkpoint(load_path) if load_path.exists() else None
+    if checkpoint is None:
+        if own_root:  # the run's own directory before its first save (a Slurm job's first start)
+            return None, None, [f"--load {load_path}: no checkpoint there yet (the run's own checkpoint directory); starting from scratch"]
+        what = "no checkpoint there" if load_path.exists() else "no such directory"
+        raise ConfigError(f"--load {load_path}: {what}")
+    problem = checkpoint_problem(checkpoint)
+    if problem is None:
+        return checkpoint, read_meta(checkpoint), []
+    if not fallback:
+        raise ConfigError(f"--load {load_path}: checkpoint {checkpoint.name} is damaged: {problem}; "
+                          "--load-fallback resumes from the newest older checkpoint that is whole")
+    root = checkpoint.parent
+    iteration = int(checkpoint.name[5:]) if checkpoint.name[5:].isdigit() else -1
+    found, skipped = newest_sound_checkpoint(root, iteration)
+    notices = [f"--load-fallback: skipped {line}" for line in skipped]
+    if found is None:
+        raise ConfigError(f"--load {load_path}: no checkpoint in {root} is whole ({'; '.join(skipped)})")
+    notices.append(f"--load-fallback: resuming from {found} instead")
+    return found, read_meta(found), notices
 
 
 def _check_same_model(meta: dict, cfg: RunConfig, source: str) -> None:
@@ -382,6 +415,9 @@ def _check_layout(layout: str, num_layers: int, pp: int, vpp: Optional[int]) -> 
 
     from epas_megatron.parallel.layout import StageLayout
 
+    if pp < 2:
+        raise ConfigError(f"--pipeline-layout {layout!r} splits layers over pipeline stages and needs --pp >= 2 "
+                          f"(this run: --pp {pp}); drop --pipeline-layout or raise --pp")
     try:
         parsed = PipelineParallelLayerLayout.from_str(layout=layout, pipeline_model_parallel_size=pp)
         parsed.validate_layer_layout(num_layers=num_layers, mtp_num_layers=None)

@@ -99,19 +99,15 @@ def hf_export(load: Path, output: Path) -> Path:
     """Checkpoint (any sharing region) -> Hugging Face LlamaForCausalLM directory."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from epas_megatron.checkpointing.checkpoint import exclude_last_of, load_checkpoint, read_meta, resolve_checkpoint
+    from epas_megatron.checkpointing.checkpoint import exclude_last_of, load_checkpoint
+    from epas_megatron.checkpointing.integrity import open_checkpoint
     from epas_megatron.config.cli import from_dict
     from epas_megatron.convert.hf_llama import hf_config_kwargs, megatron_to_hf, strip_extra_state
     from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import architecture_from_config, build_model
     from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
 
-    checkpoint = resolve_checkpoint(load) if load.exists() else None
-    if checkpoint is None:
-        raise ConfigError(f"--load {load}: no checkpoint there")
-    meta = read_meta(checkpoint)
-    if "config" not in meta:
-        raise ConfigError(f"--load {load}: checkpoint metadata has no run config")
+    checkpoint, meta = open_checkpoint(load, "--load", needs_config=True)
     cfg = from_dict(meta["config"])
     m = cfg.model
     init_distributed(1, 1, None, seed=0)

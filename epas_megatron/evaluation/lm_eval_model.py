@@ -261,15 +261,13 @@ def run_lm_eval(load: str | Path, regions: str | Sequence[int | str], tasks: str
     import lm_eval
     from torch import distributed as dist
 
-    from epas_megatron.checkpointing.checkpoint import exclude_last_of, read_meta, resolve_checkpoint
+    from epas_megatron.checkpointing.checkpoint import exclude_last_of
+    from epas_megatron.checkpointing.integrity import open_checkpoint
     from epas_megatron.evaluate import parse_regions
     from epas_megatron.inference.generator import Generator
     from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
 
-    checkpoint = resolve_checkpoint(load) if Path(load).exists() else None
-    if checkpoint is None:
-        raise ConfigError(f"--load {load}: no checkpoint there")
-    meta = read_meta(checkpoint)
+    checkpoint, meta = open_checkpoint(load, "--load")
     trained, num_layers = len(meta.get("sharing_layers", [])), meta["model"]["num_layers"]
     text = regions if isinstance(regions, str) else ",".join(str(r) for r in regions)
     region_list = parse_regions(text, trained, num_layers, allow_untrained, exclude_last=exclude_last_of(meta))

@@ -75,7 +75,8 @@ class Generator:
         process if none is running."""
         from torch import distributed as dist
 
-        from epas_megatron.checkpointing.checkpoint import exclude_last_of, load_checkpoint, read_meta, resolve_checkpoint
+        from epas_megatron.checkpointing.checkpoint import exclude_last_of, load_checkpoint
+        from epas_megatron.checkpointing.integrity import open_checkpoint
         from epas_megatron.config.cli import from_dict
         from epas_megatron.data.tokenizer import load_tokenizer
         from epas_megatron.evaluate import parse_regions, precision_and_backend
@@ -84,12 +85,7 @@ class Generator:
         from epas_megatron.runtime.distributed import init_distributed
         from epas_megatron.sharing.schedule import region_layers
 
-        checkpoint = resolve_checkpoint(load) if Path(load).exists() else None
-        if checkpoint is None:
-            raise ConfigError(f"--load {load}: no checkpoint there")
-        meta = read_meta(checkpoint)
-        if "config" not in meta:
-            raise ConfigError(f"--load {load}: checkpoint metadata has no run config (written by an older version)")
+        checkpoint, meta = open_checkpoint(load, "--load", needs_config=True)
         cfg = from_dict(meta["config"])
         arch = architecture_from_config(cfg.model)
         trained = len(meta.get("sharing_layers", []))

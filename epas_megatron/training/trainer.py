@@ -144,6 +144,8 @@ class Trainer:
         self.print(self._banner())
         for warning in run.warnings:
             self.print(f"WARNING: {warning}")
+        for notice in run.notices:
+            self.print(notice)
 
         start_iteration = 0
         if run.load_dir is not None:

@@ -99,6 +99,6 @@ def test_bad_input_is_one_error_line(checkpoint, capsys, argv, message):
 
 def test_missing_checkpoint_and_prompt_file(tmp_path, capsys):
     code, _, captured = generate(capsys, "--load", str(tmp_path / "nowhere"), "--prompt", "x")
-    assert code == 2 and "no checkpoint there" in captured.err
+    assert code == 2 and "nowhere: no such directory" in captured.err
     code, _, captured = generate(capsys, "--load", str(tmp_path), "--prompt-file", str(tmp_path / "none.txt"))
     assert code == 2 and "--prompt-file" in captured.err
