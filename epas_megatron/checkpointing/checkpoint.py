@@ -223,15 +223,18 @@ def save_checkpoint(
     return target
 
 
+def checkpoint_iterations(root: str | os.PathLike) -> list[int]:
+    """Iterations of the ``iter_NNNNNNN`` directories under ``root`` (complete or not), ascending."""
+    return sorted(int(p.name[5:]) for p in Path(root).glob("iter_*") if p.name[5:].isdigit())
+
+
 def prune(root: Path, keep_last: int) -> None:
     """Delete all but the newest ``keep_last`` complete checkpoints up to the latest (never the
     latest). Checkpoints newer than the latest -- damaged ones a run fell back from -- are left
     alone: a later save of that iteration replaces them."""
     latest = latest_iteration(root)
-    done = sorted(
-        int(p.name[5:]) for p in root.glob("iter_*")
-        if p.name[5:].isdigit() and (p / META).is_file() and (latest is None or int(p.name[5:]) <= latest)
-    )
+    done = [it for it in checkpoint_iterations(root)
+            if (iteration_dir(root, it) / META).is_file() and (latest is None or it <= latest)]
     for it in done[:-keep_last]:
         if it != latest:
             shutil.rmtree(iteration_dir(root, it), ignore_errors=True)

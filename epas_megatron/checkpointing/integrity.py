@@ -82,13 +82,13 @@ def open_checkpoint(path: str | os.PathLike, flag: str, needs_config: bool = Fal
 def newest_sound_checkpoint(root: str | os.PathLike, at_most: int) -> tuple[Optional[Path], list[str]]:
     """The newest checkpoint under ``root`` at an iteration ``<= at_most`` that is whole, and a
     line per newer one skipped (which, and why)."""
-    root = Path(root)
-    iterations = sorted((int(p.name[5:]) for p in root.glob("iter_*") if p.name[5:].isdigit()), reverse=True)
+    from epas_megatron.checkpointing.checkpoint import checkpoint_iterations, iteration_dir
+
     skipped = []
-    for iteration in iterations:
+    for iteration in reversed(checkpoint_iterations(root)):
         if iteration > at_most:
             continue
-        directory = root / f"iter_{iteration:07d}"
+        directory = iteration_dir(root, iteration)
         problem = checkpoint_problem(directory)
         if problem is None:
             return directory, skipped

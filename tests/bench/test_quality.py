@@ -2,6 +2,7 @@
 end at the smoke scale (every number of the report recomputed from the runs' own files)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -82,7 +83,7 @@ def test_arms_of_the_cpu_recipe(tmp_path):
 
 def run_bench(*argv):
     return subprocess.run([sys.executable, "-m", "epas_megatron.bench.cli", "quality", *argv], cwd=REPO, capture_output=True,
-                          text=True, timeout=900, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+                          text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 @pytest.mark.parametrize("argv, message", [

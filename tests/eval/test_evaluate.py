@@ -56,6 +56,7 @@ def test_parse_regions_with_exclude_last():
     from epas_megatron.evaluate import parse_regions
 
     assert parse_regions("0,2,max", 2, 8, False, exclude_last=3) == [0, 2, 2]
+    assert parse_regions("half,max,0", 3, 8, False) == [1, 3, 0]  # in the order given; half rounds down
     assert parse_regions("4", 2, 8, True, exclude_last=3) == [4]
     with pytest.raises(ConfigError, match=r"at most 4 .*--epas-exclude-last 3"):
         parse_regions("5", 2, 8, True, exclude_last=3)

@@ -37,31 +37,41 @@ def per_token_loss(logits, labels):
 
 
 @pytest.mark.parametrize("share", ["qk", "kv"])
-@pytest.mark.parametrize("sharing", [(3,), (2, 3), (1, 2, 3)])
-def test_model_with_sharing_matches_reference(tiny_arch, sharing, share):
+@pytest.mark.parametrize("sharing, exclude_last", [((3,), 0), ((2, 3), 0), ((1, 2, 3), 0), ((1, 2), 1), ((2,), 1), ((1,), 2)])
+def test_model_with_sharing_matches_reference(tiny_arch, sharing, exclude_last, share):
+    """With --epas-exclude-last the layers after the region compute their own Q/K (the hand-off
+    passes through them unused)."""
+    from epas_megatron.model.attention import split_qkv_rows
+    from epas_megatron.sharing.schedule import LayerMode
+
     torch.manual_seed(0)
     tokens = torch.randint(0, tiny_arch.vocab_size, (2, 24))
     labels = torch.randint(0, tiny_arch.vocab_size, (2, 24))
     position_ids = torch.arange(24).unsqueeze(0).expand(2, -1)
-    model = build(tiny_arch, sharing, share=share)
+    model = build(tiny_arch, sharing, share=share, exclude_last=exclude_last)
+    tail = tuple(range(tiny_arch.num_layers - exclude_last, tiny_arch.num_layers))
+    assert [model.decoder.layers[i].epas_mode for i in tail] == [LayerMode.COMPUTE] * exclude_last
 
     ours = model(tokens, position_ids, None, labels=labels)  # [b, s] per-token loss
     ours.sum().backward()
 
     hf, w = reference_weights(model, tiny_arch, requires_grad=True)
-    expected = per_token_loss(ref.forward(w, tokens, tiny_arch.num_layers, 4, 2, sharing, share), labels)
+    expected = per_token_loss(ref.forward(w, tokens, tiny_arch.num_layers, 4, 2, set(sharing), share), labels)
     expected.sum().backward()
 
     torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-6)
-    # Gradients reach the source layer's Q/K (or K/V) through the sharing layers (no detach) ...
-    source = sharing[0] - 1
-    qkv_grad = model.decoder.layers[source].self_attention.linear_qkv.weight.grad
-    from epas_megatron.model.attention import split_qkv_rows
-
-    got = split_qkv_rows(qkv_grad, ("q", "k", "v"), 2, 2, 16)
-    for part in "qkv":
-        assert_same_gradient(got[part], hf[f"model.layers.{source}.self_attn.{part}_proj.weight"].grad)
-    # ... and into each sharing layer's own projection.
+    if exclude_last:  # a region of the same size that includes the last layer computes something else
+        deep = set(range(tiny_arch.num_layers - len(sharing), tiny_arch.num_layers))
+        other = per_token_loss(ref.forward(w, tokens, tiny_arch.num_layers, 4, 2, deep, share), labels)
+        assert not torch.allclose(ours, other, rtol=1e-4, atol=1e-4)
+    # Gradients reach the source layer's Q/K (or K/V) through the sharing layers (no detach), and
+    # the layers after the region train all of their Q, K and V ...
+    for layer in (sharing[0] - 1, *tail):
+        qkv_grad = model.decoder.layers[layer].self_attention.linear_qkv.weight.grad
+        got = split_qkv_rows(qkv_grad, ("q", "k", "v"), 2, 2, 16)
+        for part in "qkv":
+            assert_same_gradient(got[part], hf[f"model.layers.{layer}.self_attn.{part}_proj.weight"].grad)
+    # ... and each sharing layer its own projection.
     own = "v" if share == "qk" else "q"
     for layer in sharing:
         attention = model.decoder.layers[layer].self_attention
@@ -132,41 +142,3 @@ def test_region_init_equals_plain_init(tiny_arch):
     assert not missing.missing_keys
     for key, value in strip_extra_state(shared.state_dict()).items():
         assert torch.equal(value, shared_state[key]), key
-
-
-@pytest.mark.parametrize("share", ["qk", "kv"])
-@pytest.mark.parametrize("sharing, exclude_last", [((1, 2), 1), ((2,), 1), ((1,), 2)])
-def test_region_that_ends_before_the_last_layer_matches_reference(tiny_arch, sharing, exclude_last, share):
-    """--epas-exclude-last: the layers after the region compute their own Q/K (the hand-off
-    passes through them unused) and the model equals the reference with that sharing set."""
-    from epas_megatron.model.attention import split_qkv_rows
-    from epas_megatron.sharing.schedule import LayerMode
-
-    torch.manual_seed(2)
-    tokens = torch.randint(0, tiny_arch.vocab_size, (2, 24))
-    labels = torch.randint(0, tiny_arch.vocab_size, (2, 24))
-    position_ids = torch.arange(24).unsqueeze(0).expand(2, -1)
-    model = build(tiny_arch, sharing, share=share, exclude_last=exclude_last)
-    tail = range(tiny_arch.num_layers - exclude_last, tiny_arch.num_layers)
-    assert [model.decoder.layers[i].epas_mode for i in tail] == [LayerMode.COMPUTE] * exclude_last
-
-    ours = model(tokens, position_ids, None, labels=labels)
-    ours.sum().backward()
-    hf, w = reference_weights(model, tiny_arch, requires_grad=True)
-    expected = per_token_loss(ref.forward(w, tokens, tiny_arch.num_layers, 4, 2, set(sharing), share), labels)
-    expected.sum().backward()
-    torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-6)
-    # A region that includes the last layer instead computes something else.
-    deep = tuple(range(tiny_arch.num_layers - len(sharing), tiny_arch.num_layers))
-    other = per_token_loss(ref.forward(w, tokens, tiny_arch.num_layers, 4, 2, set(deep), share), labels)
-    assert not torch.allclose(ours, other, rtol=1e-4, atol=1e-4)
-    # Source and tail layers train all of Q, K and V; the sharing layers their own projection.
-    for layer in (sharing[0] - 1, *tail):
-        grad = model.decoder.layers[layer].self_attention.linear_qkv.weight.grad
-        got = split_qkv_rows(grad, ("q", "k", "v"), 2, 2, 16)
-        for part in "qkv":
-            assert_same_gradient(got[part], hf[f"model.layers.{layer}.self_attn.{part}_proj.weight"].grad)
-    own = "v" if share == "qk" else "q"
-    for layer in sharing:
-        attention = model.decoder.layers[layer].self_attention
-        assert_same_gradient(attention.own_projection.weight.grad, hf[f"model.layers.{layer}.self_attn.{own}_proj.weight"].grad)

@@ -1,6 +1,7 @@
 """gloo's worker threads make no OpenMP pools of their own (runtime/gloo_threads.py): after the
-collectives of a checkpoint save, no thread is added and small ops keep their speed; without the
-fix (the control) libgomp's pool threads appear, which is what slowed steps down."""
+collectives of a checkpoint save no thread is added; without the fix (the control) libgomp's
+pool threads appear -- the threads that, outnumbering the CPUs, slowed every later step (the
+slowdown itself is a timing and is not asserted here; the module notes give the measurement)."""
 
 import json
 import os
@@ -20,9 +21,7 @@ def run(mode):
     return json.loads([l for l in proc.stdout.splitlines() if l.startswith("GLOO ")][-1][5:])
 
 
-def test_gloo_collectives_add_no_openmp_threads_and_keep_small_ops_fast():
+def test_gloo_collectives_add_no_openmp_threads():
     fixed, control = run("on"), run("off")
     assert fixed["new_threads"] == 0, fixed
     assert control["new_threads"] > 0, control  # the mechanism the fix prevents (so this test can fail)
-    # The slowdown it caused was ~6x on a small op; allow generous noise.
-    assert fixed["after_us"] < 2.0 * fixed["before_us"], fixed
