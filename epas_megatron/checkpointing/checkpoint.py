@@ -260,6 +260,13 @@ def load_checkpoint(
     if not with_optimizer:
         state.pop("opt_param_scheduler", None)
     loaded = dist_checkpointing.load(state, str(checkpoint_dir))
+    return apply_loaded_state(loaded, model_chunks, optimizer, scheduler, with_optimizer=with_optimizer, restore_rng=restore_rng)
+
+
+def apply_loaded_state(loaded: dict, model_chunks, optimizer, scheduler, *, with_optimizer: bool, restore_rng: bool) -> dict:
+    """Put a loaded state dict (what ``dist_checkpointing.load`` returns for
+    :func:`sharded_state`, or the in-memory switch assembles) into the built objects; returns
+    train_state."""
     for i, chunk in enumerate(model_chunks):
         unwrap_model(chunk).load_state_dict(loaded["model" if i == 0 else f"model{i}"], strict=True)
     if with_optimizer:

@@ -333,6 +333,13 @@ class EpasConfig:
     epas_cost_timing_iters: int = 3
     """Iterations timed after each (re)build with --epas-cost-model measured."""
 
+    epas_switch_mode: str = "memory"
+    """How a switch carries the training state from the old region's modules, DDP buffers and
+    optimizer to the new ones: 'memory' (moved in memory; layers that change pipeline stage go
+    point to point between ranks; nothing is written) or 'checkpoint' (a full distributed
+    checkpoint saved to <output-dir>/.switch_staging and loaded back). Both are exact and give
+    bit-identical runs; 'memory' is faster and writes nothing."""
+
 
 @dataclass
 class RunConfig:

@@ -34,6 +34,7 @@ _CHOICES = {
     "epas_share": ("qk", "kv"),
     "epas_rebalance": ("auto", "on", "off"),
     "epas_cost_model": ("flops", "measured"),
+    "epas_switch_mode": ("memory", "checkpoint"),
 }
 
 

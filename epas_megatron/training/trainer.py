@@ -5,18 +5,22 @@ data, model) -> :meth:`Trainer.train` (steps, evaluation, EPAS switches, checkpo
 ``SUMMARY {json}`` line.
 
 **The switch event** (:meth:`Trainer.apply_switch`) is the one place where the sharing region
-changes. The schedule decides *what* changes; the trainer carries it out by saving the full
-training state to a staging distributed checkpoint, rebuilding model chunks (new layer specs,
-and a new pipeline layout when stages are rebalanced), DDP, optimizer and LR scheduler, and
-loading the state back. The checkpoint format makes this exact: the V rows (and their Adam
-moments) of a layer's fused QKV load into its new V projection, the Q/K rows load into the
-frozen projection (which no optimizer or DDP buffer sees), layers that moved to another
-pipeline stage are read by their new owner, and everything else round-trips bit for bit. A
-resume is the same load, so runs resumed before or after a switch match uninterrupted ones.
+changes. The schedule decides *what* changes; the trainer carries it out by rebuilding model
+chunks (new layer specs, and a new pipeline layout when stages are rebalanced), DDP, optimizer
+and LR scheduler for the new plan and moving the training state into them. The state moves in
+the distributed-checkpoint format, which makes this exact: the V rows (and their Adam moments)
+of a layer's fused QKV load into its new V projection, the Q/K rows into the frozen projection
+(which no optimizer or DDP buffer sees), layers that moved to another pipeline stage are read by
+their new owner, and everything else round-trips bit for bit. ``--epas-switch-mode memory`` (the
+default) exchanges that state in memory, point to point between ranks for moved layers
+(:mod:`epas_megatron.checkpointing.in_memory`); ``checkpoint`` saves it to a staging checkpoint
+and loads it back. The two give bit-identical runs, and a resume is the same load, so runs
+resumed before or after a switch match uninterrupted ones.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import signal
@@ -274,6 +278,7 @@ class Trainer:
         from epas_megatron.training.state import build_training_state
 
         self.state = None  # the previous region's model and optimizer go before the new ones come
+        gc.collect()  # (Megatron's DDP and optimizer hold reference cycles)
         self.state = build_training_state(self.plan, self._optimizer_settings(), seed=self.cfg.training.seed if initialize else None)
         if self.run.rebalance and self.cfg.epas.epas_cost_model == "measured":
             from epas_megatron.parallel.layer_timing import LayerTimer
@@ -389,23 +394,50 @@ class Trainer:
 
     # ------------------------------------------------------------------ the switch event
     def apply_switch(self, sharing_layers: tuple[int, ...]) -> dict:
-        """Change the sharing region (and pipeline layout): save, rebuild, load. See module doc."""
+        """Change the sharing region (and pipeline layout) with --epas-switch-mode. See module doc."""
         start = time.perf_counter()
         previous_layout = self.layout
+        if self.cfg.epas.epas_switch_mode == "checkpoint":
+            info = self._switch_through_checkpoint(tuple(sharing_layers))
+        else:
+            info = self._switch_in_memory(tuple(sharing_layers))
+        seconds = time.perf_counter() - start
+        self.switch_seconds.append(seconds)
+        return {"seconds": seconds, "layout": self.layout, "previous_layout": previous_layout,
+                "mode": self.cfg.epas.epas_switch_mode, **info}
+
+    def _switch_through_checkpoint(self, sharing_layers: tuple[int, ...]) -> dict:
+        """Save the whole state to a staging checkpoint, rebuild, load it back."""
         staging = self.out / ".switch_staging"
         if self.dims.is_logging_rank and staging.exists():
             shutil.rmtree(staging)
         dist.barrier()
         saved = self.save(root=staging, keep_last=0)
-        self.plan = self._plan_for(tuple(sharing_layers))
+        written = sum(f.stat().st_size for f in saved.rglob("*") if f.is_file()) if self.dims.is_logging_rank else 0
+        self.plan = self._plan_for(sharing_layers)
         self.build(initialize=False)
         self._load(saved)
         dist.barrier()
         if self.dims.is_logging_rank:
             shutil.rmtree(staging, ignore_errors=True)
-        seconds = time.perf_counter() - start
-        self.switch_seconds.append(seconds)
-        return {"seconds": seconds, "layout": self.layout, "previous_layout": previous_layout}
+        return {"bytes_written": written}
+
+    def _switch_in_memory(self, sharing_layers: tuple[int, ...]) -> dict:
+        """Hold the state's tensors, release the old objects, rebuild, move the tensors in
+        (:mod:`epas_megatron.checkpointing.in_memory`)."""
+        from epas_megatron.checkpointing.in_memory import hold_state, restore_state
+        from epas_megatron.runtime.rng import preserved_rng_state
+
+        held = hold_state(self.model, self.optimizer, self.scheduler, {})
+        self.plan = self._plan_for(sharing_layers)
+        with preserved_rng_state():  # building draws from it; a checkpoint load restores it
+            self.build(initialize=False)
+            stats = restore_state(held, self.model, self.optimizer, self.scheduler)
+        del held
+        from epas_megatron.runtime.distributed import all_reduce_values
+
+        (moved,) = all_reduce_values([float(stats.bytes_received)])
+        return {"bytes_written": 0, "bytes_between_ranks": int(moved)}
 
     # ------------------------------------------------------------------ loop
     def _flops_per_iteration(self) -> float:
@@ -520,10 +552,12 @@ class Trainer:
         relayout = f"; pipeline layout {info['previous_layout']} -> {info['layout']}" if info["layout"] != info["previous_layout"] else ""
         self.print(
             f"EPAS switch at iteration {iteration}: sharing layers {list(target)} (source layer {source}); "
-            f"save/rebuild/load took {info['seconds']:.2f}s{cost}{relayout}"
+            f"{'in-memory rebuild' if info['mode'] == 'memory' else 'save/rebuild/load'} took {info['seconds']:.2f}s{cost}{relayout}"
         )
         self.metrics.log({"kind": "switch", "iteration": iteration, "sharing_layers": list(target), "source_layer": source,
-                          "layout": info["layout"], "previous_layout": info["previous_layout"], "switch_seconds": info["seconds"],
+                          "layout": info["layout"], "previous_layout": info["previous_layout"], "switch_seconds": info["seconds"], "switch_mode": info["mode"],
+                          "switch_bytes_written": info["bytes_written"],
+                          "switch_bytes_between_ranks": info.get("bytes_between_ranks"),
                           "switch_cost_iterations": in_iterations}, step=iteration, prefix="epas")
 
     def _log_interval(self, progress, result) -> None:

@@ -41,6 +41,19 @@ def reference(tmp_path_factory):
     return run_trainer(ARGS, tmp_path_factory.mktemp("single") / "run")
 
 
+@pytest.fixture(scope="module")
+def parallel_runs(tmp_path_factory):
+    """The 2-process run of each variant (default --epas-switch-mode, memory), made once."""
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            runs[name] = run_trainer([*ARGS, *VARIANTS[name]], tmp_path_factory.mktemp(name) / "run", nproc=2)
+        return runs[name]
+
+    return get
+
+
 def valid_losses(run):
     return {(m["iteration"], m["region"]): m["lm_loss"] for m in run.metrics if m.get("kind") == "valid"}
 
@@ -53,12 +66,31 @@ def test_reference_switches(reference):
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_parallel_run_matches_single_process(name, reference, tmp_path):
-    run = run_trainer([*ARGS, *VARIANTS[name]], tmp_path / name, nproc=2)
+def test_parallel_run_matches_single_process(name, reference, parallel_runs):
+    run = parallel_runs(name)
     assert [s["sharing_layers"] for s in run.switches] == [[3], [2, 3]]
     assert_close(run.losses, reference.losses, 1e-5, f"{name} loss")
     assert_close(run.grad_norms, reference.grad_norms, 1e-5, f"{name} grad norm")
     assert_close(valid_losses(run), valid_losses(reference), 1e-5, f"{name} validation per region")
+
+
+def same_run(a, b) -> bool:
+    """Bit-identical: every loss, grad norm and validation loss equal as floats."""
+    return (a.losses, a.grad_norms, valid_losses(a)) == (b.losses, b.grad_norms, valid_losses(b))
+
+
+@pytest.mark.parametrize("name", ["single", "tp2", "pp2_vpp2", "dp2_distributed_optimizer"])
+def test_switch_modes_are_bit_identical(name, reference, parallel_runs, tmp_path):
+    """--epas-switch-mode memory (the default, what every run above used) and checkpoint carry
+    the state through the switches at 3 and 5 bit for bit. (PP=2 with re-layout: test_rebalance.)"""
+    memory = reference if name == "single" else parallel_runs(name)
+    extra = [] if name == "single" else VARIANTS[name]
+    checkpoint = run_trainer([*ARGS, *extra, "--epas-switch-mode", "checkpoint"], tmp_path / "run", nproc=1 if name == "single" else 2)
+    assert [s["switch_mode"] for s in memory.switches] == ["memory", "memory"]
+    assert [s["switch_mode"] for s in checkpoint.switches] == ["checkpoint", "checkpoint"]
+    assert all(s["switch_bytes_written"] == 0 for s in memory.switches)
+    assert all(s["switch_bytes_written"] > 0 for s in checkpoint.switches)
+    assert same_run(memory, checkpoint), (memory.losses, checkpoint.losses)
 
 
 @pytest.mark.parametrize("recompute", [["--recompute", "full", "--recompute-num-layers", "1"],

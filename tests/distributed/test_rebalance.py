@@ -52,6 +52,21 @@ def test_regions_evaluated_on_rebalanced_layouts_match_pp1(runs):
     assert_close(valid(pp2), valid(single), 1e-5, "validation per region")
 
 
+def test_switch_modes_are_bit_identical_through_relayouts(runs, tmp_path):
+    """Seven switches, most of them moving layers between the stages: the in-memory switch (the
+    default) sends the moved layers' tensors point to point and equals the checkpoint round trip
+    bit for bit; it writes nothing, and moves bytes between ranks exactly at the re-layouts."""
+    _, memory = runs
+    checkpoint = run_trainer([*ARGS, "--pp", "2", "--epas-rebalance", "on", "--epas-switch-mode", "checkpoint"],
+                             tmp_path / "checkpoint", nproc=2)
+    assert (memory.losses, memory.grad_norms) == (checkpoint.losses, checkpoint.grad_norms)
+    assert [s["layout"] for s in memory.switches] == [s["layout"] for s in checkpoint.switches]
+    for switch in memory.switches:
+        assert switch["switch_mode"] == "memory" and switch["switch_bytes_written"] == 0
+        assert (switch["switch_bytes_between_ranks"] > 0) == (switch["layout"] != switch["previous_layout"]), switch
+    assert all(s["switch_bytes_written"] > 0 for s in checkpoint.switches)
+
+
 def test_layout_changes_at_switches_as_planned(runs):
     _, pp2 = runs
     planned = planned_layouts()
