@@ -5,6 +5,7 @@
     torchrun --nproc-per-node 2 -m epas_megatron.bench.cli pipeline --preset small --region 4
     epas-bench decode --preset 125m --batch 8 --context 2048
     epas-bench quality --scale cpu --output-dir runs/quality
+    epas-bench switch --preset 350m --mode both --repeats 2
 
 ``train``: baseline vs EPAS with a fixed region, same model and process (see
 :mod:`epas_megatron.bench.train_bench`). ``decode``: generation throughput, baseline vs EPAS
@@ -12,12 +13,15 @@ with and without probability reuse (see :mod:`epas_megatron.bench.decode_bench`)
 stage rebalancing, plus a model-predicted table for 7B on PP=4/8 (see
 :mod:`epas_megatron.bench.pipeline_bench`). ``quality``: the paper's quality claims -- baseline vs
 EPAS from scratch, continual pretraining evaluated at every region, an ablation -- as a recipe
-of training runs with tables and plots (see :mod:`epas_megatron.bench.quality`).
+of training runs with tables and plots (see :mod:`epas_megatron.bench.quality`). ``switch``: the
+cost of one EPAS switch in each --epas-switch-mode, measured on the trainer, and predicted for
+7B (see :mod:`epas_megatron.bench.switch_bench`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -67,9 +71,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="also measure reuse with the region's P.V in one launch")
     decode.add_argument("--seed", type=int, default=1234)
     _quality_parser(commands)
+    switch = commands.add_parser("switch", help="one EPAS switch: in memory vs through a checkpoint")
+    switch.add_argument("--preset", default="tiny", help="model preset (tiny ... 350m on CPU)")
+    switch.add_argument("--mode", default="both", choices=["memory", "checkpoint", "both"], help="--epas-switch-mode(s) to measure")
+    switch.add_argument("--repeats", type=int, default=2, help="fresh processes per mode (figures are medians)")
+    switch.add_argument("--steps", type=int, default=3, help="training iterations before the switch (>= 2)")
+    switch.add_argument("--seq-length", type=int, default=128, help="sequence length of the steps")
+    switch.add_argument("--micro-batch-size", type=int, default=1)
+    switch.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
     if args.command == "decode":
         return _decode(args)
+    if args.command == "switch":
+        return _switch(args)
     if args.command == "quality":
         return _quality(args)
 
@@ -139,6 +153,38 @@ def _decode(args) -> int:
         print(format_record(run_decode_bench(cfg)), flush=True)
     finally:
         destroy_distributed()
+    return 0
+
+
+def _switch(args) -> int:
+    from epas_megatron.bench.switch_bench import MODES, SwitchBenchConfig, run_switch_bench
+    from epas_megatron.bench.train_bench import format_record
+    from epas_megatron.config.presets import get_preset
+    from epas_megatron.runtime.distributed import world_size_from_env
+
+    try:
+        get_preset(args.preset)
+        if world_size_from_env() != 1:
+            raise ConfigError("epas-bench switch starts its own processes; do not start it with torchrun")
+        if args.repeats < 1:
+            raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
+        if args.steps < 2:
+            raise ConfigError(f"--steps must be >= 2 (the first step is not timed), got {args.steps}")
+        if args.seq_length < 1 or args.micro_batch_size < 1:
+            raise ConfigError("--seq-length and --micro-batch-size must be >= 1")
+        if not os.path.exists("/proc/self/clear_refs"):
+            raise ConfigError("epas-bench switch measures memory through Linux's /proc/self (not available here)")
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return ConfigError.exit_code
+    modes = MODES if args.mode == "both" else (args.mode,)
+    cfg = SwitchBenchConfig(args.preset, modes, args.repeats, args.steps, args.seq_length, args.micro_batch_size, args.seed)
+    try:
+        record = run_switch_bench(cfg, log=lambda line: print(line, flush=True))
+    except RuntimeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(format_record(record), flush=True)
     return 0
 
 

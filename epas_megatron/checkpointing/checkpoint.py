@@ -263,11 +263,12 @@ def load_checkpoint(
     return apply_loaded_state(loaded, model_chunks, optimizer, scheduler, with_optimizer=with_optimizer, restore_rng=restore_rng)
 
 
-def apply_loaded_state(loaded: dict, model_chunks, optimizer, scheduler, *, with_optimizer: bool, restore_rng: bool) -> dict:
+def apply_loaded_state(loaded: dict, model_chunks, optimizer, scheduler, *, with_optimizer: bool, restore_rng: bool,
+                       with_model: bool = True) -> dict:
     """Put a loaded state dict (what ``dist_checkpointing.load`` returns for
     :func:`sharded_state`, or the in-memory switch assembles) into the built objects; returns
-    train_state."""
-    for i, chunk in enumerate(model_chunks):
+    train_state. ``with_model=False``: the optimizer's part only (the model's is loaded)."""
+    for i, chunk in enumerate(model_chunks if with_model else ()):
         unwrap_model(chunk).load_state_dict(loaded["model" if i == 0 else f"model{i}"], strict=True)
     if with_optimizer:
         optimizer.load_state_dict(loaded["optimizer"])

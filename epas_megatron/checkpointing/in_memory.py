@@ -3,11 +3,11 @@ without a checkpoint round trip (``--epas-switch-mode memory``).
 
 The exchange speaks the language of a distributed checkpoint so that it is exact by the same
 construction. The old objects describe their state as a *saving* sharded state dict
-(:func:`~epas_megatron.checkpointing.checkpoint.sharded_state`; factories applied, so a computing
-layer's fused QKV already appears as ``linear_q/k/v`` rows and the distributed optimizer's flat
-shards as model-space tensors), the new objects describe what they need as a *loading* one, and
-every shard the new objects need is matched to the old shard with the same id (key, global
-offset, flattened range) -- the id under which a checkpoint would have stored and found it:
+(:func:`~epas_megatron.checkpointing.checkpoint.sharded_state`: a computing layer's fused QKV is
+a factory of ``linear_q/k/v`` rows, the distributed optimizer's flat shards are model-space
+tensors), the new objects describe what they need as a *loading* one, and every shard the new
+objects need is matched to the old shard with the same id (key, global offset, flattened range)
+-- the id under which a checkpoint would have stored and found it:
 
 - a shard this rank already holds (any replica) is copied locally;
 - a shard held elsewhere (a layer that moved to another pipeline stage) is sent point to point
@@ -20,14 +20,30 @@ new objects by the same :func:`~epas_megatron.checkpointing.checkpoint.apply_loa
 resume. Nothing is written to disk and nothing is serialised except the small common state and
 the shard ids.
 
+Cheaper than a checkpoint load in time and memory, with the same result:
+
+- *Unchanged factories are not split.* A factory (fused QKV, SwiGLU's fused FC1, and the
+  optimizer states that follow them) whose pieces are the same before and after -- a layer
+  that did not switch -- is copied whole; splitting and re-fusing rows would give the same bits
+  through two temporary copies. Only a layer that switches (or moves stage) is split.
+- *Model first, then optimizer.* The old weights are dropped as soon as the new modules hold
+  them, before any optimizer state is allocated.
+- *Adopted, not copied.* A new parameter with storage of its own (not a view into DDP's
+  parameter buffer) takes the old parameter's storage over, and an optimizer that keeps its state
+  on the model's parameters (the non-distributed fp32 optimizer) takes the old state tensors of
+  every parameter that did not change: the new modules' freshly allocated (never touched) memory
+  is released instead, and no second copy of the weights or moments exists. (Mixed-precision and
+  distributed optimizers copy, as a checkpoint load does; the distributed optimizer's
+  model-space format also gathers its shards over data parallelism, as a save does.)
+
 Use: :func:`hold_state` before the old objects are released (it keeps only their tensors),
 build the new objects, :func:`restore_state`, then drop the :class:`HeldState`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,32 +55,131 @@ from epas_megatron.checkpointing.checkpoint import (
     optimizer_has_state,
     sharded_state,
 )
+from epas_megatron.model.wrapping import unwrap_model
+
 
 ShardId = tuple
 """Megatron's shard id of a tensor or object: (key, global offset, flattened range or shape)."""
+
+Signature = tuple
+"""What a factory produces: its key, data shape and dtype, and the id, shape and dtype of every
+shard it builds. Two factories with one signature split and fuse the same rows of the same
+global tensor."""
+
+
+def _ids():
+    from megatron.core.dist_checkpointing.utils import _sharded_object_id, _sharded_tensor_shard_id
+
+    return _sharded_tensor_shard_id, _sharded_object_id
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _built_shards(built) -> list:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return [item for item in nested_values(built) if isinstance(item, ShardedTensor)]
+
+
+def factory_signature(factory) -> Optional[Signature]:
+    """The factory's :data:`Signature`, from a build on the meta device (no data touched);
+    None if the factory cannot build on meta."""
+    tensor_id, _ = _ids()
+    try:
+        built = factory.build_fn(factory.key, factory.data.detach().to("meta"), factory.replica_id, factory.flattened_range)
+    except Exception:  # a factory that needs real data: it takes the general path
+        return None
+    shards = sorted((repr(tensor_id(st)), tuple(st.local_shape), str(st.dtype)) for st in _built_shards(built))
+    return (factory.key, tuple(factory.data.shape), str(factory.data.dtype), tuple(shards))
+
+
+def _model_identities(model_chunks) -> dict[int, tuple]:
+    """id(parameter) -> what identifies it in any region: its shard id, or its factory's
+    signature (so a parameter of an unchanged layer has the same identity before and after)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    tensor_id, _ = _ids()
+    identities = {}
+    for chunk in model_chunks:
+        for item in nested_values(unwrap_model(chunk).sharded_state_dict()):
+            if isinstance(item, ShardedTensorFactory):
+                signature = factory_signature(item)
+                if signature is not None:
+                    identities[id(item.data)] = ("factory", signature)
+            elif isinstance(item, ShardedTensor) and item.flattened_range is None:
+                identities[id(item.data)] = ("tensor", tensor_id(item))
+    return identities
+
+
+def _torch_optimizers(optimizer) -> list:
+    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [getattr(part, "optimizer", None) for part in parts if getattr(part, "optimizer", None) is not None]
+
+
+def _state_on_model_params(optimizer) -> bool:
+    """Whether the optimizer keeps its state on the model's parameters (not on fp32 copies or
+    flat shards): only then can a new optimizer adopt the old state tensors by parameter."""
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+
+    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return all(type(part) is FP32Optimizer for part in parts)
 
 
 @dataclass
 class HeldState:
     """The data of a saving sharded state on one rank, detached from the objects that made it."""
 
-    tensors: dict[ShardId, torch.Tensor]
-    """Every tensor shard this rank holds (main replica or not)."""
+    tensors: dict[ShardId, torch.Tensor] = field(default_factory=dict)
+    """Tensor shards this rank holds (main replica or not); factories' shards once split."""
 
-    main: dict[ShardId, tuple[tuple[int, ...], str]]
+    factories: dict[Signature, Any] = field(default_factory=dict)
+    """Factories (fused QKV, SwiGLU FC1 and their optimizer states) with detached data, unsplit."""
+
+    factory_of: dict[ShardId, Signature] = field(default_factory=dict)
+    """Which held factory produces a shard (split on first use)."""
+
+    main: dict[ShardId, tuple] = field(default_factory=dict)
     """Shape and dtype of the shards whose main replica is on this rank (the ones it sends)."""
 
-    objects: dict[ShardId, Any]
+    objects: dict[ShardId, Any] = field(default_factory=dict)
     """Sharded objects (e.g. Transformer Engine's extra state) this rank holds."""
 
-    main_objects: set[ShardId]
+    main_objects: set = field(default_factory=set)
     """Sharded objects whose main replica is on this rank."""
 
-    common: dict
+    optimizer_states: dict[tuple, dict] = field(default_factory=dict)
+    """Model-parameter identity -> the old optimizer's state of that parameter (adoptable)."""
+
+    common: dict = field(default_factory=dict)
     """The non-sharded part (scheduler, optimizer param groups, train state)."""
 
-    with_optimizer: bool
+    with_optimizer: bool = False
     """Whether optimizer state exists (none before the first step)."""
+
+    def tensor(self, shard: ShardId) -> Optional[torch.Tensor]:
+        """The held data of ``shard``, splitting its factory on first use."""
+        if shard not in self.tensors and shard in self.factory_of:
+            tensor_id, _ = _ids()
+            factory = self.factories[self.factory_of[shard]]
+            with torch.no_grad():
+                for st in _built_shards(factory.build()):
+                    self.tensors[tensor_id(st)] = st.data
+        return self.tensors.get(shard)
+
+    def holds(self, shard: ShardId) -> bool:
+        return shard in self.tensors or shard in self.factory_of
+
+    def release(self, keep: Callable[[str], bool]) -> None:
+        """Drop everything whose key ``keep`` rejects (its tensors are freed if nothing else
+        refers to them)."""
+        self.tensors = {s: t for s, t in self.tensors.items() if keep(s[0])}
+        self.factories = {sig: f for sig, f in self.factories.items() if keep(sig[0])}
+        self.factory_of = {s: sig for s, sig in self.factory_of.items() if sig in self.factories}
+        self.main = {s: m for s, m in self.main.items() if keep(s[0])}
 
 
 @dataclass
@@ -72,10 +187,14 @@ class ExchangeStats:
     """What one in-memory exchange moved, on this rank."""
 
     tensors_local: int = 0
-    """Shards copied from a tensor this rank held."""
+    """Shards (or whole unchanged factories) copied from a tensor this rank held."""
 
     bytes_local: int = 0
     """Bytes of those."""
+
+    tensors_adopted: int = 0
+    """Tensors the new objects took over without a copy (weights with storage of their own,
+    optimizer states kept on the model's parameters)."""
 
     tensors_received: int = 0
     """Shards received from another rank (layers that changed pipeline stage)."""
@@ -93,30 +212,47 @@ class ExchangeStats:
         return dict(vars(self))
 
 
-def _shard_ids():
-    from megatron.core.dist_checkpointing.utils import _sharded_object_id, _sharded_tensor_shard_id
-
-    return _sharded_tensor_shard_id, _sharded_object_id
+def _is_optimizer_key(key: str) -> bool:
+    return key.startswith("optimizer.")
 
 
 @torch.no_grad()
 def hold_state(model_chunks, optimizer, scheduler, train_state: dict) -> HeldState:
     """The old objects' state as shard id -> tensor (what a checkpoint save would write).
 
-    The tensors are detached views of the live ones (no copy) -- except the distributed
-    optimizer's, which its model-space format gathers over data parallelism, as a save does."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
+    Tensors are detached views of the live ones (no copy) -- except the distributed optimizer's,
+    which its model-space format gathers over data parallelism, as a save does."""
+    from megatron.core.dist_checkpointing.dict_utils import extract_matching_values, nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory, is_main_replica
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
-    tensor_id, object_id = _shard_ids()
+    tensor_id, object_id = _ids()
     with_optimizer = optimizer_has_state(optimizer)
     if not with_optimizer and _grad_scalers(optimizer):
         train_state = {**train_state, "grad_scalers": _scaler_states(optimizer)}
+    held = HeldState(with_optimizer=with_optimizer)
+    if with_optimizer and _state_on_model_params(optimizer):
+        identities = _model_identities(model_chunks)
+        for torch_optimizer in _torch_optimizers(optimizer):
+            for param, param_state in torch_optimizer.state.items():
+                if id(param) in identities and param_state:
+                    held.optimizer_states[identities[id(param)]] = dict(param_state)
     state = sharded_state(model_chunks, optimizer, scheduler, train_state, loading=False, with_optimizer=with_optimizer, with_rng=False)
-    sharded, common = save_preprocess(state, validate_access_integrity=False)
-    held = HeldState({}, {}, {}, set(), common, with_optimizer)
-    for item in nested_values(sharded):
+    factories, rest = extract_matching_values(state, lambda x: isinstance(x, ShardedTensorFactory))
+    unsigned = []
+    for factory in nested_values(factories):
+        factory = replace(factory, data=factory.data.detach())  # not the Parameter (its .main_grad keeps DDP's buffer)
+        signature = factory_signature(factory)
+        if signature is None:
+            unsigned.extend(_built_shards(factory.build()))
+            continue
+        held.factories[signature] = factory
+        for st in _built_shards(factory.build_fn(factory.key, factory.data.to("meta"), factory.replica_id, factory.flattened_range)):
+            held.factory_of[tensor_id(st)] = signature
+            if is_main_replica(st.replica_id):
+                held.main[tensor_id(st)] = (tuple(st.local_shape), str(st.dtype))
+    sharded, held.common = save_preprocess(rest, validate_access_integrity=False)
+    for item in [*nested_values(sharded), *unsigned]:
         if isinstance(item, ShardedTensor):
             shard = tensor_id(item)
             held.tensors[shard] = item.data.detach()
@@ -128,6 +264,17 @@ def hold_state(model_chunks, optimizer, scheduler, train_state: dict) -> HeldSta
             if is_main_replica(item.replica_id):
                 held.main_objects.add(shard)
     return held
+
+
+def drop_gradients(model_chunks) -> None:
+    """Detach the old parameters from DDP's gradient buffer (``.main_grad``, ``.grad``) before
+    the old objects go: a factory held in :class:`HeldState` may keep a parameter alive, and one
+    live view would keep the whole buffer."""
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            param.grad = None
+            if hasattr(param, "main_grad"):
+                param.main_grad = None
 
 
 def _rank0_common(common: dict) -> dict:
@@ -174,20 +321,37 @@ def _send_and_receive(ops: list) -> None:
         work.wait()
 
 
+def _whole_storage(tensor: torch.Tensor) -> bool:
+    return tensor.is_contiguous() and tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == _nbytes(tensor)
+
+
+def _copy_into(target: torch.Tensor, source: torch.Tensor, what: str, stats: ExchangeStats) -> None:
+    """Give ``target`` the values of ``source``: nothing if it already is ``source`` (an adopted
+    optimizer state); a parameter with storage of its own takes ``source``'s storage over (the
+    old weights become the new ones, no copy); a copy otherwise."""
+    if target.shape != source.shape:
+        raise RuntimeError(f"in-memory switch: {what} has shape {tuple(source.shape)} before the switch and {tuple(target.shape)} after")
+    if target.data_ptr() == source.data_ptr() and target.stride() == source.stride():
+        return
+    if (isinstance(target, torch.nn.Parameter) and target.dtype == source.dtype and target.device == source.device
+            and _whole_storage(target) and _whole_storage(source)):
+        target.data = source
+        stats.tensors_adopted += 1
+        return
+    target.copy_(source)
+    stats.tensors_local += 1
+    stats.bytes_local += _nbytes(source)
+
+
 @torch.no_grad()
 def _fill_tensors(needs: dict[ShardId, list], held: HeldState, stats: ExchangeStats) -> None:
     """Fill every needed shard: local copies, then one round of point-to-point transfers."""
-    remote = sorted((s for s in needs if s not in held.tensors), key=_sort_key)
+    remote = sorted((s for s in needs if not held.holds(s)), key=_sort_key)
     for shard, targets in needs.items():
-        if shard in held.tensors:
-            source = held.tensors[shard]
+        if held.holds(shard):
+            source = held.tensor(shard)
             for target in targets:
-                if target.data.shape != source.shape:
-                    raise RuntimeError(f"in-memory switch: {shard[0]} has shape {tuple(source.shape)} before the switch "
-                                       f"and {tuple(target.data.shape)} after")
-                target.data.copy_(source)
-            stats.tensors_local += 1
-            stats.bytes_local += source.numel() * source.element_size()
+                _copy_into(target.data, source, shard[0], stats)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         if remote:
             raise RuntimeError(f"in-memory switch: {remote[0][0]} is needed but was not held")
@@ -199,9 +363,9 @@ def _fill_tensors(needs: dict[ShardId, list], held: HeldState, stats: ExchangeSt
     ops, received = [], []
     for src, dst, shard in _plan_transfers(gathered):
         if src == me:
-            tensor = held.tensors[shard].contiguous()
+            tensor = held.tensor(shard).contiguous()
             ops.append(dist.P2POp(dist.isend, tensor, dst))
-            stats.bytes_sent += tensor.numel() * tensor.element_size()
+            stats.bytes_sent += _nbytes(tensor)
         elif dst == me:
             target = needs[shard][0].data
             buffer = target if target.is_contiguous() else torch.empty_like(target, memory_format=torch.contiguous_format)
@@ -213,7 +377,7 @@ def _fill_tensors(needs: dict[ShardId, list], held: HeldState, stats: ExchangeSt
             if target.data is not buffer:
                 target.data.copy_(buffer)
         stats.tensors_received += 1
-        stats.bytes_received += buffer.numel() * buffer.element_size()
+        stats.bytes_received += _nbytes(buffer)
 
 
 def _fill_objects(needs: dict[ShardId, list], held: HeldState, stats: ExchangeStats) -> None:
@@ -245,23 +409,39 @@ def _fill_objects(needs: dict[ShardId, list], held: HeldState, stats: ExchangeSt
         stats.objects_received += 1
 
 
-def restore_state(held: HeldState, model_chunks, optimizer, scheduler) -> ExchangeStats:
-    """Load ``held`` into freshly built objects, as a checkpoint load of the same state would.
-    Collective: every rank calls it. Random-number state is left alone (the caller's)."""
+@torch.no_grad()
+def _exchange(state: dict, held: HeldState, common: dict, stats: ExchangeStats) -> dict:
+    """Fill a loading sharded state from ``held``; the loaded state dict, as
+    ``dist_checkpointing.load`` returns it (``common`` is merged into and returned)."""
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge, nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factory_merges
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedObject,
+        ShardedTensor,
+        ShardedTensorFactory,
+        apply_factory_merges,
+    )
     from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
     from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
-    tensor_id, object_id = _shard_ids()
-    state = sharded_state(model_chunks, optimizer, scheduler, {}, loading=True, with_optimizer=held.with_optimizer, with_rng=False)
-    if not held.with_optimizer:
-        state.pop("opt_param_scheduler", None)
+    tensor_id, object_id = _ids()
+    unchanged: dict[ShardId, torch.Tensor] = {}
+
+    def unchanged_factory(item):
+        # Loaded as it is, no split and fuse: the factory's place is taken by an object that only
+        # this rank has and already holds (the result keeps the state dict's list positions).
+        if isinstance(item, ShardedTensorFactory):
+            signature = factory_signature(item)
+            if signature is not None and signature in held.factories:
+                _copy_into(item.data, held.factories[signature].data, item.key, stats)
+                placeholder = ShardedObject(f"in_memory_switch.unchanged.{len(unchanged)}", item.data, (1,), (0,), replica_id=0)
+                unchanged[object_id(placeholder)] = item.data
+                return placeholder
+        return item
+
+    dict_list_map_inplace(unchanged_factory, state)
     sharded, nonpersistent, factories = load_preprocess(state)
-    common = _rank0_common(held.common)
     merge(common, nonpersistent)
     sharded, _ = extract_sharded_base(sharded)
-
     tensor_needs: dict[ShardId, list] = {}
     object_needs: dict[ShardId, list] = {}
     for item in nested_values(sharded):
@@ -269,12 +449,57 @@ def restore_state(held: HeldState, model_chunks, optimizer, scheduler) -> Exchan
             tensor_needs.setdefault(tensor_id(item), []).append(item)
         elif isinstance(item, ShardedObject):
             object_needs.setdefault(object_id(item), []).append(item)
-    stats = ExchangeStats()
     _fill_tensors(tensor_needs, held, stats)
-    _fill_objects(object_needs, held, stats)
-
+    _fill_objects({s: t for s, t in object_needs.items() if s not in unchanged}, held, stats)
     loaded = dict_list_map_inplace(lambda item: item.data if isinstance(item, (ShardedTensor, ShardedObject)) else item, sharded)
     merge(common, loaded)
-    loaded = apply_factory_merges(common, factories)
-    apply_loaded_state(loaded, model_chunks, optimizer, scheduler, with_optimizer=held.with_optimizer, restore_rng=False)
+    return apply_factory_merges(common, factories)
+
+
+def _adopt_optimizer_states(held: HeldState, model_chunks, optimizer, stats: ExchangeStats) -> None:
+    """Give every new parameter whose identity is unchanged the old optimizer's state tensors
+    (before the optimizer allocates its own: Megatron only initialises empty states)."""
+    if not held.optimizer_states or not _state_on_model_params(optimizer):
+        return
+    identities = _model_identities(model_chunks)
+    for torch_optimizer in _torch_optimizers(optimizer):
+        for group in torch_optimizer.param_groups:
+            for param in group["params"]:
+                old = held.optimizer_states.pop(identities.get(id(param)), None)
+                if old is None or torch_optimizer.state.get(param):
+                    continue
+                if any(torch.is_tensor(v) and v.dim() > 0 and v.shape != param.shape for v in old.values()):
+                    continue
+                torch_optimizer.state[param] = old
+                stats.tensors_adopted += sum(1 for v in old.values() if torch.is_tensor(v) and v.dim() > 0)
+    held.optimizer_states.clear()
+
+
+def restore_state(held: HeldState, model_chunks, optimizer, scheduler) -> ExchangeStats:
+    """Load ``held`` into freshly built objects, as a checkpoint load of the same state would.
+    Collective: every rank calls it. Random-number state is left alone (the caller's). The
+    model's tensors leave ``held`` once loaded; drop ``held`` afterwards."""
+    stats = ExchangeStats()
+    common = _rank0_common(held.common)
+    model_keys = [f"model{i or ''}" for i in range(len(model_chunks))]
+
+    # 1. The model. Then the old weights go, before any optimizer state is allocated.
+    state = sharded_state(model_chunks, None, None, {}, loading=True, with_optimizer=False, with_rng=False)
+    state.pop("train_state")
+    loaded = _exchange(state, held, {k: v for k, v in common.items() if k in model_keys}, stats)
+    apply_loaded_state(loaded, model_chunks, None, None, with_optimizer=False, restore_rng=False)
+    held.release(keep=_is_optimizer_key)
+
+    # 2. The optimizer and LR schedule (or, before the first step, the fp16 loss scale).
+    rest = {k: v for k, v in common.items() if k not in model_keys}
+    if held.with_optimizer:
+        _adopt_optimizer_states(held, model_chunks, optimizer, stats)
+        state = sharded_state(model_chunks, optimizer, scheduler, {}, loading=True, with_optimizer=True, with_rng=False)
+        for key in (*model_keys, "train_state"):
+            state.pop(key)
+        loaded = _exchange(state, held, rest, stats)
+    else:
+        loaded = rest
+    apply_loaded_state(loaded, model_chunks, optimizer, scheduler, with_optimizer=held.with_optimizer, restore_rng=False,
+                       with_model=False)
     return stats

@@ -122,11 +122,13 @@ def architecture_from_config(model_cfg) -> LlamaArchitecture:
     )
 
 
-def make_transformer_config(plan: BuildPlan, kernels: Optional[KernelAvailability] = None) -> TransformerConfig:
+def make_transformer_config(plan: BuildPlan, kernels: Optional[KernelAvailability] = None,
+                            megatron_init: bool = True) -> TransformerConfig:
     """The Megatron ``TransformerConfig`` of a plan (a LLaMA decoder).
 
     ``kernels``: the fused kernels to use where they help (default: what this process can load,
-    :mod:`epas_megatron.model.fusions`)."""
+    :mod:`epas_megatron.model.fusions`). ``megatron_init=False``: weights are allocated but not
+    drawn (Megatron's ``perform_initialization``), for builds whose weights are loaded next."""
     kernels = KernelAvailability.detect() if kernels is None else kernels
     arch, dtype = plan.arch, PRECISIONS[plan.precision]
     kwargs = dict(
@@ -143,6 +145,7 @@ def make_transformer_config(plan: BuildPlan, kernels: Optional[KernelAvailabilit
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=arch.init_method_std,
+        perform_initialization=megatron_init,
         tensor_model_parallel_size=plan.tp,
         pipeline_model_parallel_size=plan.pp,
         # With a layout, Megatron takes the chunks per rank from it.
@@ -280,15 +283,20 @@ class BuiltModel:
     QK hand-off while it crosses stages (see :func:`pipeline_handoff_rows`)."""
 
 
-def build_model(plan: BuildPlan, seed: Optional[int] = None, kernels: Optional[KernelAvailability] = None) -> BuiltModel:
+def build_model(plan: BuildPlan, seed: Optional[int] = None, kernels: Optional[KernelAvailability] = None,
+                load_follows: bool = False) -> BuiltModel:
     """This rank's model chunks for a plan: the one place the trainer, evaluation, benchmarks and
     conversion assemble a model.
 
     With ``seed``, weights are initialised independently of the parallel layout and of the
     sharing region (:mod:`epas_megatron.model.init`); without, Megatron's own initialisation
-    stays (weights that a checkpoint load overwrites anyway). In bf16/fp16 each chunk is a
+    stays (weights that a checkpoint load overwrites anyway) -- or, with ``load_follows``, none
+    (the weights hold whatever memory held until the caller loads every one of them: a switch or
+    a resume skips drawing a model's worth of random numbers). In bf16/fp16 each chunk is a
     ``Float16Module`` around the :class:`EpasGPTModel`."""
-    config = make_transformer_config(plan, kernels)
+    if load_follows and seed is not None:
+        raise ValueError("build_model: a seed initialises the weights, load_follows leaves them to a load")
+    config = make_transformer_config(plan, kernels, megatron_init=not load_follows)
     hidden_rows, total_rows, schedule_seq = pipeline_handoff_rows(config, plan.modes, plan.seq_length, plan.share)
     layers_backend = get_backend(plan.backend, plan.core_attention)
     specs = decoder_layer_specs(plan.modes, layers_backend, plan.share, plan.detach_shared)

@@ -39,11 +39,11 @@ class TrainingState:
 def build_training_state(plan: BuildPlan, settings: Optional[OptimizerSettings] = None, seed: Optional[int] = None) -> TrainingState:
     """Build the plan's chunks and, with ``settings``, wrap them in Megatron's DDP and make the
     optimizer and LR schedule. ``seed``: initialise the weights (layout- and region-independent);
-    leave it None when a checkpoint load follows."""
+    None when every weight is loaded next (a resume, a switch, evaluation): then none is drawn."""
     from epas_megatron.model.builder import build_model
     from epas_megatron.training.optimizer import build_optimizer, build_scheduler, wrap_ddp
 
-    built = build_model(plan, seed=seed)
+    built = build_model(plan, seed=seed, load_follows=seed is None)
     if settings is None:
         return TrainingState(plan, built.chunks, None, None, built.config, built.schedule_seq_length)
     if settings.precision != plan.precision:

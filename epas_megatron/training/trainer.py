@@ -425,10 +425,11 @@ class Trainer:
     def _switch_in_memory(self, sharing_layers: tuple[int, ...]) -> dict:
         """Hold the state's tensors, release the old objects, rebuild, move the tensors in
         (:mod:`epas_megatron.checkpointing.in_memory`)."""
-        from epas_megatron.checkpointing.in_memory import hold_state, restore_state
+        from epas_megatron.checkpointing.in_memory import drop_gradients, hold_state, restore_state
         from epas_megatron.runtime.rng import preserved_rng_state
 
         held = hold_state(self.model, self.optimizer, self.scheduler, {})
+        drop_gradients(self.model)
         self.plan = self._plan_for(sharing_layers)
         with preserved_rng_state():  # building draws from it; a checkpoint load restores it
             self.build(initialize=False)
