@@ -199,7 +199,7 @@ def summarize(cfg: SwitchBenchConfig, results: dict[str, list[dict]]) -> dict:
             median, spread = _median_spread([r[figure] for r in runs])
             record[f"{figure}_{mode}"] = median
             record[f"{figure}_{mode}_spread"] = spread
-        record[f"weight_bytes"] = runs[0]["weight_bytes"]
+        record["weight_bytes"] = runs[0]["weight_bytes"]
     if {"memory", "checkpoint"} <= set(results):
         record["speedup_memory_over_checkpoint"] = record["seconds_checkpoint"] / record["seconds_memory"]
     return record
