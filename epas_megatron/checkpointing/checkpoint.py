@@ -115,8 +115,18 @@ def _use_thread_queue() -> None:
     # are threads of this process, so a plain thread-safe queue does the same job.
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if getattr(filesystem_async, "_results_queue", None) is None:
+    if not isinstance(getattr(filesystem_async, "_results_queue", None), queue.Queue):
         filesystem_async._results_queue = queue.Queue()
+
+
+def _use_process_queue() -> None:
+    # The asynchronous writer is a forked process: it reports its write results through a queue
+    # the fork inherits (a pipe), created before the fork.
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._results_queue = multiprocessing.get_context("fork").Queue()
 
 
 def sharded_state(model_chunks: Sequence[torch.nn.Module], optimizer, scheduler, train_state: dict, *, loading: bool, with_optimizer: bool = True, with_rng: bool = True) -> dict:
@@ -183,6 +193,39 @@ def optimizer_has_state(optimizer) -> bool:
     return any(len(getattr(getattr(o, "optimizer", o), "state", {})) > 0 for o in parts)
 
 
+def _begin_save(root: Path, iteration: int) -> Path:
+    """An empty ``root/iter_NNNNNNN`` (a half-written one of this iteration is replaced: the
+    pointer never named it)."""
+    target = iteration_dir(root, iteration)
+    if _rank0():
+        root.mkdir(parents=True, exist_ok=True)
+        if target.exists():
+            shutil.rmtree(target)
+        target.mkdir()
+    _barrier()
+    return target
+
+
+def _state_to_save(model_chunks, optimizer, scheduler, train_state: dict) -> tuple[dict, bool]:
+    """(sharded state, whether it holds optimizer state)."""
+    with_optimizer = optimizer_has_state(optimizer)
+    if not with_optimizer and _grad_scalers(optimizer):
+        train_state = {**train_state, "grad_scalers": _scaler_states(optimizer)}
+    return sharded_state(model_chunks, optimizer, scheduler, train_state, loading=False, with_optimizer=with_optimizer), with_optimizer
+
+
+def _complete_save(root: Path, target: Path, iteration: int, meta: dict, with_optimizer: bool, keep_last: int) -> None:
+    """After every rank's data is written: run_meta.json, then the pointer, then pruning."""
+    _barrier()
+    if _rank0():
+        record = {**meta, "iteration": iteration, "has_optimizer_state": with_optimizer}
+        (target / META).write_text(json.dumps(record, indent=1, sort_keys=True))
+        atomic_write_text(root / POINTER, str(iteration))
+        if keep_last > 0:
+            prune(root, keep_last)
+    _barrier()
+
+
 def save_checkpoint(
     root: str | os.PathLike,
     iteration: int,
@@ -200,27 +243,69 @@ def save_checkpoint(
 
     _use_thread_queue()
     root = Path(root)
-    target = iteration_dir(root, iteration)
-    if _rank0():
-        root.mkdir(parents=True, exist_ok=True)
-        if target.exists():  # a half-written save of this iteration: the pointer never named it
-            shutil.rmtree(target)
-        target.mkdir()
-    _barrier()
-    with_optimizer = optimizer_has_state(optimizer)
-    if not with_optimizer and _grad_scalers(optimizer):
-        train_state = {**train_state, "grad_scalers": _scaler_states(optimizer)}
-    state = sharded_state(model_chunks, optimizer, scheduler, train_state, loading=False, with_optimizer=with_optimizer)
+    target = _begin_save(root, iteration)
+    state, with_optimizer = _state_to_save(model_chunks, optimizer, scheduler, train_state)
     dist_checkpointing.save(state, str(target))
-    _barrier()
-    if _rank0():
-        record = {**meta, "iteration": iteration, "has_optimizer_state": with_optimizer}
-        (target / META).write_text(json.dumps(record, indent=1, sort_keys=True))
-        atomic_write_text(root / POINTER, str(iteration))
-        if keep_last > 0:
-            prune(root, keep_last)
-    _barrier()
+    _complete_save(root, target, iteration, meta, with_optimizer, keep_last)
     return target
+
+
+class AsyncCheckpointer:
+    """Checkpoint saves that run while training goes on (``--async-save``), with Megatron-Core's
+    asynchronous ``torch_dist`` writer.
+
+    :meth:`save` takes the state (on a GPU: copies it to host memory) and forks a writer process
+    per rank; the trainer keeps stepping. :meth:`poll` (every iteration, on every rank) completes
+    the saves whose writers have finished *on every rank*: only then are the checkpoint's global
+    metadata, ``run_meta.json`` and the ``latest`` pointer written -- a run killed mid-save
+    leaves the previous checkpoint as the latest, whole and resumable. A save still in flight is
+    completed before the next one starts (:meth:`finish`), and at the end of training. On CPU
+    the writer sees the fork's copy-on-write snapshot of the state, so training may overwrite
+    the tensors at once.
+    """
+
+    def __init__(self):
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self._calls = AsyncCallsQueue(persistent=False)
+        self._in_flight: list[Path] = []
+
+    @property
+    def in_flight(self) -> list[Path]:
+        """Checkpoints being written (not the latest yet)."""
+        return list(self._in_flight)
+
+    def save(self, root: str | os.PathLike, iteration: int, model_chunks, optimizer, scheduler, train_state: dict, meta: dict,
+             keep_last: int = 0) -> Path:
+        """Start saving ``root/iter_NNNNNNN`` (after completing any save in flight)."""
+        from functools import partial
+
+        from megatron.core import dist_checkpointing
+
+        self.finish()
+        _use_process_queue()
+        root = Path(root)
+        target = _begin_save(root, iteration)
+        state, with_optimizer = _state_to_save(model_chunks, optimizer, scheduler, train_state)
+        request = dist_checkpointing.save(state, str(target), async_sharded_save=True, async_strategy="mcore")
+        request.add_finalize_fn(partial(_complete_save, root, target, iteration, meta, with_optimizer, keep_last))
+        self._calls.schedule_async_request(request)
+        self._in_flight.append(target)
+        return target
+
+    def poll(self) -> list[Path]:
+        """Complete the saves that every rank has finished writing; returns them. Collective."""
+        done = self._calls.maybe_finalize_async_calls(blocking=False)
+        finished, self._in_flight = self._in_flight[: len(done)], self._in_flight[len(done):]
+        return finished
+
+    def finish(self) -> list[Path]:
+        """Wait for and complete every save in flight; returns them. Collective."""
+        if not self._in_flight:
+            return []
+        self._calls.maybe_finalize_async_calls(blocking=True)
+        finished, self._in_flight = self._in_flight, []
+        return finished
 
 
 def checkpoint_iterations(root: str | os.PathLike) -> list[int]:

@@ -260,6 +260,13 @@ class CheckpointConfig:
     no_save_final: bool = False
     """Do not save a checkpoint at the end of training."""
 
+    async_save: bool = False
+    """Write checkpoints in the background while training continues (Megatron-Core's
+    asynchronous torch_dist writer, one forked writer process per rank). The latest pointer
+    moves only once every rank has finished writing; a save still in flight is completed before
+    the next save and at the end of training. Switch staging saves (--epas-switch-mode
+    checkpoint) stay synchronous."""
+
 
 @dataclass
 class LoggingConfig:

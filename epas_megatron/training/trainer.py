@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import shutil
 import signal
 import time
@@ -94,6 +95,7 @@ class Trainer:
         self.skipped_eval_regions: set[int] = set()  # --eval-regions sizes reported as skipped
         self.layer_timer = None
         self.timed_iterations = 0
+        self.async_saver = None  # AsyncCheckpointer with --async-save (made in setup)
 
     # ------------------------------------------------------------------ what is built
     @property
@@ -174,6 +176,8 @@ class Trainer:
             ckpt.load_checkpoint(run.pretrained_dir, self.model, restore_rng=False)
             self.print(f"initialised from the weights of {run.pretrained_dir} (fresh optimizer, iteration 0)")
         self._build_data_iterators()
+        if cfg.checkpoint.async_save:
+            self.async_saver = ckpt.AsyncCheckpointer()
         self.metrics = self._metrics_logger()
         if self._own_signal_handler:
             self.exit_signal.install()
@@ -375,12 +379,37 @@ class Trainer:
                 "train_time_s": train_seconds}
 
     def save(self, root: Optional[Path] = None, keep_last: Optional[int] = None) -> Path:
-        """Checkpoint the full training state at the current iteration."""
+        """Checkpoint the full training state at the current iteration (synchronously: a save
+        in flight is completed first)."""
         root = root or self.run.checkpoint_root
         keep = self.cfg.checkpoint.keep_last if keep_last is None else keep_last
+        self._finish_async_saves()
         return ckpt.save_checkpoint(
             root, self.iteration, self.model, self.optimizer, self.scheduler, self._train_state(), self._meta(), keep_last=keep
         )
+
+    def checkpoint(self) -> None:
+        """Save the run's checkpoint of this iteration: in the background with --async-save."""
+        if self.async_saver is None:
+            self.print(f"saved checkpoint {self.save()}")
+            return
+        for done in self.async_saver.finish():
+            self.print(f"saved checkpoint {done}")
+        target = self.async_saver.save(self.run.checkpoint_root, self.iteration, self.model, self.optimizer, self.scheduler,
+                                       self._train_state(), self._meta(), keep_last=self.cfg.checkpoint.keep_last)
+        self.print(f"saving checkpoint {target} in the background")
+        if os.environ.get("EPAS_TEST_KILL_DURING_ASYNC_SAVE") == str(self.iteration):  # fault injection (tests)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _poll_async_saves(self) -> None:
+        if self.async_saver is not None and self.async_saver.in_flight:
+            for done in self.async_saver.poll():
+                self.print(f"saved checkpoint {done}")
+
+    def _finish_async_saves(self) -> None:
+        if self.async_saver is not None:
+            for done in self.async_saver.finish():
+                self.print(f"saved checkpoint {done}")
 
     def _load(self, checkpoint_dir: Path) -> None:
         meta = ckpt.read_meta(checkpoint_dir)
@@ -515,16 +544,19 @@ class Trainer:
                 self._log_interval(progress, result)
             if t.eval_interval and self.valid_ds is not None and self.iteration % t.eval_interval == 0:
                 last_valid = self._log_validation(progress)
+            self._poll_async_saves()
             if self.cfg.checkpoint.save_interval and self.iteration % self.cfg.checkpoint.save_interval == 0:
-                self.print(f"saved checkpoint {self.save()}")
+                self.checkpoint()
             signum = self.exit_signal.agreed()
             if signum is not None:
                 exit_reason = f"signal {signum}"
                 break
 
         stopped_early = self.iteration < t.train_iters
+        self._finish_async_saves()
         if (stopped_early or not self.cfg.checkpoint.no_save_final) and ckpt.latest_iteration(self.run.checkpoint_root) != self.iteration:
-            self.print(f"saved checkpoint {self.save()}")
+            self.checkpoint()
+            self._finish_async_saves()
         if stopped_early and exit_reason == "completed":
             exit_reason = "exit_interval"
         summary = self._summary(progress, last_valid, exit_reason)
