@@ -478,7 +478,8 @@ def _adopt_optimizer_states(held: HeldState, model_chunks, optimizer, stats: Exc
 def restore_state(held: HeldState, model_chunks, optimizer, scheduler) -> ExchangeStats:
     """Load ``held`` into freshly built objects, as a checkpoint load of the same state would.
     Collective: every rank calls it. Random-number state is left alone (the caller's). The
-    model's tensors leave ``held`` once loaded; drop ``held`` afterwards."""
+    model's tensors leave ``held`` once loaded; drop ``held`` afterwards. The old objects must
+    not be used again: the new ones may own their tensors now."""
     stats = ExchangeStats()
     common = _rank0_common(held.common)
     model_keys = [f"model{i or ''}" for i in range(len(model_chunks))]

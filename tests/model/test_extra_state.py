@@ -94,3 +94,21 @@ def test_plain_state_dict_of_a_computing_model_loads_strictly_into_a_sharing_mod
     sharing = _model(tiny_arch, (2, 3))
     sharing.load_state_dict(computing.state_dict(), strict=True)
     assert _calibrations(sharing) == _calibrations(computing)
+
+
+def test_extra_state_follows_the_running_gemm_through_the_in_memory_switch(te_like_backend, tiny_arch):
+    """The same round trip with --epas-switch-mode memory's exchange (sharded objects matched by
+    key, no files): computing -> sharing (2, 3) -> computing."""
+    from epas_megatron.checkpointing.in_memory import hold_state, restore_state
+
+    computing = _model(tiny_arch, ())
+    calibrated = _calibrations(computing)
+    sharing = _model(tiny_arch, (2, 3))
+    restore_state(hold_state([computing], None, None, {}), [sharing], None, None)
+    assert _calibrations(sharing) == calibrated
+    back = _model(tiny_arch, ())
+    restore_state(hold_state([sharing], None, None, {}), [back], None, None)
+    assert _calibrations(back) == calibrated
+    for name, value in computing.state_dict().items():
+        if not name.endswith("_extra_state"):
+            assert torch.equal(value, back.state_dict()[name]), name
