@@ -235,7 +235,8 @@ def predict_7b() -> list[dict]:
                        seq_length=2048)
     flops = float(flops_per_iteration(shape, 1024, 0, convention=Convention.MEGATRON))
     a = ClusterAssumptions()
-    return [{**predict_switch(params, layer, tp=2, pp=2, dp=dp, moved_layers=1, iteration_flops=flops, a=a),
+    qkv = p.hidden_size * (p.hidden_size + 2 * p.num_query_groups * (p.hidden_size // p.num_attention_heads))
+    return [{**predict_switch(params, layer, tp=2, pp=2, dp=dp, moved_layers=1, qkv_params=qkv, iteration_flops=flops, a=a),
              "params": params, "global_batch": 1024, "seq_length": 2048, "assumptions": vars(a)} for dp in (2, 8)]
 
 
@@ -243,12 +244,12 @@ def format_prediction(rows: list[dict]) -> list[str]:
     a = rows[0]["assumptions"]
     lines = [f"prediction, LLaMA-7B ({rows[0]['params'] / 1e9:.2f}B parameters, {rows[0]['state_bytes'] / 1e9:.0f} GB of bf16 weights + "
              f"fp32 main weights and Adam moments), distributed optimizer, one layer changing stage per switch:",
-             "| GPUs (TP x PP x DP) | checkpoint: s (iterations) | memory: s (iterations) | written by checkpoint | gathered per GPU |",
+             "| GPUs (TP x PP x DP) | checkpoint: s (iterations) | memory: s (iterations) | written by checkpoint | gathered per GPU by checkpoint (memory: none) |",
              "|---|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['gpus']} ({r['tp']}x{r['pp']}x{r['dp']}) | {r['seconds_checkpoint']:.0f} ({r['iterations_checkpoint']:.2f}) | "
                      f"{r['seconds_memory']:.1f} ({r['iterations_memory']:.2f}) | {r['bytes_written_checkpoint'] / 1e9:.0f} GB | "
-                     f"{r['gathered_bytes_per_gpu'] / 1e9:.1f} GB |")
+                     f"{r['gathered_bytes_per_gpu_checkpoint'] / 1e9:.1f} GB |")
     lines.append(f"assumptions: file system {a['fs_write_gb_s_per_node']:g} GB/s write and {a['fs_read_gb_s_per_node']:g} GB/s read per node, "
                  f"{a['intra_node_gb_s']:g} GB/s per GPU in a node, {a['inter_node_gb_s']:g} GB/s between nodes, HBM copies "
                  f"{a['hbm_copy_gb_s']:g} GB/s, rebuild {a['rebuild_s']:g} s; iteration at {a['mfu']:.0%} MFU of "

@@ -3,18 +3,21 @@
 A switch carries the whole training state across a rebuild. Its size, for bf16 training with
 the distributed optimizer (Megatron's default at scale), is per parameter: 2 bytes of bf16
 weights plus 12 bytes of fp32 main weights and the two Adam moments (the fp32 gradient buffer
-is rebuilt, not carried) -- 14 bytes, ~94 GB for LLaMA-7B. Both modes first gather the
-distributed optimizer's shards over data parallelism into model space (Megatron's
-``fully_reshardable`` format; every DP rank receives the ``12 x P / (TP x PP)`` bytes of its
-model-parallel shard, of which it held ``1/DP``). Then:
+is rebuilt, not carried) -- 14 bytes, ~94 GB for LLaMA-7B.
 
-- ``checkpoint``: the state is written once (``14 x P`` bytes at the file system's aggregate
-  write bandwidth) and read back by every rank that needs it -- each data-parallel replica reads
-  its whole model-parallel shard, ``14 x P x DP`` bytes at the aggregate read bandwidth.
-- ``memory``: each rank copies its shard into the new objects (``2 x 26 x P / (TP x PP)``
-  bytes through HBM: 14 bytes of state plus the 12 bytes of gathered optimizer state sliced
-  back to the rank's part, each read and written) and the layers that change pipeline stage go
-  point to point (``14 x`` their parameters ``/ TP`` per moved layer, over the inter-stage link).
+- ``checkpoint``: Megatron's ``fully_reshardable`` format first gathers the distributed
+  optimizer's shards over data parallelism into model space (every DP rank receives the
+  ``12 x P / (TP x PP)`` bytes of its model-parallel shard, of which it held ``1/DP``); the
+  state is written once (``14 x P`` bytes at the file system's aggregate write bandwidth) and
+  read back by every rank that needs it -- each data-parallel replica reads its whole
+  model-parallel shard, ``14 x P x DP`` bytes at the aggregate read bandwidth.
+- ``memory``: no gather. Each rank copies its own part into the new objects (``2 x (2 + 12 /
+  DP) x P / (TP x PP)`` bytes through HBM: read and written), the elements whose owner changes
+  go point to point -- the layers that change pipeline stage (``14 x`` their parameters
+  ``/ TP`` per moved layer, over the inter-stage link) and the switching layer's fused QKV
+  optimizer state, assembled on one rank to split off its V rows (``12 x`` its QKV parameters
+  ``/ TP``, over the DP link); the shift of the DP shard boundaries by the rows that left the
+  buffer is of the same small order and included in that term.
 
 Both rebuild the modules, DDP buffers and optimizer (a stated constant). All bandwidths are
 assumptions, given with the result; the CPU measurement of ``epas-bench switch`` checks the
@@ -66,27 +69,31 @@ def llama_parameters(num_layers: int, hidden: int, heads: int, groups: int, ffn:
 
 
 def predict_switch(params: int, layer_params: int, *, tp: int, pp: int, dp: int, moved_layers: int = 1,
-                   iteration_flops: float = 0.0, a: ClusterAssumptions = ClusterAssumptions()) -> dict:
-    """Seconds (and bytes) of one switch in each mode; ``iteration_flops`` (whole model, one
-    iteration) adds the cost in iterations."""
+                   qkv_params: int = 0, iteration_flops: float = 0.0, a: ClusterAssumptions = ClusterAssumptions()) -> dict:
+    """Seconds (and bytes) of one switch in each mode; ``qkv_params``: the fused QKV weight of
+    one layer (whole model, before TP); ``iteration_flops`` (whole model, one iteration) adds
+    the cost in iterations."""
     world = tp * pp * dp
     nodes = max(1, -(-world // a.gpus_per_node))
     gb = 1e9
     shard = params / (tp * pp)  # parameters of one model-parallel rank
     dp_link = a.intra_node_gb_s if tp * dp <= a.gpus_per_node else a.inter_node_gb_s
     pp_link = a.intra_node_gb_s if tp * dp * pp <= a.gpus_per_node else a.inter_node_gb_s
-    gather_s = (12 * shard * (dp - 1) / dp) / (dp_link * gb)
+    gather = 12 * shard * (dp - 1) / dp
     written = 14 * params
     read = 14 * params * dp
-    checkpoint_s = gather_s + written / (a.fs_write_gb_s_per_node * nodes * gb) + read / (a.fs_read_gb_s_per_node * nodes * gb) + a.rebuild_s
-    local = 2 * 26 * shard
+    checkpoint_s = gather / (dp_link * gb) + written / (a.fs_write_gb_s_per_node * nodes * gb) \
+        + read / (a.fs_read_gb_s_per_node * nodes * gb) + a.rebuild_s
+    local = 2 * (2 + 12 / dp) * shard
     moved = 14 * layer_params / tp * moved_layers if pp > 1 else 0
-    memory_s = gather_s + local / (a.hbm_copy_gb_s * gb) + moved / (pp_link * gb) + a.rebuild_s
+    assembled = 12 * qkv_params / tp if dp > 1 else 0
+    memory_s = local / (a.hbm_copy_gb_s * gb) + moved / (pp_link * gb) + assembled / (dp_link * gb) + a.rebuild_s
     result = {
         "gpus": world, "tp": tp, "pp": pp, "dp": dp, "state_bytes": 14 * params,
         "seconds_checkpoint": checkpoint_s, "seconds_memory": memory_s,
         "bytes_written_checkpoint": written, "bytes_read_checkpoint": read, "bytes_written_memory": 0,
-        "bytes_between_ranks_memory": moved * tp, "gathered_bytes_per_gpu": 12 * shard,
+        "bytes_between_ranks_memory": moved * tp + assembled * tp, "gathered_bytes_per_gpu_checkpoint": 12 * shard,
+        "gathered_bytes_per_gpu_memory": 0,
     }
     if iteration_flops:
         iteration_s = iteration_flops / (world * a.peak_tflops * 1e12 * a.mfu)

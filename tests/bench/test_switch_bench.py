@@ -27,11 +27,14 @@ def test_llama_parameter_count_matches_llama2_7b_and_a_built_model(single_proces
 def test_prediction_by_hand():
     a = ClusterAssumptions(gpus_per_node=8, fs_write_gb_s_per_node=1.0, fs_read_gb_s_per_node=2.0, intra_node_gb_s=10.0,
                            inter_node_gb_s=1.0, hbm_copy_gb_s=100.0, rebuild_s=1.0, mfu=0.5, peak_tflops=100.0)
-    p = predict_switch(1_000_000_000, 10_000_000, tp=1, pp=2, dp=2, moved_layers=2, iteration_flops=4e15, a=a)
+    p = predict_switch(1_000_000_000, 10_000_000, tp=1, pp=2, dp=2, moved_layers=2, qkv_params=3_000_000,
+                       iteration_flops=4e15, a=a)
     shard = 0.5e9  # parameters per model-parallel rank
-    gather = 12 * shard * 0.5 / 10e9  # half of the rank's fp32 optimizer state arrives from its DP peer
+    gather = 12 * shard * 0.5 / 10e9  # checkpoint: half of the rank's fp32 optimizer state arrives from its DP peer
     assert p["seconds_checkpoint"] == pytest.approx(gather + 14e9 / 1e9 + 14e9 * 2 / 2e9 + 1.0)
-    assert p["seconds_memory"] == pytest.approx(gather + 2 * 26 * shard / 100e9 + 14 * 10_000_000 * 2 / 10e9 + 1.0)
+    # memory: bf16 weights + the rank's half of the fp32 state, read and written; two moved layers;
+    # the switching layer's fused QKV state assembled over the DP link
+    assert p["seconds_memory"] == pytest.approx(2 * (2 + 6) * shard / 100e9 + 14 * 10_000_000 * 2 / 10e9 + 12 * 3_000_000 / 10e9 + 1.0)
     assert p["iteration_s"] == pytest.approx(4e15 / (4 * 100e12 * 0.5))
     assert p["bytes_written_memory"] == 0 and p["bytes_written_checkpoint"] == 14e9
 

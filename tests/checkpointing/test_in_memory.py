@@ -69,3 +69,52 @@ def test_held_state_restores_what_a_checkpoint_load_restores(tmp_path):
         assert by_memory[2] == by_checkpoint[2]
     finally:
         trainer.close()
+
+
+@pytest.mark.parametrize("mode", ["memory", "checkpoint"])
+def test_distributed_optimizer_state_is_never_gathered_by_the_in_memory_switch(tmp_path, monkeypatch, mode):
+    """The in-memory switch moves the distributed optimizer's own shards; only the checkpoint
+    round trip gathers them over DP into model space (Megatron's get_parameter_state_dp_zero,
+    made to fail here: the checkpoint mode shows the trap works)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from epas_testing import TINY
+    from epas_megatron.config.cli import parse_config
+    from epas_megatron.config.validation import resolve_run
+    from epas_megatron.training.trainer import Trainer
+
+    def gather(*args, **kwargs):
+        raise AssertionError("optimizer state gathered over DP")
+
+    monkeypatch.setattr(DistributedOptimizer, "get_parameter_state_dp_zero", gather)
+    argv = [*TINY, "--train-iters", "4", "--global-batch-size", "2", "--micro-batch-size", "1", "--epas-target-layers", "2",
+            "--epas-interval", "2", "--seed", "3", "--output-dir", str(tmp_path / "run"), "--no-save-final",
+            "--use-distributed-optimizer", "--epas-switch-mode", mode]
+    trainer = Trainer(resolve_run(parse_config(argv), world_size=1))
+    trainer.setup()
+    try:
+        trainer._train_step()  # optimizer state exists
+        if mode == "checkpoint":
+            with pytest.raises(AssertionError, match="gathered over DP"):
+                trainer.apply_switch((3,))
+        else:
+            trainer.apply_switch((3,))
+            trainer._train_step()
+            assert trainer.sharing_layers == (3,)
+    finally:
+        trainer.close()
+
+
+def test_range_plan_covers_each_wanted_range_once_from_its_owners():
+    from epas_megatron.checkpointing.in_memory import _range_transfers
+
+    w, e = ("tensor", ("decoder.layers.mlp.linear_fc2.weight", (0, 0, 0), None)), ("tensor", ("embedding.word_embeddings.weight", (0, 0), None))
+    gathered = [
+        {"holds": {w: (100, 0, 60), e: (50, 0, 50)}},  # rank 0 owned elements 0-60 of w
+        {"holds": {w: (100, 60, 100), e: (50, 0, 50)}},  # rank 1 the rest; e replicated (tied) on both
+    ]
+    # After the switch the DP boundary moved to 40: rank 1 wants 40-100, rank 0 wants 0-40.
+    plan = _range_transfers(gathered, [(0, w, 0, 40), (1, w, 40, 100), (1, e, 0, 50)])
+    assert sorted(plan) == sorted([(0, 0, w, 0, 40), (0, 1, w, 40, 60), (1, 1, w, 60, 100), (1, 1, e, 0, 50)])
+    with pytest.raises(RuntimeError, match="elements 100-120 of decoder.layers.mlp.linear_fc2.weight are held by no rank"):
+        _range_transfers(gathered, [(0, w, 90, 120)])
