@@ -6,6 +6,7 @@
     epas-bench decode --preset 125m --batch 8 --context 2048
     epas-bench quality --scale cpu --output-dir runs/quality
     epas-bench switch --preset 350m --mode both --repeats 2
+    epas-bench memory --preset 125m --region 6 --seq-length 512
 
 ``train``: baseline vs EPAS with a fixed region, same model and process (see
 :mod:`epas_megatron.bench.train_bench`). ``decode``: generation throughput, baseline vs EPAS
@@ -15,7 +16,8 @@ stage rebalancing, plus a model-predicted table for 7B on PP=4/8 (see
 EPAS from scratch, continual pretraining evaluated at every region, an ablation -- as a recipe
 of training runs with tables and plots (see :mod:`epas_megatron.bench.quality`). ``switch``: the
 cost of one EPAS switch in each --epas-switch-mode, measured on the trainer, and predicted for
-7B (see :mod:`epas_megatron.bench.switch_bench`).
+7B (see :mod:`epas_megatron.bench.switch_bench`). ``memory``: activation bytes of computing and
+sharing layers, measured and modelled (see :mod:`epas_megatron.bench.memory_bench`).
 """
 
 from __future__ import annotations
@@ -79,11 +81,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     switch.add_argument("--seq-length", type=int, default=128, help="sequence length of the steps")
     switch.add_argument("--micro-batch-size", type=int, default=1)
     switch.add_argument("--seed", type=int, default=1234)
+    memory = commands.add_parser("memory", help="activation bytes of computing and sharing layers: measured vs modelled")
+    memory.add_argument("--preset", default="small", help="model preset")
+    memory.add_argument("--region", type=int, default=None, help="sharing layers (default: half the layers)")
+    memory.add_argument("--seq-length", type=int, default=256)
+    memory.add_argument("--micro-batch-size", type=int, default=1)
+    memory.add_argument("--share", default="qk", choices=["qk", "kv"])
+    memory.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     args = parser.parse_args(argv)
     if args.command == "decode":
         return _decode(args)
     if args.command == "switch":
         return _switch(args)
+    if args.command == "memory":
+        return _memory(args)
     if args.command == "quality":
         return _quality(args)
 
@@ -151,6 +162,33 @@ def _decode(args) -> int:
     init_distributed(1, 1, None, seed=args.seed)
     try:
         print(format_record(run_decode_bench(cfg)), flush=True)
+    finally:
+        destroy_distributed()
+    return 0
+
+
+def _memory(args) -> int:
+    from epas_megatron.bench.memory_bench import MemoryBenchConfig, run_memory_bench
+    from epas_megatron.bench.train_bench import format_record
+    from epas_megatron.config.presets import get_preset
+    from epas_megatron.runtime.distributed import destroy_distributed, init_distributed, world_size_from_env
+
+    try:
+        preset = get_preset(args.preset)
+        region = preset.num_layers // 2 if args.region is None else args.region
+        if not 0 < region < preset.num_layers:
+            raise ConfigError(f"--region must be between 1 and {preset.num_layers - 1} for the {args.preset} preset")
+        if world_size_from_env() != 1:
+            raise ConfigError("epas-bench memory runs in one process (TP = PP = 1); do not start it with torchrun")
+        if args.seq_length < 1 or args.micro_batch_size < 1:
+            raise ConfigError("--seq-length and --micro-batch-size must be >= 1")
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return ConfigError.exit_code
+    init_distributed(1, 1, None, seed=1234)
+    try:
+        cfg = MemoryBenchConfig(args.preset, region, args.seq_length, args.micro_batch_size, args.share, args.precision)
+        print(format_record(run_memory_bench(cfg, log=lambda line: print(line, flush=True))), flush=True)
     finally:
         destroy_distributed()
     return 0

@@ -1,0 +1,64 @@
+"""Activation bytes kept for backward: measured with saved-tensor hooks, predicted term by term by
+the memory model; equal byte for byte for computing and sharing layers (qk and kv sharing, fp32
+and bf16), and the model's computing-minus-sharing difference equals the hand formula."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from epas_megatron.metrics.memory_model import LayerShape, layer_activation_bytes, layer_activation_terms, region_saving_bytes
+
+pytestmark = pytest.mark.usefixtures("single_process")
+
+S, B = 48, 2
+SHAPE = LayerShape(hidden_size=128, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=352, seq_length=S, micro_batch_size=B)
+
+
+def measured(share, precision):
+    from epas_testing import build
+    from epas_megatron.metrics.activation_memory import measure_saved_bytes
+    from epas_megatron.model.builder import LlamaArchitecture
+
+    arch = LlamaArchitecture(num_layers=4, hidden_size=128, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=352,
+                             vocab_size=512, max_sequence_length=S)
+    model = build(arch, (2, 3), share=share, precision=precision)
+    tokens = torch.randint(0, 512, (B, S), generator=torch.Generator().manual_seed(0))
+    return measure_saved_bytes(model, tokens, torch.arange(S).expand(B, S), None, labels=tokens)
+
+
+@pytest.mark.parametrize("share", ["qk", "kv"])
+@pytest.mark.parametrize("precision,element_bytes", [("fp32", 4), ("bf16", 2)])
+def test_measured_bytes_equal_the_model_per_layer_role(share, precision, element_bytes):
+    got = measured(share, precision)
+    compute = layer_activation_bytes(SHAPE, "compute", share, element_bytes)
+    sharing = layer_activation_bytes(SHAPE, "share", share, element_bytes)
+    assert got.layers == {0: compute, 1: compute, 2: sharing, 3: sharing}
+    assert got.outside > 0  # embedding, final norm, LM head and loss are not charged to layers
+
+
+def test_sharing_saves_the_qkv_output_rotated_q_k_and_rope_tables_less_its_own_v():
+    s, b, a, g, d, e = S, B, 8, 2, 16, 4
+    saved = layer_activation_bytes(SHAPE, "compute") - layer_activation_bytes(SHAPE, "share")
+    assert saved == e * (s * b * (a + 2 * g) * d + s * b * a * d + s * b * g * d + 4 * s * d - s * b * g * d)
+    terms = layer_activation_terms(SHAPE, "compute")
+    assert terms["norm1_input"] == s * b * 128 * e and terms["attention_lse"] == b * a * s * 4
+    assert terms["swiglu"] == 3 * s * b * 352 * e and terms["fc1_output"] == 2 * s * b * 352 * e
+    baseline, epas = region_saving_bytes(SHAPE, 4, 2)
+    assert baseline - epas == 2 * saved
+
+
+def test_memory_bench_prints_measured_and_modelled_bytes():
+    proc = subprocess.run([sys.executable, "-m", "epas_megatron.bench.cli", "memory", "--preset", "tiny", "--region", "2",
+                           "--seq-length", "32"], capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(proc.stdout.strip().splitlines()[-1][len("BENCH "):])
+    assert record["computing_layer_bytes_measured"] == record["computing_layer_bytes_model"]
+    assert record["sharing_layer_bytes_measured"] == record["sharing_layer_bytes_model"]
+    assert record["sharing_layer_bytes_measured"] < record["computing_layer_bytes_measured"]
+    assert 0 < record["decoder_saving_fraction"] < 0.5 and record["layers_equal_within_role"]
+    assert "| computing |" in proc.stdout and "terms that differ" in proc.stdout
