@@ -48,9 +48,18 @@ computing one -- the fused QKV output, the rotated Q and K, the RoPE tables, les
 about ``2.5·s·b·h`` of Korthikanti's ``34·s·b·h`` (MHA) and more than an eighth of this layer's
 own total at small FFN widths. The norm statistics and the log-sum-exp are always fp32.
 
-Scope: tensor parallelism 1, no activation recompute, the local backend's kernels (CPU SDPA's
-flash path; Transformer Engine fuses more and keeps less). Tensor and sequence parallelism,
-selective recompute and the pipeline's in-flight micro-batches are not modelled yet.
+Tensor parallelism (``t``) divides the head and FFN terms (``a``, ``g``, ``F`` by ``t``); the
+norms and the GEMM inputs they feed keep the whole sequence on every rank, or ``s / t`` of it
+with sequence parallelism (Megatron's column-parallel GEMM keeps its local input and gathers it
+again in backward). Selective recompute (``core_attn``) runs the attention kernel again in
+backward from Q, K and V, which the layer keeps anyway: it drops only the log-sum-exp (and keeps
+a 4-byte argument) -- Korthikanti's ``5·a·s²·b`` that it was designed to remove is never stored
+by a fused kernel.
+
+Scope: the local backend's kernels (CPU SDPA's flash path; Transformer Engine fuses more and
+keeps less). Full recompute (each group keeps only its inputs -- for a group that starts inside
+a sharing region, the hand-off Q and K too) and the pipeline's in-flight micro-batches are not
+modelled yet.
 """
 
 from __future__ import annotations
@@ -88,21 +97,28 @@ class LayerShape:
         return self.hidden_size // self.num_attention_heads
 
 
-def layer_activation_terms(shape: LayerShape, role: Role, share: str = "qk", element_bytes: int = 4) -> dict[str, int]:
-    """Bytes per term (see the module doc) that one layer keeps for backward, per micro-batch."""
+def layer_activation_terms(shape: LayerShape, role: Role, share: str = "qk", element_bytes: int = 4, *,
+                           tp: int = 1, sequence_parallel: bool = False, recompute: str = "none") -> dict[str, int]:
+    """Bytes per term (see the module doc) that one layer keeps for backward, per micro-batch,
+    on one tensor-parallel rank."""
     if share not in ("qk", "kv"):
         raise ValueError(f"share must be 'qk' or 'kv', got {share!r}")
+    if recompute not in ("none", "selective"):
+        raise ValueError(f"recompute {recompute!r} is not modelled (full recompute keeps only each group's inputs)")
+    if shape.num_query_groups % tp or shape.ffn_hidden_size % tp or (sequence_parallel and shape.seq_length % tp):
+        raise ValueError(f"TP {tp} does not divide the KV heads, the FFN width (or, with sequence parallelism, the sequence)")
     s, b, h = shape.seq_length, shape.micro_batch_size, shape.hidden_size
-    a, g, d, f = shape.num_attention_heads, shape.num_query_groups, shape.head_dim, shape.ffn_hidden_size
+    a, g, d, f = shape.num_attention_heads // tp, shape.num_query_groups // tp, shape.head_dim, shape.ffn_hidden_size // tp
+    sn = s // tp if sequence_parallel else s  # tokens of the norms and the GEMM inputs they feed
     e = element_bytes
     terms = {}
     for norm in ("norm1", "norm2"):
-        terms[f"{norm}_input"] = s * b * h * e
+        terms[f"{norm}_input"] = sn * b * h * e
         if e < 4:  # half precision: the norm computes in fp32 and keeps that copy of its input
-            terms[f"{norm}_input_fp32"] = s * b * h * 4
-        terms[f"{norm}_rstd"] = s * b * 4
-        terms[f"{norm}_normalized"] = s * b * h * e
-        terms[f"{norm}_output"] = s * b * h * e
+            terms[f"{norm}_input_fp32"] = sn * b * h * 4
+        terms[f"{norm}_rstd"] = sn * b * 4
+        terms[f"{norm}_normalized"] = sn * b * h * e
+        terms[f"{norm}_output"] = sn * b * h * e
     if role == "compute":
         terms["qkv_output"] = s * b * (a + 2 * g) * d * e
         terms["q_rope"] = s * b * a * d * e
@@ -116,20 +132,24 @@ def layer_activation_terms(shape: LayerShape, role: Role, share: str = "qk", ele
     else:
         raise ValueError(f"role must be 'compute' or 'share', got {role!r}")
     terms["attention_output"] = s * b * a * d * e
-    terms["attention_lse"] = b * a * s * 4
+    if recompute == "selective":  # the kernel runs again in backward from the Q, K, V kept above
+        terms["recompute_argument"] = 4  # an int32 scalar the checkpoint keeps
+    else:
+        terms["attention_lse"] = b * a * s * 4
     terms["fc1_output"] = s * b * 2 * f * e
     terms["swiglu"] = 3 * s * b * f * e
     return terms
 
 
-def layer_activation_bytes(shape: LayerShape, role: Role, share: str = "qk", element_bytes: int = 4) -> int:
-    """Total of :func:`layer_activation_terms`."""
-    return sum(layer_activation_terms(shape, role, share, element_bytes).values())
+def layer_activation_bytes(shape: LayerShape, role: Role, share: str = "qk", element_bytes: int = 4, **parallel) -> int:
+    """Total of :func:`layer_activation_terms` (same arguments)."""
+    return sum(layer_activation_terms(shape, role, share, element_bytes, **parallel).values())
 
 
-def region_saving_bytes(shape: LayerShape, num_layers: int, region: int, share: str = "qk", element_bytes: int = 4) -> tuple[int, int]:
+def region_saving_bytes(shape: LayerShape, num_layers: int, region: int, share: str = "qk", element_bytes: int = 4,
+                        **parallel) -> tuple[int, int]:
     """(decoder activation bytes with no layer sharing, with ``region`` layers sharing), per
     micro-batch: what EPAS saves on the layers' activations at that region."""
-    compute = layer_activation_bytes(shape, "compute", share, element_bytes)
-    sharing = layer_activation_bytes(shape, "share", share, element_bytes)
+    compute = layer_activation_bytes(shape, "compute", share, element_bytes, **parallel)
+    sharing = layer_activation_bytes(shape, "share", share, element_bytes, **parallel)
     return num_layers * compute, (num_layers - region) * compute + region * sharing

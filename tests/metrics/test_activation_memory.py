@@ -62,3 +62,39 @@ def test_memory_bench_prints_measured_and_modelled_bytes():
     assert record["sharing_layer_bytes_measured"] < record["computing_layer_bytes_measured"]
     assert 0 < record["decoder_saving_fraction"] < 0.5 and record["layers_equal_within_role"]
     assert "| computing |" in proc.stdout and "terms that differ" in proc.stdout
+
+
+@pytest.mark.parametrize("share", ["qk", "kv"])
+def test_selective_recompute_drops_only_the_log_sum_exp(share):
+    from epas_megatron.metrics.activation_memory import measure_saved_bytes
+    from epas_megatron.model.build_plan import BuildPlan, RecomputeSettings
+    from epas_megatron.model.builder import LlamaArchitecture, build_model
+
+    arch = LlamaArchitecture(num_layers=4, hidden_size=128, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=352,
+                             vocab_size=512, max_sequence_length=S)
+    plan = BuildPlan.for_region(arch, (2, 3), seq_length=S, share=share, recompute=RecomputeSettings("selective"))
+    tokens = torch.randint(0, 512, (B, S), generator=torch.Generator().manual_seed(0))
+    got = measure_saved_bytes(build_model(plan, seed=1).chunks[0], tokens, torch.arange(S).expand(B, S), None, labels=tokens)
+    compute = layer_activation_bytes(SHAPE, "compute", share, recompute="selective")
+    sharing = layer_activation_bytes(SHAPE, "share", share, recompute="selective")
+    assert got.layers == {0: compute, 1: compute, 2: sharing, 3: sharing}
+    assert layer_activation_bytes(SHAPE, "compute", share) - compute == B * 8 * S * 4 - 4
+
+
+@pytest.mark.distributed
+def test_tensor_and_sequence_parallel_bytes_per_rank_equal_the_model():
+    from epas_testing import REPO, json_lines, run_script
+
+    proc = run_script(REPO / "tests" / "distributed" / "scripts" / "activation_bytes.py", nproc=2)
+    results = json_lines(proc.stdout, "RESULT")
+    assert len(results) == 4
+    for result in results:
+        kw = dict(tp=2, sequence_parallel=result["sequence_parallel"])
+        compute = layer_activation_bytes(SHAPE, "compute", result["share"], **kw)
+        sharing = layer_activation_bytes(SHAPE, "share", result["share"], **kw)
+        for layers in result["layers_per_rank"]:
+            assert layers == {"0": compute, "1": compute, "2": sharing, "3": sharing}, result
+    # Sequence parallelism shrinks only the norm terms and the GEMM inputs they feed.
+    plain = layer_activation_bytes(SHAPE, "compute", tp=2)
+    sp = layer_activation_bytes(SHAPE, "compute", tp=2, sequence_parallel=True)
+    assert plain - sp == 2 * (3 * S * B * 128 * 4 + S * B * 4) // 2
