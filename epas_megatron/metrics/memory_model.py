@@ -153,3 +153,128 @@ def region_saving_bytes(shape: LayerShape, num_layers: int, region: int, share: 
     compute = layer_activation_bytes(shape, "compute", share, element_bytes, **parallel)
     sharing = layer_activation_bytes(shape, "share", share, element_bytes, **parallel)
     return num_layers * compute, (num_layers - region) * compute + region * sharing
+
+
+# ---------------------------------------------------------------- a whole pipeline rank
+def head_activation_bytes(shape: LayerShape, vocab_size: int, element_bytes: int = 4, *, tp: int = 1,
+                          sequence_parallel: bool = False) -> int:
+    """The final norm, the LM head's fp32 logits and the loss's integer targets and mask, per
+    micro-batch (the last pipeline stage)."""
+    norm = {k: v for k, v in layer_activation_terms(shape, "compute", "qk", element_bytes, tp=tp,
+                                                      sequence_parallel=sequence_parallel).items() if k.startswith("norm1")}
+    s, b = shape.seq_length, shape.micro_batch_size
+    return sum(norm.values()) + s * b * (vocab_size // tp) * 4 + s * b * 9
+
+
+def embedding_activation_bytes(shape: LayerShape) -> int:
+    """The token ids the embedding's backward needs (the first pipeline stage)."""
+    return shape.seq_length * shape.micro_batch_size * 8
+
+
+def layer_parameters(shape: LayerShape, role: Role, share: str = "qk", tp: int = 1) -> tuple[int, int]:
+    """(trainable, frozen) parameters of one layer on one tensor-parallel rank: a sharing layer
+    keeps its Q/K (``qk``) or K/V (``kv``) rows frozen -- weights without gradients or
+    optimizer state."""
+    h, d = shape.hidden_size, shape.head_dim
+    a, g, f = shape.num_attention_heads // tp, shape.num_query_groups // tp, shape.ffn_hidden_size // tp
+    common = a * d * h + 3 * h * f + 2 * h  # output projection, SwiGLU MLP, two norms (replicated)
+    if role == "compute":
+        return common + h * (a + 2 * g) * d, 0
+    own, frozen = (g * d, (a + g) * d) if share == "qk" else (a * d, 2 * g * d)
+    return common + h * own, h * frozen
+
+
+def parameter_state_bytes(trainable: int, frozen: int, precision: str = "fp32", distributed_optimizer: bool = False,
+                          dp: int = 1) -> int:
+    """Weights (all), gradients and Adam state (trainable only) on one rank: weights in the
+    training precision, gradients in fp32 (Megatron reduces half-precision gradients in fp32),
+    fp32 main weights (half precision only) and two fp32 moments -- divided over DP with the
+    distributed optimizer."""
+    weight = 4 if precision == "fp32" else 2
+    optimizer = 8 if precision == "fp32" else 12
+    return (trainable + frozen) * weight + trainable * 4 + trainable * optimizer // (dp if distributed_optimizer else 1)
+
+
+def in_flight_microbatches(pp_rank: int, pp: int, vpp: int, num_microbatches: int) -> float:
+    """Micro-batches whose activations a pipeline rank holds at its peak, in units of the whole
+    rank's activations for one micro-batch: 1F1B keeps ``pp - rank`` (its warm-up plus one);
+    the interleaved schedule keeps ``2 (pp - rank - 1) + (vpp - 1) pp + 1`` chunk passes, each a
+    ``1 / vpp`` share of the rank (as if chunks were alike); never more than there are."""
+    if vpp <= 1:
+        return float(min(pp - pp_rank, num_microbatches))
+    passes = min(2 * (pp - pp_rank - 1) + (vpp - 1) * pp + 1, num_microbatches * vpp)
+    return passes / vpp
+
+
+@dataclass(frozen=True)
+class RankMemorySettings:
+    """What a rank's memory depends on besides the model's shape and the layout."""
+
+    vocab_size: int
+    """Padded vocabulary."""
+
+    tp: int = 1
+    """Tensor parallel size."""
+
+    dp: int = 1
+    """Data parallel size."""
+
+    num_microbatches: int = 1
+    """Micro-batches per iteration (bounds the in-flight ones)."""
+
+    precision: str = "fp32"
+    """'fp32', 'bf16' or 'fp16'."""
+
+    distributed_optimizer: bool = False
+    """Adam state and fp32 main weights divided over DP."""
+
+    sequence_parallel: bool = False
+    """Norm activations divided over TP."""
+
+    recompute: str = "none"
+    """'none' or 'selective'."""
+
+    share: str = "qk"
+    """What sharing layers reuse."""
+
+    @property
+    def element_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+
+def layer_memory(shape: LayerShape, role: Role, settings: RankMemorySettings) -> tuple[int, int]:
+    """(parameter-state bytes, activation bytes per micro-batch) of one layer on one rank."""
+    trainable, frozen = layer_parameters(shape, role, settings.share, settings.tp)
+    static = parameter_state_bytes(trainable, frozen, settings.precision, settings.distributed_optimizer, settings.dp)
+    activations = layer_activation_bytes(shape, role, settings.share, settings.element_bytes, tp=settings.tp,
+                                         sequence_parallel=settings.sequence_parallel, recompute=settings.recompute)
+    return static, activations
+
+
+def rank_memory_bytes(shape: LayerShape, roles_by_chunk: list[list[Role]], pp_rank: int, pp: int, vpp: int,
+                      settings: RankMemorySettings) -> dict[str, float]:
+    """Peak bytes of one pipeline rank, by kind: ``parameters`` (weights, gradients, optimizer
+    state of its layers, the embedding on rank 0, the LM head and final norm on the last rank)
+    and ``activations`` (one micro-batch's, times :func:`in_flight_microbatches`; a chunk that
+    starts inside the sharing region also keeps the hand-off it received)."""
+    static = activation = 0.0
+    e, tp, d = settings.element_bytes, settings.tp, shape.head_dim
+    handoff_heads = (shape.num_attention_heads + shape.num_query_groups if settings.share == "qk" else 2 * shape.num_query_groups) // tp
+    for roles in roles_by_chunk:
+        if roles and roles[0] == "share":  # the source is on an earlier stage: the received Q/K (K/V) are kept here
+            activation += shape.seq_length * shape.micro_batch_size * handoff_heads * d * e
+        for role in roles:
+            layer_static, layer_activation = layer_memory(shape, role, settings)
+            static += layer_static
+            activation += layer_activation
+    table = settings.vocab_size // settings.tp * shape.hidden_size
+    if pp_rank == 0:
+        static += parameter_state_bytes(table, 0, settings.precision, settings.distributed_optimizer, settings.dp)
+        activation += embedding_activation_bytes(shape)
+    if pp_rank == pp - 1:
+        static += parameter_state_bytes(table + shape.hidden_size, 0, settings.precision, settings.distributed_optimizer, settings.dp)
+        activation += head_activation_bytes(shape, settings.vocab_size, settings.element_bytes, tp=settings.tp,
+                                            sequence_parallel=settings.sequence_parallel)
+    in_flight = in_flight_microbatches(pp_rank, pp, vpp, settings.num_microbatches)
+    return {"parameters": static, "activations": activation * in_flight, "in_flight": in_flight,
+            "total": static + activation * in_flight}

@@ -1,0 +1,92 @@
+"""Per-rank memory model: parameters counted against a built model, parameter state against a
+trained one's tensors, in-flight micro-batches and a whole rank by hand."""
+
+import pytest
+import torch
+
+from epas_megatron.metrics.memory_model import (
+    LayerShape,
+    RankMemorySettings,
+    in_flight_microbatches,
+    layer_activation_bytes,
+    layer_parameters,
+    parameter_state_bytes,
+    rank_memory_bytes,
+)
+
+SHAPE = LayerShape(hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=176, seq_length=64, micro_batch_size=2)
+
+
+@pytest.mark.usefixtures("single_process")
+@pytest.mark.parametrize("share", ["qk", "kv"])
+def test_layer_parameters_match_a_built_model(share):
+    from epas_testing import build
+    from epas_megatron.model.builder import LlamaArchitecture
+
+    model = build(LlamaArchitecture(4, 64, 4, 2, 176, 512, 64), (2, 3), share=share)
+    for index, role in ((0, "compute"), (3, "share")):
+        params = list(model.decoder.layers[index].parameters())
+        trainable, frozen = layer_parameters(SHAPE, role, share)
+        assert trainable == sum(p.numel() for p in params if p.requires_grad)
+        assert frozen == sum(p.numel() for p in params if not p.requires_grad)
+
+
+def test_in_flight_microbatches():
+    assert [in_flight_microbatches(r, 4, 1, 8) for r in range(4)] == [4, 3, 2, 1]
+    assert in_flight_microbatches(0, 4, 1, 2) == 2  # never more than the micro-batches
+    # interleaved, p=2 v=2, 4 micro-batches: rank 0 warms up 2*1 + 1*2 chunk passes, +1
+    assert in_flight_microbatches(0, 2, 2, 4) == 5 / 2 and in_flight_microbatches(1, 2, 2, 4) == 3 / 2
+
+
+def test_a_rank_by_hand():
+    settings = RankMemorySettings(vocab_size=512, num_microbatches=4, precision="bf16", distributed_optimizer=True, dp=2)
+    # PP=2: rank 0 holds the embedding and layers 0-1 (computing), rank 1 layers 2-3 (sharing) and the head.
+    first = rank_memory_bytes(SHAPE, [["compute", "compute"]], 0, 2, 1, settings)
+    last = rank_memory_bytes(SHAPE, [["share", "share"]], 1, 2, 1, settings)
+    s, b, h, d = 64, 2, 64, 16
+    c_train, _ = layer_parameters(SHAPE, "compute")
+    s_train, s_frozen = layer_parameters(SHAPE, "share")
+    per_param = lambda trainable, frozen: (trainable + frozen) * 2 + trainable * 4 + trainable * 12 // 2
+    assert first["parameters"] == 2 * per_param(c_train, 0) + per_param(512 * 64, 0)
+    assert last["parameters"] == 2 * per_param(s_train, s_frozen) + per_param(512 * 64 + 64, 0)
+    act = lambda role: layer_activation_bytes(SHAPE, role, "qk", 2)
+    assert first["activations"] == 2 * (2 * act("compute") + s * b * 8)  # 2 in flight on rank 0 of 2
+    handoff = s * b * (4 + 2) * d * 2
+    head = (3 * s * b * h * 2 + s * b * h * 4 + s * b * 4) + s * b * 512 * 4 + s * b * 9
+    assert last["activations"] == 1 * (handoff + 2 * act("share") + head)
+
+
+@pytest.mark.usefixtures("single_process")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_parameter_state_bytes_match_a_trained_model(precision, tmp_path):
+    """Weights + DDP gradient buffer + optimizer state (fp32 main weights and moments) of the
+    built objects after one step, against the model's count (within DDP's bucket padding)."""
+    from epas_megatron.model.build_plan import BuildPlan
+    from epas_megatron.model.builder import LlamaArchitecture
+    from epas_megatron.training.optimizer import OptimizerSettings
+    from epas_megatron.training.state import build_training_state
+
+    arch = LlamaArchitecture(4, 64, 4, 2, 176, 512, 64)
+    plan = BuildPlan.for_region(arch, (3,), seq_length=64, precision=precision)
+    settings = OptimizerSettings(lr=1e-3, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+                                 clip_grad=0.0, use_distributed_optimizer=False, overlap_grad_reduce=False, warmup_iters=0,
+                                 decay_iters=10, decay_style="constant", precision=precision)
+    state = build_training_state(plan, settings, seed=1)
+    for p in state.model[0].parameters():  # give every trainable parameter a gradient, then step
+        if p.requires_grad:
+            p.main_grad.fill_(1e-3)
+    state.optimizer.step()
+    weights = sum(p.numel() * p.element_size() for p in state.model[0].parameters())
+    grads = sum(buffer.grad_data.numel() * buffer.grad_data.element_size() for buffer in state.model[0].buffers)
+    optim = 0
+    for part in state.optimizer.chained_optimizers:
+        for group in part.optimizer.param_groups:
+            for p in group["params"]:
+                optim += sum(v.numel() * v.element_size() for v in part.optimizer.state[p].values() if torch.is_tensor(v) and v.dim())
+                if precision != "fp32":
+                    optim += p.numel() * p.element_size()  # the fp32 main weight itself
+    shape = LayerShape(64, 4, 2, 176, 64, 2)
+    trainable = sum(layer_parameters(shape, role)[0] for role in ("compute", "compute", "compute", "share")) + 2 * 512 * 64 + 64
+    frozen = layer_parameters(shape, "share")[1]
+    model = parameter_state_bytes(trainable, frozen, precision)
+    assert abs((weights + grads + optim) - model) <= 0.01 * model, (weights, grads, optim, model)
