@@ -332,6 +332,27 @@ def torchrun_command(plan: LaunchPlan) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------- checks
+def will_it_fit(plan: LaunchPlan) -> list[str]:
+    """``epas-plan``'s report for this launch (FLOPs, layouts per switch, memory per GPU), for
+    ``DRY_RUN=1``; the GPU's memory is read where GPUs are."""
+    from epas_megatron.config.cli import parse_config
+    from epas_megatron.config.validation import resolve_run
+    from epas_megatron.errors import ConfigError
+    from epas_megatron.plan import report
+
+    gpu_gb = None
+    if plan.gpus:
+        import torch
+
+        gpu_gb = torch.cuda.get_device_properties(0).total_memory / 2**30
+    try:
+        run = resolve_run(parse_config(trainer_args(plan)), world_size=plan.world_size, cuda=bool(plan.gpus))
+        lines, _ = report(run, gpu_gb)
+    except ConfigError as e:
+        raise LaunchError(f"the trainer rejects the run config: {e}") from None
+    return lines
+
+
 def trainer_args(plan: LaunchPlan) -> list[str]:
     """The arguments the trainer will parse (config first, then the pass-through flags)."""
     return (["--config", str(plan.config)] if plan.config is not None else []) + plan.trainer_args
@@ -515,6 +536,9 @@ def main(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]] 
             log("environment defaults (export to override): " + " ".join(f"{k}={v}" for k, v in plan.env_defaults.items()))
         log("command: " + shlex.join(command))
         if env.get("DRY_RUN", "0") not in ("", "0"):
+            if env.get("LAUNCH_VALIDATE", "1") != "0":
+                for line in will_it_fit(plan):
+                    log(line)
             return 0
         check_rendezvous(plan, env)
     except LaunchError as e:

@@ -340,6 +340,13 @@ class EpasConfig:
     epas_cost_timing_iters: int = 3
     """Iterations timed after each (re)build with --epas-cost-model measured."""
 
+    epas_memory_budget_gb: Optional[float] = None
+    """Per-GPU memory budget (GiB) for stage rebalancing: among pipeline layouts whose every
+    rank fits (weights, gradients, Adam state, activations of the in-flight micro-batches, from
+    the memory model), the planner picks the fastest, and says when the FLOP-optimal layout
+    would not have fitted. Default: 90% of the GPU's memory on CUDA, none on CPU. Needs
+    --recompute none or selective."""
+
     epas_switch_mode: str = "memory"
     """How a switch carries the training state from the old region's modules, DDP buffers and
     optimizer to the new ones: 'memory' (moved in memory; layers that change pipeline stage go

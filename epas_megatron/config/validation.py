@@ -296,6 +296,14 @@ def _resolve_epas(cfg: RunConfig, m, t) -> tuple[SharingSchedule, bool, list[str
     rebalance = {"on": True, "off": False, "auto": p.pp > 1 and p.pipeline_layout is None}[e.epas_rebalance]
     if rebalance and p.pipeline_layout is not None:
         raise ConfigError("--epas-rebalance on conflicts with a fixed --pipeline-layout; drop one of them")
+    if e.epas_memory_budget_gb is not None:
+        if not e.epas_memory_budget_gb > 0:
+            raise ConfigError(f"--epas-memory-budget-gb must be > 0 (GiB per GPU), got {e.epas_memory_budget_gb}")
+        if p.recompute == "full":
+            raise ConfigError("--epas-memory-budget-gb: the memory model does not cover --recompute full yet "
+                              "(use --recompute selective or none, or drop the budget)")
+        if not (rebalance and p.pp >= 2):
+            warnings.append("--epas-memory-budget-gb has no effect: stages are not rebalanced (needs --pp > 1 and --epas-rebalance)")
     return schedule, rebalance and p.pp >= 2, list(warnings)
 
 

@@ -73,10 +73,15 @@ def best_split(
     offsets: Sequence[float],
     allowed: Sequence[bool],
     work_budget: int = WORK_BUDGET,
+    fits=None,
 ) -> tuple[list[int] | None, bool]:
     """``(ends, proven)``: the stage ends of the split with the smallest bottleneck (ties as in
     the module docstring), or None when no split with at least one layer per stage ends only
-    where ``allowed``; ``proven`` is False when a pass ran out of ``work_budget``."""
+    where ``allowed``; ``proven`` is False when a pass ran out of ``work_budget``.
+
+    ``fits(rank, starts, ends)``, if given, says whether a rank holding layers
+    ``starts[c] .. ends[c] - 1`` of every round ``c`` is feasible (a memory budget): only
+    splits whose every rank fits are considered."""
     n, num_stages = len(prefix) - 1, p * v
     even = even_ends(n, num_stages)
 
@@ -87,7 +92,7 @@ def best_split(
         return sum(abs(blocks[k % p][k // p] - even[k]) for k in range(num_stages))
 
     total = prefix[n] + math.fsum(offsets)
-    search = _RankDP(prefix, p, offsets, allowed, REL_TOL * total, work_budget)
+    search = _RankDP(prefix, p, offsets, allowed, REL_TOL * total, work_budget, fits)
     # Round ends nearest the even split's first (they are stage ends of the last rank, so this
     # is also a lower bound on a split's distance from the even split).
     rounds = sorted(
@@ -95,7 +100,7 @@ def best_split(
         for starts, ends in _round_choices(n, p, v, allowed)
     )
     best = None  # (bottleneck, blocks)
-    if n >= num_stages and all(allowed[end] for end in even):
+    if n >= num_stages and all(allowed[end] for end in even) and _split_fits(even, p, v, fits):
         best = (bottleneck(prefix, p, offsets, even), blocks_of(even))
     proven = True
     try:  # pass 1: the smallest bottleneck
@@ -121,6 +126,14 @@ def best_split(
     return [blocks[k % p][k // p] for k in range(num_stages)], proven
 
 
+def _split_fits(ends: Sequence[int], p: int, v: int, fits) -> bool:
+    """Whether every rank of the split ``ends`` passes ``fits`` (always, without one)."""
+    if fits is None:
+        return True
+    starts = [0, *ends[:-1]]
+    return all(fits(r, tuple(starts[c * p + r] for c in range(v)), tuple(ends[c * p + r] for c in range(v))) for r in range(p))
+
+
 def _round_choices(n: int, p: int, v: int, allowed: Sequence[bool]):
     """``(starts, ends)`` of the ``v`` rounds: every round at least ``p`` layers, ending only
     where allowed."""
@@ -137,8 +150,8 @@ class _OutOfWork(Exception):
 class _RankDP:
     """The dynamic program over ranks for fixed round ends (see the module docstring)."""
 
-    def __init__(self, prefix, p, offsets, allowed, tol, work_budget):
-        self.prefix, self.p, self.offsets, self.allowed = prefix, p, offsets, allowed
+    def __init__(self, prefix, p, offsets, allowed, tol, work_budget, fits=None):
+        self.prefix, self.p, self.offsets, self.allowed, self.fits = prefix, p, offsets, allowed, fits
         self.tol, self.work, self.work_budget = tol, 0, work_budget
         layer_costs = sorted(b - a for a, b in zip(prefix, prefix[1:]))
         self.cheapest = [0.0, *itertools.accumulate(layer_costs)]  # cheapest[j]: j cheapest layers
@@ -169,6 +182,8 @@ class _RankDP:
                 need = own + rest - room  # this rank's least load leaving the rest <= room
                 need_layers = sum(ends) - sum(state) - room_layers if not last else 0
                 for blocks, load in self.blocks(state, lows, tops, own, bound, need, need_layers):
+                    if self.fits is not None and not self.fits(r, state, blocks):
+                        continue
                     if even is None:
                         new_score = max(score, load)
                     else:

@@ -84,6 +84,7 @@ def plan_layout(
     output_cost: float = 0.0,
     modes: Sequence[LayerMode] | None = None,
     handoff_cost: float = 0.0,
+    fits=None,
 ) -> StageLayout:
     """The split of decoder layers over ``p`` ranks x ``v`` chunks with the cheapest slowest rank.
 
@@ -96,6 +97,9 @@ def plan_layout(
         modes: the layers' modes; a boundary just before a ``SHARE`` layer carries the hand-off.
         handoff_cost: charged to both virtual stages at every boundary of a layout that has such
             a boundary (``LayerCosts.handoff_p2p``).
+        fits: ``fits(rank, starts, ends)``: only layouts whose every rank passes it (a memory
+            budget, :class:`~epas_megatron.parallel.memory_plan.MemoryLimit`); a
+            ``ConfigError`` when none does.
 
     Every virtual stage holds at least one layer. Ties (bottlenecks within 1e-9 of the total
     cost): no hand-off traffic, then stage ends nearest the even split, then fewer layers on
@@ -132,7 +136,7 @@ def plan_layout(
     best, optimal = None, True
     tol = REL_TOL * (prefix[n] + embedding_cost + output_cost)
     for stage_offsets, allowed in searches:
-        ends, proven = best_split(prefix, p, v, stage_offsets, allowed)
+        ends, proven = best_split(prefix, p, v, stage_offsets, allowed, fits=fits)
         optimal = optimal and proven
         if ends is None:
             continue
@@ -149,6 +153,8 @@ def plan_layout(
         )
         if best is None or layout.bottleneck < best.bottleneck - tol:
             best = layout
+    if best is None:
+        raise ConfigError(getattr(fits, "failure", "no pipeline layout fits the memory budget"))
     return dataclasses.replace(best, optimal=optimal)
 
 
@@ -160,9 +166,11 @@ def plan_region(
     virtual_pipeline_parallel_size: int = 1,
     *,
     exclude_last: int = 0,
+    memory=None,
 ) -> StageLayout:
     """The planned layout while ``sharing_layers`` (a deep block ending ``exclude_last`` layers
-    before the end, see :func:`~epas_megatron.sharing.schedule.layer_modes`) share Q/K."""
+    before the end, see :func:`~epas_megatron.sharing.schedule.layer_modes`) share Q/K;
+    ``memory``: a :class:`~epas_megatron.parallel.memory_plan.MemoryLimit` every rank must fit."""
     modes = layer_modes(num_layers, sharing_layers, exclude_last=exclude_last)
     return plan_layout(
         costs_for_modes(layer_costs, modes),
@@ -172,6 +180,7 @@ def plan_region(
         output_cost=layer_costs.output_layer,
         modes=modes,
         handoff_cost=layer_costs.handoff_p2p,
+        fits=memory.for_modes(modes) if memory is not None else None,
     )
 
 

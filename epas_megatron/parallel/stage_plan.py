@@ -65,20 +65,42 @@ def plan_for_region(
     return plan_region(layer_costs, num_layers, sharing_layers, pp, vpp or 1, exclude_last=exclude_last)
 
 
-def plan_stage_layout(plan, sharing_layers: Sequence[int], timer=None) -> StageLayout:
+def plan_stage_layout(plan, sharing_layers: Sequence[int], timer=None, memory=None) -> StageLayout:
     """The layout for ``sharing_layers`` given a :class:`~epas_megatron.model.build_plan.BuildPlan`
     (its architecture, sequence length, share mode, PP/VPP and ``exclude_last``).
 
     With a :class:`~epas_megatron.parallel.layer_timing.LayerTimer` (``--epas-cost-model
-    measured``) the FLOPs costs are calibrated by its measurements (a collective call)."""
+    measured``) the FLOPs costs are calibrated by its measurements (a collective call). With a
+    :class:`~epas_megatron.parallel.memory_plan.MemoryLimit`, only layouts whose every rank
+    fits it (:func:`plan_stage_layout_noted` also says when that changed the layout)."""
+    return plan_stage_layout_noted(plan, sharing_layers, timer, memory)[0]
+
+
+def plan_stage_layout_noted(plan, sharing_layers: Sequence[int], timer=None, memory=None) -> tuple[StageLayout, Optional[str]]:
+    """:func:`plan_stage_layout` and the memory budget's notice (None if it changed nothing)."""
     from epas_megatron.parallel.layer_timing import calibrated_costs
+    from epas_megatron.parallel.memory_plan import plan_with_budget
+    from epas_megatron.sharing.schedule import layer_modes
 
     costs = calibrated_costs(flops_layer_costs(plan.arch, plan.seq_length, plan.share), timer)
-    return plan_for_region(costs, plan.arch.num_layers, plan.pp, plan.vpp, sharing_layers, plan.exclude_last)
+    n = plan.arch.num_layers
+    return plan_with_budget(
+        lambda: plan_region(costs, n, sharing_layers, plan.pp, plan.vpp or 1, exclude_last=plan.exclude_last),
+        lambda: plan_region(costs, n, sharing_layers, plan.pp, plan.vpp or 1, exclude_last=plan.exclude_last, memory=memory),
+        memory, layer_modes(n, sharing_layers, exclude_last=plan.exclude_last))
 
 
-def describe_schedule_layouts(plan, schedule) -> str:
-    """The layouts planned for every region of the schedule (printed at start)."""
+def describe_schedule_layouts(plan, schedule, memory=None) -> str:
+    """The layouts planned for every region of the schedule (printed at start), within the
+    memory budget if there is one (with a line per region where the budget changed the layout)."""
     costs = flops_layer_costs(plan.arch, plan.seq_length, plan.share)
     regions = [(0, ())] + [(it, schedule.sharing_layers(it)) for it, _ in schedule.switch_iterations()]
-    return format_plan(costs, plan.arch.num_layers, plan.pp, plan.vpp or 1, regions, exclude_last=schedule.exclude_last)
+    planned, notices = [], []
+    for iteration, sharing in regions:
+        layout, notice = plan_stage_layout_noted(plan, sharing, None, memory)
+        planned.append((iteration, layout))
+        if notice:
+            notices.append(f"  memory budget at iteration {iteration}: {notice}")
+    table = format_plan(costs, plan.arch.num_layers, plan.pp, plan.vpp or 1, regions, plan=planned,
+                        exclude_last=schedule.exclude_last)
+    return "\n".join([table, *notices])

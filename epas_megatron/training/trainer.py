@@ -167,7 +167,7 @@ class Trainer:
                 from epas_megatron.parallel.stage_plan import describe_schedule_layouts
 
                 self.print("pipeline stages, rebalanced at every switch (predicted costs from the FLOPs model):")
-                self.print(describe_schedule_layouts(self.plan, run.schedule))
+                self.print(describe_schedule_layouts(self.plan, run.schedule, memory=self.memory_limit()))
         self.build(initialize=run.load_dir is None and run.pretrained_dir is None)
         if run.load_dir is not None:
             self._load(run.load_dir)
@@ -270,9 +270,33 @@ class Trainer:
         return plan
 
     def _rebalanced_layout(self, sharing_layers):
-        from epas_megatron.parallel.stage_plan import plan_stage_layout
+        from epas_megatron.parallel.stage_plan import plan_stage_layout_noted
 
-        return plan_stage_layout(self.plan, sharing_layers, timer=self.layer_timer)
+        layout, notice = plan_stage_layout_noted(self.plan, sharing_layers, timer=self.layer_timer, memory=self.memory_limit())
+        if notice:
+            self.print(f"memory budget: {notice}")
+        return layout
+
+    def memory_limit(self):
+        """The per-rank memory budget of stage rebalancing (None: none), from
+        --epas-memory-budget-gb or, on CUDA, 90% of the GPU's memory."""
+        from epas_megatron.metrics.memory_model import RankMemorySettings
+        from epas_megatron.parallel.memory_plan import memory_limit_for
+
+        budget, explicit = self.cfg.epas.epas_memory_budget_gb, self.cfg.epas.epas_memory_budget_gb is not None
+        if budget is None and torch.cuda.is_available():
+            budget = 0.9 * torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+        p = self.cfg.parallel
+        if budget is None or (p.recompute == "full" and not explicit):
+            return None
+        if p.recompute == "full":
+            raise ConfigError("--epas-memory-budget-gb: the memory model does not cover --recompute full yet "
+                              "(use --recompute selective or none, or drop the budget)")
+        settings = RankMemorySettings(vocab_size=self.plan.arch.vocab_size, tp=p.tp, dp=self.run.dp,
+                                      num_microbatches=self.run.num_microbatches, precision=self.run.precision,
+                                      distributed_optimizer=self.run.use_distributed_optimizer,
+                                      sequence_parallel=p.sequence_parallel, recompute=p.recompute, share=self.cfg.epas.epas_share)
+        return memory_limit_for(self.plan, settings, self.cfg.training.micro_batch_size, budget)
 
     def build(self, initialize: bool = True) -> None:
         """Model chunks, DDP, optimizer and LR schedule for the current plan.

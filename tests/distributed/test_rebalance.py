@@ -108,3 +108,22 @@ def test_measured_cost_model_rebalances_and_matches_pp1(runs, tmp_path):
     expected = {k: v for k, v in single.losses.items() if k <= 6}
     assert_close(run.losses, expected, 1e-5, "measured-cost loss")
     assert all(record["layout"].startswith("E") and record["layout"].endswith("L") for record in run.train_records)
+
+
+def test_a_memory_budget_changes_the_layout_not_the_losses(runs, tmp_path):
+    """--epas-memory-budget-gb just under what the FLOP-optimal region-0 layout needs on rank 0
+    (it holds 5 layers and 2 of the 4 micro-batches in flight): the run plans another layout
+    there and says so, and its losses still equal PP=1's."""
+    from epas_megatron.metrics.memory_model import LayerShape, RankMemorySettings
+    from epas_megatron.parallel.memory_plan import GIB, MemoryLimit
+    from epas_megatron.sharing.schedule import layer_modes
+
+    costs = flops_layer_costs(LlamaArchitecture(8, 128, 4, 4, 64, 1024, 64), 64)
+    limit = MemoryLimit(LayerShape(128, 4, 4, 64, 64, 1), RankMemorySettings(vocab_size=1024, num_microbatches=4), 2, 1, 1e18)
+    optimal = plan_for_region(costs, 8, 2, None, ())
+    need = limit.layout_bytes(optimal, layer_modes(8, ()))[0]["total"]
+    single, _ = runs
+    run = run_trainer([*ARGS, "--pp", "2", "--epas-rebalance", "on", "--epas-memory-budget-gb", repr((need - 1) / GIB),
+                       "--exit-interval", "3"], tmp_path / "budget", nproc=2)
+    assert f"memory budget at iteration 0: the FLOP-optimal layout {optimal.to_layout_string()} would need" in run.stdout
+    assert_close(run.losses, {k: v for k, v in single.losses.items() if k <= 3}, 1e-5, "loss under a memory budget")

@@ -1,0 +1,136 @@
+"""``epas-plan``: will this run fit? -- before anything starts.
+
+    epas-plan --world-size 8 --gpu-memory-gb 80 --config launch/configs/7b.yaml
+    epas-plan --world-size 2 --preset tiny --pp 2 --epas-target-layers 2      (any epas-train flags)
+
+Takes the training flags (or ``--config``) of ``epas-train`` plus the world it will run on, and
+prints -- without starting processes or touching data beyond the tokenizer's size -- the
+parallel shape, the model FLOPs of an iteration at the first and the final sharing region, the
+pipeline layout planned for every switch (within the memory budget), and every pipeline rank's
+memory at the first and the final region from :mod:`epas_megatron.metrics.memory_model`:
+weights + gradients + Adam state, and the activations of its in-flight micro-batches. The
+figures are the model's (local layers; no CUDA context, workspaces or allocator fragmentation,
+which the budget's 10% reserve stands for). Exit 0 when every rank fits, 3 when one does not,
+2 on bad input. The launcher's ``DRY_RUN=1`` prints it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from epas_megatron.errors import ConfigError
+
+DOES_NOT_FIT = 3
+RESERVE = 0.9
+"""Share of the GPU's memory the default budget allows."""
+
+
+def _split_argv(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="epas-plan", description=__doc__.split("\n\n")[0], add_help=True)
+    parser.add_argument("--world-size", type=int, default=None, help="processes of the run (default: $WORLD_SIZE, else 1)")
+    parser.add_argument("--gpu-memory-gb", type=float, default=None,
+                        help="memory per GPU in GiB (e.g. 80); the budget is 90%% of it unless --epas-memory-budget-gb says")
+    return parser.parse_known_args(argv)
+
+
+def report(run, gpu_memory_gb: Optional[float]) -> tuple[list[str], bool]:
+    """The report's lines and whether every rank fits (always True without a budget)."""
+    from epas_megatron.metrics.flops import Convention, flops_per_iteration
+    from epas_megatron.parallel.layout import StageLayout
+    from epas_megatron.parallel.memory_plan import GIB
+    from epas_megatron.sharing.schedule import layer_modes
+    from epas_megatron.training.trainer import Trainer
+
+    cfg = run.cfg
+    if cfg.epas.epas_memory_budget_gb is None and gpu_memory_gb is not None:
+        cfg.epas.epas_memory_budget_gb = RESERVE * gpu_memory_gb
+    trainer = Trainer(run)  # only its planning: no process group, no data
+    schedule, n = run.schedule, cfg.model.num_layers
+    final = tuple(schedule.sharing_layers(cfg.training.train_iters))
+    trainer.plan = trainer._plan_for(())
+    limit = trainer.memory_limit()
+    t, p = cfg.training, cfg.parallel
+    m = cfg.model
+    lines = [f"epas-plan: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}/{m.num_query_groups}, "
+             f"ffn {m.ffn_hidden_size}, vocab {trainer.plan.arch.vocab_size}, seq {t.seq_length} | world {run.world_size} = TP {p.tp} "
+             f"x PP {p.pp}{f' (VPP {run.vpp})' if run.vpp else ''} x DP {run.dp} | global batch {t.global_batch_size} = "
+             f"{run.num_microbatches} micro-batches x {t.micro_batch_size} x DP {run.dp} | {run.precision}"
+             f"{', distributed optimizer' if run.use_distributed_optimizer else ''}"
+             f"{', recompute ' + p.recompute if p.recompute != 'none' else ''}"]
+    flops = {size: flops_per_iteration(trainer.plan.arch.flops_shape(t.seq_length), t.global_batch_size, size,
+                                       share=cfg.epas.epas_share, convention=Convention.MEGATRON) for size in (0, len(final))}
+    lines.append(f"model FLOPs per iteration: {flops[0] / 1e15:.3f} PFLOP at region 0, {flops[len(final)] / 1e15:.3f} PFLOP at the "
+                 f"final region ({len(final)} layers; {flops[0] / flops[len(final)]:.4f}x fewer)")
+    if run.schedule.enabled:
+        lines.append(run.schedule.describe(t.train_iters))
+    if run.rebalance:
+        from epas_megatron.parallel.stage_plan import describe_schedule_layouts
+
+        lines.append("pipeline stages, rebalanced at every switch:")
+        lines.append(describe_schedule_layouts(trainer.plan, schedule, memory=limit))
+    fits = True
+    budget = limit.budget_bytes if limit is not None else None
+    from epas_megatron.metrics.memory_model import LayerShape
+    from epas_megatron.parallel.memory_plan import MemoryLimit
+
+    measure = limit or MemoryLimit(LayerShape(trainer.plan.arch.hidden_size, trainer.plan.arch.num_attention_heads,
+                                              trainer.plan.arch.num_query_groups, trainer.plan.arch.ffn_hidden_size,
+                                              t.seq_length, t.micro_batch_size),
+                                   _settings(trainer), p.pp, run.vpp or 1, float("inf"))
+    for label, sharing in (("first region (0 layers sharing)", ()), (f"final region ({len(final)} layers sharing)", final)):
+        region_plan = trainer._plan_for(sharing)
+        layout = region_plan.layout or StageLayout.even(n, p.pp, run.vpp or 1)
+        per_rank = measure.layout_bytes(layout, layer_modes(n, sharing, exclude_last=cfg.epas.epas_exclude_last))
+        lines.append(f"memory per GPU at the {label}, layout {layout.to_layout_string()}"
+                     + (f" (budget {budget / GIB:.1f} GiB)" if budget else "") + ":")
+        lines.append("  pp rank  parameters+grads+Adam  activations (in flight)       total")
+        for rank, need in enumerate(per_rank):
+            over = budget is not None and need["total"] > budget
+            fits = fits and not over
+            lines.append(f"  {rank:7d}  {need['parameters'] / GIB:17.2f} GiB  {need['activations'] / GIB:8.2f} GiB ({need['in_flight']:g})"
+                         f"  {need['total'] / GIB:8.2f} GiB{'  DOES NOT FIT' if over else ''}")
+    lines.append("fits" if fits else "does NOT fit: raise --pp or --tp, use --recompute selective or --use-distributed-optimizer, "
+                                     "or lower --micro-batch-size")
+    return lines, fits
+
+
+def _settings(trainer):
+    from epas_megatron.metrics.memory_model import RankMemorySettings
+
+    p, run = trainer.cfg.parallel, trainer.run
+    return RankMemorySettings(vocab_size=trainer.plan.arch.vocab_size, tp=p.tp, dp=run.dp, num_microbatches=run.num_microbatches,
+                              precision=run.precision, distributed_optimizer=run.use_distributed_optimizer,
+                              sequence_parallel=p.sequence_parallel, recompute=p.recompute if p.recompute != "full" else "none",
+                              share=trainer.cfg.epas.epas_share)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from epas_megatron.runtime.quiet import quiet_library_noise
+
+    quiet_library_noise()
+    from epas_megatron.config.cli import parse_config
+    from epas_megatron.config.validation import resolve_run
+    from epas_megatron.runtime.distributed import world_size_from_env
+
+    ours, rest = _split_argv(sys.argv[1:] if argv is None else argv)
+    try:
+        world = ours.world_size or world_size_from_env()
+        if world < 1:
+            raise ConfigError(f"--world-size must be >= 1, got {world}")
+        if ours.gpu_memory_gb is not None and not ours.gpu_memory_gb > 0:
+            raise ConfigError(f"--gpu-memory-gb must be > 0, got {ours.gpu_memory_gb}")
+        run = resolve_run(parse_config(rest), world_size=world, cuda=ours.gpu_memory_gb is not None or None)
+        if run.cfg.parallel.recompute == "full":
+            print("note: --recompute full is not in the memory model; activations are shown as without recompute", flush=True)
+        lines, fits = report(run, ours.gpu_memory_gb)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return ConfigError.exit_code
+    print("\n".join(lines), flush=True)
+    return 0 if fits else DOES_NOT_FIT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""epas-plan (the "will it fit" report) and the launcher's DRY_RUN=1: FLOPs, layouts per switch,
+memory per GPU at the first and final region, fit / no fit."""
+
+import os
+import subprocess
+import sys
+
+from epas_testing import REPO
+
+from epas_megatron.metrics.flops import Convention, ModelShape, flops_per_iteration
+
+
+def plan(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "epas_megatron.plan", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
+
+
+def test_7b_on_one_node_of_80gb_gpus_fits(tmp_path):
+    proc = plan("--world-size", "8", "--gpu-memory-gb", "80", "--config", "launch/configs/7b.yaml", "--output-dir", str(tmp_path / "r"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "world 8 = TP 2 x PP 2 x DP 2" in out and "distributed optimizer" in out
+    baseline = flops_per_iteration(ModelShape(32, 4096, 32, 32, 11008, 32000, 2048), 1024, 0, convention=Convention.MEGATRON)
+    assert f"{baseline / 1e15:.3f} PFLOP at region 0" in out
+    assert "iteration 24800: 16 sharing layers" in out  # the layout planned for the last switch
+    assert out.count("  pp rank  parameters+grads+Adam") == 2 and "(budget 72.0 GiB)" in out
+    assert "(2)" in out and out.rstrip().endswith("fits")
+
+
+def test_a_run_that_does_not_fit_says_so(tmp_path):
+    proc = plan("--world-size", "1", "--gpu-memory-gb", "0.002", "--preset", "tiny", "--output-dir", str(tmp_path / "r"))
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "DOES NOT FIT" in proc.stdout and "does NOT fit" in proc.stdout
+
+
+def test_a_budget_no_layout_meets_is_an_error(tmp_path):
+    proc = plan("--world-size", "2", "--preset", "tiny", "--pp", "2", "--epas-target-layers", "2", "--epas-interval", "10",
+                "--epas-memory-budget-gb", "0.000001", "--output-dir", str(tmp_path / "r"))
+    assert proc.returncode == 2 and "--epas-memory-budget-gb" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_launcher_dry_run_shows_the_report(tmp_path):
+    env = {"CONFIG": "launch/configs/tiny.yaml", "NPROC_PER_NODE": "2", "DRY_RUN": "1", "EXTRA_ARGS": ""}
+    proc = subprocess.run([sys.executable, "launch/launch.py", "--pp", "2", "--output-dir", str(tmp_path / "r")], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "[launch] command:" in proc.stdout and "memory per GPU at the first region" in proc.stdout
