@@ -28,6 +28,9 @@ class SavedBytes:
     outside: int = 0
     """Before the first layer (embedding) and after the last (final norm, LM head, loss)."""
 
+    tensors: dict[int, list[int]] = field(default_factory=dict)
+    """Decoder layer -> the bytes of each storage it kept, in the order they were saved."""
+
     @property
     def total(self) -> int:
         return sum(self.layers.values()) + self.outside
@@ -48,6 +51,7 @@ def measure_saved_bytes(model: torch.nn.Module, *inputs, **kwargs) -> SavedBytes
     for layer in unwrap_model(model).decoder.layers:
         index = layer.layer_number - 1
         result.layers[index] = 0
+        result.tensors[index] = []
         handles.append(layer.register_forward_pre_hook(lambda module, args, i=index: current.__setitem__(0, i)))
         handles.append(layer.register_forward_hook(lambda module, args, output: current.__setitem__(0, None)))
 
@@ -61,6 +65,7 @@ def measure_saved_bytes(model: torch.nn.Module, *inputs, **kwargs) -> SavedBytes
                 result.outside += storage.nbytes()
             else:
                 result.layers[current[0]] += storage.nbytes()
+                result.tensors[current[0]].append(storage.nbytes())
         return tensor
 
     try:

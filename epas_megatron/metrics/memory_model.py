@@ -17,10 +17,9 @@ Every layer:
 ===========================  ======================  ==============================================
 term                         elements                kept by
 ===========================  ======================  ==============================================
-``norm1_input``              s·b·h                   RMSNorm (x for the backward of x²)
-``norm1_input_fp32``          s·b·h  (fp32)           RMSNorm in bf16/fp16: its fp32 copy of x
+``norm1_input``              s·b·h  (fp32)           RMSNorm (x for the backward of x²; in half precision its fp32 copy)
 ``norm1_rstd``               s·b    (fp32)           RMSNorm (1 / rms)
-``norm1_normalized``         s·b·h                   RMSNorm's weight gradient (x / rms)
+``norm1_normalized``         s·b·h  (fp32)           RMSNorm's weight gradient (x / rms)
 ``norm1_output``             s·b·h                   the attention's input GEMM(s)
 ``attention_output``         s·b·a·d                 the attention kernel, and linear_proj's input
 ``attention_lse``            b·a·s  (fp32)           the attention kernel (log-sum-exp)
@@ -46,7 +45,8 @@ sharing, ``kv``           ``q_rope``          s·b·a·d: its own Q after RoPE (
 So a ``qk`` sharing layer keeps ``s·b·(2a + 2g)·d + 4·s·d - s·b·g·d`` elements less than a
 computing one -- the fused QKV output, the rotated Q and K, the RoPE tables, less its own V:
 about ``2.5·s·b·h`` of Korthikanti's ``34·s·b·h`` (MHA) and more than an eighth of this layer's
-own total at small FFN widths. The norm statistics and the log-sum-exp are always fp32.
+own total at small FFN widths. The norms' input, statistics and normalized values and the
+log-sum-exp are fp32 in every precision (the norm computes in fp32).
 
 Tensor parallelism (``t``) divides the head and FFN terms (``a``, ``g``, ``F`` by ``t``); the
 norms and the GEMM inputs they feed keep the whole sequence on every rank, or ``s / t`` of it
@@ -112,12 +112,10 @@ def layer_activation_terms(shape: LayerShape, role: Role, share: str = "qk", ele
     sn = s // tp if sequence_parallel else s  # tokens of the norms and the GEMM inputs they feed
     e = element_bytes
     terms = {}
-    for norm in ("norm1", "norm2"):
-        terms[f"{norm}_input"] = sn * b * h * e
-        if e < 4:  # half precision: the norm computes in fp32 and keeps that copy of its input
-            terms[f"{norm}_input_fp32"] = sn * b * h * 4
+    for norm in ("norm1", "norm2"):  # RMSNorm computes in fp32: its input (an fp32 copy in half precision) and x / rms
+        terms[f"{norm}_input"] = sn * b * h * 4
         terms[f"{norm}_rstd"] = sn * b * 4
-        terms[f"{norm}_normalized"] = sn * b * h * e
+        terms[f"{norm}_normalized"] = sn * b * h * 4
         terms[f"{norm}_output"] = sn * b * h * e
     if role == "compute":
         terms["qkv_output"] = s * b * (a + 2 * g) * d * e
@@ -139,6 +137,23 @@ def layer_activation_terms(shape: LayerShape, role: Role, share: str = "qk", ele
     terms["fc1_output"] = s * b * 2 * f * e
     terms["swiglu"] = 3 * s * b * f * e
     return terms
+
+
+TENSORS_PER_TERM = {"rope_tables": None, "swiglu": 3}
+"""Terms that stand for several equal tensors: RoPE's cos and sin per rotated tensor (4 for a
+computing layer, 2 for a ``kv`` sharing layer: ``None`` = one per ``s·d`` block), SwiGLU's 3."""
+
+
+def layer_activation_tensors(shape: LayerShape, role: Role, share: str = "qk", element_bytes: int = 4, **parallel) -> list[int]:
+    """The bytes of each tensor behind :func:`layer_activation_terms`, sorted: what the
+    measurement sees storage by storage."""
+    sizes = []
+    for name, value in layer_activation_terms(shape, role, share, element_bytes, **parallel).items():
+        count = TENSORS_PER_TERM.get(name, 1)
+        if count is None:
+            count = value // (shape.seq_length * shape.head_dim * element_bytes)
+        sizes += [value // count] * count
+    return sorted(sizes)
 
 
 def layer_activation_bytes(shape: LayerShape, role: Role, share: str = "qk", element_bytes: int = 4, **parallel) -> int:

@@ -10,7 +10,15 @@ import sys
 import pytest
 import torch
 
-from epas_megatron.metrics.memory_model import LayerShape, layer_activation_bytes, layer_activation_terms, region_saving_bytes
+from epas_megatron.metrics.memory_model import (
+    LayerShape,
+    embedding_activation_bytes,
+    head_activation_bytes,
+    layer_activation_bytes,
+    layer_activation_tensors,
+    layer_activation_terms,
+    region_saving_bytes,
+)
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -37,7 +45,11 @@ def test_measured_bytes_equal_the_model_per_layer_role(share, precision, element
     compute = layer_activation_bytes(SHAPE, "compute", share, element_bytes)
     sharing = layer_activation_bytes(SHAPE, "share", share, element_bytes)
     assert got.layers == {0: compute, 1: compute, 2: sharing, 3: sharing}
-    assert got.outside > 0  # embedding, final norm, LM head and loss are not charged to layers
+    # Outside the layers: the embedding's token ids, the final norm, fp32 logits, the loss's targets.
+    assert got.outside == embedding_activation_bytes(SHAPE) + head_activation_bytes(SHAPE, 512, element_bytes)
+    # Term by term: the storages each layer kept are the model's tensors, one for one.
+    for index, role in ((1, "compute"), (3, "share")):
+        assert sorted(got.tensors[index]) == layer_activation_tensors(SHAPE, role, share, element_bytes), (index, role)
 
 
 def test_sharing_saves_the_qkv_output_rotated_q_k_and_rope_tables_less_its_own_v():

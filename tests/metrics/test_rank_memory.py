@@ -52,7 +52,7 @@ def test_a_rank_by_hand():
     act = lambda role: layer_activation_bytes(SHAPE, role, "qk", 2)
     assert first["activations"] == 2 * (2 * act("compute") + s * b * 8)  # 2 in flight on rank 0 of 2
     handoff = s * b * (4 + 2) * d * 2
-    head = (3 * s * b * h * 2 + s * b * h * 4 + s * b * 4) + s * b * 512 * 4 + s * b * 9
+    head = (2 * s * b * h * 4 + s * b * 4 + s * b * h * 2) + s * b * 512 * 4 + s * b * 9  # fp32 norm, bf16 output
     assert last["activations"] == 1 * (handoff + 2 * act("share") + head)
 
 
