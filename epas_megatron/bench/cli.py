@@ -88,6 +88,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     memory.add_argument("--micro-batch-size", type=int, default=1)
     memory.add_argument("--share", default="qk", choices=["qk", "kv"])
     memory.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    memory.add_argument("--tp", type=int, default=1, help="tensor parallel size: run under torchrun with this many processes")
+    memory.add_argument("--sequence-parallel", action="store_true")
     args = parser.parse_args(argv)
     if args.command == "decode":
         return _decode(args)
@@ -178,17 +180,23 @@ def _memory(args) -> int:
         region = preset.num_layers // 2 if args.region is None else args.region
         if not 0 < region < preset.num_layers:
             raise ConfigError(f"--region must be between 1 and {preset.num_layers - 1} for the {args.preset} preset")
-        if world_size_from_env() != 1:
-            raise ConfigError("epas-bench memory runs in one process (TP = PP = 1); do not start it with torchrun")
+        if world_size_from_env() != args.tp:
+            raise ConfigError(f"epas-bench memory runs one process per TP rank: --tp {args.tp} under "
+                              f"{world_size_from_env()} process(es) (torchrun --nproc-per-node {args.tp})")
+        if args.sequence_parallel and args.tp < 2:
+            raise ConfigError("--sequence-parallel needs --tp > 1")
         if args.seq_length < 1 or args.micro_batch_size < 1:
             raise ConfigError("--seq-length and --micro-batch-size must be >= 1")
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return ConfigError.exit_code
-    init_distributed(1, 1, None, seed=1234)
+    dims = init_distributed(args.tp, 1, None, seed=1234)
+    log = (lambda line: print(line, flush=True)) if dims.is_logging_rank else (lambda line: None)
     try:
-        cfg = MemoryBenchConfig(args.preset, region, args.seq_length, args.micro_batch_size, args.share, args.precision)
-        print(format_record(run_memory_bench(cfg, log=lambda line: print(line, flush=True))), flush=True)
+        cfg = MemoryBenchConfig(args.preset, region, args.seq_length, args.micro_batch_size, args.share, args.precision,
+                                tp=args.tp, sequence_parallel=args.sequence_parallel)
+        record = run_memory_bench(cfg, log=log)
+        log(format_record(record))
     finally:
         destroy_distributed()
     return 0

@@ -40,6 +40,12 @@ class MemoryBenchConfig:
     seed: int = 1234
     """Weights' seed (the bytes do not depend on it)."""
 
+    tp: int = 1
+    """Tensor parallel size (the world: one process per TP rank; bytes are per rank)."""
+
+    sequence_parallel: bool = False
+    """With TP > 1: sequence parallelism."""
+
 
 def _measure(arch, sharing, cfg: MemoryBenchConfig, share: str, recompute: str):
     """Measured bytes of one micro-batch for one configuration (a fresh model)."""
@@ -49,7 +55,7 @@ def _measure(arch, sharing, cfg: MemoryBenchConfig, share: str, recompute: str):
     from epas_megatron.runtime.device import compute_device
 
     plan = BuildPlan.for_region(arch, sharing, seq_length=cfg.seq_length, precision=cfg.precision, share=share,
-                                recompute=RecomputeSettings(recompute))
+                                recompute=RecomputeSettings(recompute), tp=cfg.tp, sequence_parallel=cfg.sequence_parallel)
     model = build_model(plan, seed=cfg.seed).chunks[0]
     device = compute_device()
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -75,11 +81,12 @@ def run_memory_bench(cfg: MemoryBenchConfig, log=print) -> dict:
     shape = LayerShape(arch.hidden_size, arch.num_attention_heads, arch.num_query_groups, arch.ffn_hidden_size,
                        cfg.seq_length, cfg.micro_batch_size)
     e = 4 if cfg.precision == "fp32" else 2
+    parallel = dict(tp=cfg.tp, sequence_parallel=cfg.sequence_parallel)
     s, b, h, a = cfg.seq_length, cfg.micro_batch_size, arch.hidden_size, arch.num_attention_heads
     mb = 1 / 2**20
     log(f"bench: activation bytes kept for backward, {cfg.preset} ({arch.num_layers} layers, h {h}, {a}/{arch.num_query_groups} heads, "
         f"ffn {arch.ffn_hidden_size}), region {cfg.region} {list(sharing)}, {cfg.precision}, seq {s} x micro-batch {b}, "
-        f"local layers, one micro-batch (TP = 1; TP=2 with and without SP: tests/metrics/test_activation_memory.py)")
+        f"local layers, one micro-batch, TP {cfg.tp}{' with sequence parallelism' if cfg.sequence_parallel else ''} (bytes per rank)")
     log("| sharing | recompute | layer | measured MiB | model MiB | model / measured |")
     log("|---|---|---|---:|---:|---:|")
     configurations = []
@@ -91,8 +98,8 @@ def run_memory_bench(cfg: MemoryBenchConfig, log=print) -> dict:
             shared = [measured.layers[i] for i in sharing]
             row = {"share": share, "recompute": recompute,
                    "computing_layer_bytes_measured": max(computing), "sharing_layer_bytes_measured": max(shared),
-                   "computing_layer_bytes_model": sum(layer_activation_terms(shape, "compute", share, e, recompute=recompute).values()),
-                   "sharing_layer_bytes_model": sum(layer_activation_terms(shape, "share", share, e, recompute=recompute).values()),
+                   "computing_layer_bytes_model": sum(layer_activation_terms(shape, "compute", share, e, recompute=recompute, **parallel).values()),
+                   "sharing_layer_bytes_model": sum(layer_activation_terms(shape, "share", share, e, recompute=recompute, **parallel).values()),
                    "layers_equal_within_role": len(set(computing)) <= 1 and len(set(shared)) <= 1,
                    "decoder_bytes_baseline": arch.num_layers * max(computing), "decoder_bytes_epas": sum(measured.layers.values()),
                    "outside_layers_bytes": measured.outside}
@@ -102,13 +109,13 @@ def run_memory_bench(cfg: MemoryBenchConfig, log=print) -> dict:
                 log(f"| {share} | {recompute} | {role} | {got * mb:.3f} | {want * mb:.3f} | {want / got:.4f} |")
             if share == cfg.share and recompute == "none":
                 record = dict(row)
-    terms = {role: layer_activation_terms(shape, role, cfg.share, e) for role in ("compute", "share")}
+    terms = {role: layer_activation_terms(shape, role, cfg.share, e, **parallel) for role in ("compute", "share")}
     differing = sorted(set(terms["compute"]) ^ set(terms["share"]))
     log(f"terms that differ ({cfg.share}, MiB, computing -> sharing): " + ", ".join(
         f"{k} {terms['compute'].get(k, 0) * mb:.3f} -> {terms['share'].get(k, 0) * mb:.3f}" for k in differing))
     baseline, epas, outside = record["decoder_bytes_baseline"], record["decoder_bytes_epas"], record["outside_layers_bytes"]
     korthikanti = s * b * h * (34 + 5 * a * s / h) * e / 2  # GPT, per layer, fp16 bytes scaled to e
-    record.update(preset=cfg.preset, region=cfg.region, sharing_layers=list(sharing), precision=cfg.precision, seq_length=s,
+    record.update(preset=cfg.preset, region=cfg.region, tp=cfg.tp, sequence_parallel=cfg.sequence_parallel, sharing_layers=list(sharing), precision=cfg.precision, seq_length=s,
                   micro_batch_size=b, decoder_saving_fraction=1 - epas / baseline,
                   model_saving_fraction=1 - (epas + outside) / (baseline + outside), korthikanti_gpt_layer_bytes=korthikanti,
                   configurations=configurations)

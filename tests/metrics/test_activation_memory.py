@@ -110,3 +110,19 @@ def test_tensor_and_sequence_parallel_bytes_per_rank_equal_the_model():
     plain = layer_activation_bytes(SHAPE, "compute", tp=2)
     sp = layer_activation_bytes(SHAPE, "compute", tp=2, sequence_parallel=True)
     assert plain - sp == 2 * (3 * S * B * 128 * 4 + S * B * 4) // 2
+
+
+@pytest.mark.distributed
+def test_memory_bench_under_tensor_and_sequence_parallelism():
+    """Every configuration's rows (qk/kv x recompute) agree on a TP=2 rank with SP."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                           "epas_megatron.bench.cli", "memory", "--preset", "tiny", "--region", "2", "--seq-length", "32",
+                           "--tp", "2", "--sequence-parallel"], capture_output=True, text=True, timeout=300,
+                          env={**env, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads([l for l in proc.stdout.splitlines() if l.startswith("BENCH ")][-1][len("BENCH "):])
+    assert record["tp"] == 2 and record["sequence_parallel"] and len(record["configurations"]) == 4
+    for row in record["configurations"]:
+        assert row["computing_layer_bytes_measured"] == row["computing_layer_bytes_model"], row
+        assert row["sharing_layer_bytes_measured"] == row["sharing_layer_bytes_model"], row
