@@ -344,7 +344,7 @@ class EpasConfig:
     """Per-GPU memory budget (GiB) for stage rebalancing: among pipeline layouts whose every
     rank fits (weights, gradients, Adam state, activations of the in-flight micro-batches, from
     the memory model), the planner picks the fastest, and says when the FLOP-optimal layout
-    would not have fitted. Default: 90% of the GPU's memory on CUDA, none on CPU. Needs
+    would not have fitted. Default: 90 percent of the GPU's memory on CUDA, none on CPU. Needs
     --recompute none or selective."""
 
     epas_switch_mode: str = "memory"

@@ -106,7 +106,7 @@ def test_distributed_optimizer_state_is_never_gathered_by_the_in_memory_switch(t
 
 
 def test_range_plan_covers_each_wanted_range_once_from_its_owners():
-    from epas_megatron.checkpointing.in_memory import _range_transfers
+    from epas_megatron.checkpointing.distributed_shards import _range_transfers
 
     w, e = ("tensor", ("decoder.layers.mlp.linear_fc2.weight", (0, 0, 0), None)), ("tensor", ("embedding.word_embeddings.weight", (0, 0), None))
     gathered = [

@@ -1,0 +1,220 @@
+"""The distributed optimizer's shards through an in-memory switch, by element range.
+
+A checkpoint stores the distributed optimizer's fp32 state (main weights, Adam moments) in model
+space, gathered over data parallelism (``fully_reshardable``): at 7B with TP=2 PP=2 that is
+about 20 GB per GPU at every save. The in-memory switch (:mod:`epas_megatron.checkpointing.in_memory`)
+never gathers it. Each rank keeps its own shard of every parameter, keyed by the parameter's
+identity (its checkpoint shard id, or its factory's signature: the same for a layer that did
+not switch), and the new optimizer's shards -- whose boundaries have moved, since the switching
+layer's Q/K rows left the gradient buffer -- are filled by element range: from the same rank
+where the range did not move, point to point where it did or where the layer changed stage. A
+switching layer's fused QKV state, whose V rows its new ``linear_v`` needs, is assembled whole
+on one rank that held part of it, split there by its own factory and served from there: only
+that one layer's state is ever whole on a rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from epas_megatron.checkpointing.in_memory import (
+    ExchangeStats,
+    HeldState,
+    _built_shards,
+    _ids,
+    _model_identities,
+    _send_and_receive,
+)
+
+
+def _distributed_parts(optimizer) -> list:
+    """The optimizer's ``DistributedOptimizer`` parts (all of them, or none)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if optimizer is None:
+        return []
+    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return parts if all(isinstance(part, DistributedOptimizer) for part in parts) else []
+
+
+def _owned_ranges(part):
+    """(model parameter, the range of its flattened elements this DP rank owns) of one part."""
+    for gbuf_range_maps in part.gbuf_ranges:
+        for per_bucket in gbuf_range_maps.values():
+            for gbuf_range_map in per_bucket:
+                for model_param, ranges in gbuf_range_map["param_map"].items():
+                    yield model_param, ranges["param"]
+
+
+@dataclass
+class _Shard:
+    """Elements [start, end) of a flattened parameter's fp32 main weights and Adam moments."""
+
+    numel: int
+    start: int
+    end: int
+    tensors: dict  # "param", "exp_avg", "exp_avg_sq": 1-D, end - start elements
+
+
+def hold_distributed_shards(held: HeldState, model_chunks, optimizer) -> None:
+    """Record the distributed optimizer's own shards by parameter identity (no gather)."""
+    identities = _model_identities(model_chunks)
+    for part in _distributed_parts(optimizer):
+        for param, owned in _owned_ranges(part):
+            identity = identities.get(id(param))
+            if identity is None:
+                raise RuntimeError("in-memory switch: a distributed-optimizer parameter has no checkpoint identity; "
+                                   "--epas-switch-mode checkpoint works for any parameter")
+            tensors = {k: v.detach().view(-1) for k, v in part._get_main_param_and_optimizer_states(param).items()
+                       if torch.is_tensor(v) and v.dim() > 0}
+            held.dist_shards[identity] = _Shard(param.numel(), owned.start, owned.end, tensors)
+    held.optimizer_common = optimizer.state_dict()  # param groups, step, loss scaler: no parameter state
+
+
+def _overlap(a0: int, a1: int, b0: int, b1: int) -> tuple[int, int]:
+    return max(a0, b0), min(a1, b1)
+
+
+def _range_transfers(gathered: list[dict], wants: list[tuple[int, tuple, int, int]]) -> list[tuple]:
+    """(source rank, destination rank, identity, lo, hi) covering every wanted range
+    ``(rank, identity, start, end)`` from the ranks that hold the identity's elements."""
+    holders: dict[tuple, list[tuple[int, int, int]]] = {}
+    for rank, info in enumerate(gathered):
+        for identity, (numel, start, end) in info["holds"].items():
+            holders.setdefault(identity, []).append((rank, start, end))
+    transfers = []
+    for dst, identity, start, end in wants:
+        uncovered = [(start, end)]
+        # The wanting rank's own elements first; a replicated parameter (tied embeddings on two
+        # stages) is taken from one holder only.
+        for src, h0, h1 in sorted(holders.get(identity, []), key=lambda h: (h[0] != dst, h[0])):
+            remaining = []
+            for u0, u1 in uncovered:
+                lo, hi = _overlap(u0, u1, h0, h1)
+                if lo < hi:
+                    transfers.append((src, dst, identity, lo, hi))
+                    remaining += [(u0, lo)] if u0 < lo else []
+                    remaining += [(hi, u1)] if hi < u1 else []
+                else:
+                    remaining.append((u0, u1))
+            uncovered = remaining
+        if uncovered:
+            raise RuntimeError(f"in-memory switch: elements {uncovered[0][0]}-{uncovered[0][1]} of {identity[1][0]} are held by "
+                               f"no rank; --epas-switch-mode checkpoint")
+    return transfers
+
+
+def _run_range_transfers(transfers, me: int, source_of, target_of, keys, stats: ExchangeStats) -> None:
+    """Copy local pieces, send and receive the rest (one round of point-to-point operations)."""
+    ops = []
+    for src, dst, identity, lo, hi in transfers:
+        if src == me and dst == me:
+            for key in keys:
+                target_of(identity, key, lo, hi).copy_(source_of(identity, key, lo, hi))
+            stats.bytes_local += 4 * len(keys) * (hi - lo)  # fp32 main weights and moments
+        elif src == me:
+            for key in keys:
+                ops.append(dist.P2POp(dist.isend, source_of(identity, key, lo, hi).contiguous(), dst))
+            stats.bytes_sent += 4 * len(keys) * (hi - lo)
+        elif dst == me:
+            for key in keys:
+                ops.append(dist.P2POp(dist.irecv, target_of(identity, key, lo, hi), src))
+            stats.bytes_received += 4 * len(keys) * (hi - lo)
+            stats.tensors_received += 1
+    _send_and_receive(ops)
+
+
+@torch.no_grad()
+def restore_distributed_shards(held: HeldState, model_chunks, optimizer, stats: ExchangeStats) -> None:
+    """Fill the new distributed optimizer's shards from the old ones: each rank receives exactly
+    the elements it now owns, from whichever ranks owned them (its DP peers, or another
+    pipeline stage's ranks for a layer that moved). A parameter that changed -- a switching
+    layer's ``linear_v``, the V rows of its old fused QKV -- is assembled whole on one rank that
+    held part of it, split there by the fused tensor's own factory, and served from there."""
+    tensor_id, _ = _ids()
+    optimizer.load_state_dict(held.optimizer_common)  # param groups, step, scaler; shards allocated
+    identities = _model_identities(model_chunks)
+    needs: dict[tuple, tuple[int, int, int, dict]] = {}
+    for part in _distributed_parts(optimizer):
+        for param, owned in _owned_ranges(part):
+            tensors = {k: v.view(-1) for k, v in part._get_main_param_and_optimizer_states(param).items()
+                       if torch.is_tensor(v) and v.dim() > 0}
+            needs[identities[id(param)]] = (param.numel(), owned.start, owned.end, tensors)
+    keys = sorted(next(iter(held.dist_shards.values())).tensors) if held.dist_shards else ["exp_avg", "exp_avg_sq", "param"]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    me = dist.get_rank() if dist.is_initialized() else 0
+    pieces_of = {identity: [p[0] for p in identity[1][3]] for identity in held.dist_shards if identity[0] == "factory"}
+    info = {"holds": {i: (s.numel, s.start, s.end) for i, s in held.dist_shards.items()},
+            "needs": {i: (n[0], n[1], n[2]) for i, n in needs.items()}, "pieces": pieces_of}
+    gathered = [info] if world == 1 else [None] * world
+    if world > 1:
+        dist.all_gather_object(gathered, info)
+
+    # Which needed identities nobody holds as such: pieces of a held fused tensor (a switch).
+    held_anywhere = {i for g in gathered for i in g["holds"]}
+    piece_owner: dict[str, tuple] = {}
+    for g in gathered:
+        for factory, pieces in g["pieces"].items():
+            for piece in pieces:
+                piece_owner.setdefault(piece, factory)
+    changed = {}  # needed identity -> (factory identity)
+    for g in gathered:
+        for identity in g["needs"]:
+            if identity in held_anywhere:
+                continue
+            if identity[0] != "tensor" or repr(identity[1]) not in piece_owner:
+                raise RuntimeError(f"in-memory switch: no rank holds the optimizer state of {identity[1][0]}; "
+                                   f"--epas-switch-mode checkpoint")
+            changed[identity] = piece_owner[repr(identity[1])]
+    # Round 1: every unchanged range where it is now owned, and each changed fused tensor whole
+    # on the lowest rank that held part of it.
+    assembler = {}
+    for factory in sorted(set(changed.values()), key=repr):
+        assembler[factory] = min(rank for rank, g in enumerate(gathered) if factory in g["holds"])
+    wants = [(rank, i, n[1], n[2]) for rank, g in enumerate(gathered) for i, n in g["needs"].items() if i not in changed]
+    numel_of = {i: h[0] for g in gathered for i, h in g["holds"].items()}
+    wants += [(rank, factory, 0, numel_of[factory]) for factory, rank in assembler.items()]
+    assembled = {factory: {k: torch.empty(numel_of[factory], dtype=torch.float32, device=next(iter(held.dist_shards[factory].tensors.values())).device)
+                           for k in keys}
+                 for factory, rank in assembler.items() if rank == me}
+
+    def source_of(identity, key, lo, hi):
+        shard = held.dist_shards[identity]
+        return shard.tensors[key][lo - shard.start:hi - shard.start]
+
+    def target_of(identity, key, lo, hi):
+        if identity in assembled:
+            return assembled[identity][key][lo:hi]
+        need = needs[identity]
+        return need[3][key][lo - need[1]:hi - need[1]]
+
+    plan = sorted(_range_transfers(gathered, wants), key=repr)
+    _run_range_transfers(plan, me, source_of, target_of, keys, stats)
+    if not changed:
+        return
+    # Round 2: the assembling ranks split the fused tensors (the model factory's own row split)
+    # and serve the pieces.
+    pieces: dict[tuple, dict] = {}
+    for factory, full in assembled.items():
+        template = held.templates[factory[1]]
+        for key, flat in full.items():
+            built = template.build_fn(template.key, flat.view(template.data.shape), template.replica_id, template.flattened_range)
+            for st in _built_shards(built):
+                pieces.setdefault(("tensor", tensor_id(st)), {})[key] = st.data.reshape(-1)
+    served = [{i: (p[keys[0]].numel(), 0, p[keys[0]].numel()) for i, p in pieces.items()} if rank == me else {}
+              for rank in range(world)]
+    if world > 1:
+        mine = served[me]
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+        served = everyone
+    wants = [(rank, i, n[1], n[2]) for rank, g in enumerate(gathered) for i, n in g["needs"].items() if i in changed]
+
+    def piece_source(identity, key, lo, hi):
+        return pieces[identity][key][lo:hi]
+
+    plan = sorted(_range_transfers([{"holds": s} for s in served], wants), key=repr)
+    _run_range_transfers(plan, me, piece_source, target_of, keys, stats)
