@@ -1,0 +1,57 @@
+"""An independent count of the FLOPs model (#14, item 4, PyTorch's half): PyTorch's
+FlopCounterMode over one forward + backward of the model at several regions.
+
+What each side counts: the model counts matmuls only (2 FLOPs per multiply-add, 3 x forward,
+the full s x s scores under Convention.PAPER); FlopCounterMode counts the aten matmul ops it
+has formulas for (mm, bmm, baddbmm, and the CUDA SDPA kernels), forward and backward as they
+run. With unfused attention (scores by baddbmm, probs.V by bmm) the two agree exactly, term by
+term. With SDPA on CPU the counter has no formula for the CPU flash kernel
+(aten._scaled_dot_product_flash_attention_for_cpu) and misses exactly the attention core: the
+2 x 2 s^2 h FLOPs per layer and sequence, three times."""
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from epas_megatron.metrics.flops import Convention, layer_matmul_flops, training_flops_per_sequence
+
+pytestmark = pytest.mark.usefixtures("single_process")
+
+S, B = 32, 2
+
+
+def counted(share, region, core_attention):
+    from epas_testing import build
+    from epas_megatron.model.builder import LlamaArchitecture
+
+    arch = LlamaArchitecture(4, 64, 4, 2, 176, 512, S)
+    model = build(arch, tuple(range(4 - region, 4)), share=share, core_attention=core_attention)
+    tokens = torch.randint(0, 512, (B, S), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter:
+        model(tokens, torch.arange(S).expand(B, S), None, labels=tokens).sum().backward()
+    ops = {str(op): flops for op, flops in counter.get_flop_counts()["Global"].items()}
+    return counter.get_total_flops(), ops, arch.flops_shape(S)
+
+
+def _core(shape) -> int:
+    """Forward FLOPs of the attention core of one layer and sequence (scores and probs.V)."""
+    flops = layer_matmul_flops(shape, Convention.PAPER)
+    return flops.attention_scores + flops.attention_values
+
+
+@pytest.mark.parametrize("share", ["qk", "kv"])
+@pytest.mark.parametrize("region", [0, 1, 3])
+def test_flop_counter_equals_the_model_with_unfused_attention(share, region):
+    total, ops, shape = counted(share, region, "unfused")
+    assert total == B * training_flops_per_sequence(shape, region, share, Convention.PAPER)
+    # Term by term: the attention core is the batched matmuls, everything else the plain ones.
+    core = 3 * shape.num_layers * B * _core(shape)
+    assert ops.get("aten.bmm", 0) + ops.get("aten.baddbmm", 0) == core
+    assert ops["aten.mm"] == total - core
+
+
+def test_flop_counter_misses_the_cpu_flash_kernel_and_nothing_else():
+    total, ops, shape = counted("qk", 2, "sdpa")
+    core = 3 * shape.num_layers * B * _core(shape)
+    assert set(ops) == {"aten.mm"}
+    assert total == B * training_flops_per_sequence(shape, 2, "qk", Convention.PAPER) - core
