@@ -33,4 +33,9 @@ if [ ! -x "$VENV/bin/python" ] || ! is_py312 "$VENV/bin/python"; then
 fi
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r requirements.txt 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e . 2>&1 | grep -v "is ignored" || true
+# DeepSpeed (optional: its FLOPs profiler cross-checks the FLOPs model in the tests), CPU-only:
+# no ops compiled. A node where it does not install still trains; those tests then skip.
+if ! DS_BUILD_OPS=0 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-build-isolation "deepspeed==0.19.8" >/dev/null 2>&1; then
+  echo "setup: deepspeed not installed (optional; DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.19.8 shows why)"
+fi
 "$VENV/bin/python" -c "import torch, megatron.core, epas_megatron; print(f'setup: torch {torch.__version__}, megatron-core {megatron.core.__version__}, epas-megatron {epas_megatron.__version__}')" 2>&1 | grep "^setup:"

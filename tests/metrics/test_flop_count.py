@@ -1,5 +1,5 @@
-"""An independent count of the FLOPs model (#14, item 4, PyTorch's half): PyTorch's
-FlopCounterMode over one forward + backward of the model at several regions.
+"""Independent counts of the FLOPs model: PyTorch's FlopCounterMode over one forward + backward
+of the model at several regions, and DeepSpeed's FLOPs profiler over one forward.
 
 What each side counts: the model counts matmuls only (2 FLOPs per multiply-add, 3 x forward,
 the full s x s scores under Convention.PAPER); FlopCounterMode counts the aten matmul ops it
@@ -7,7 +7,12 @@ has formulas for (mm, bmm, baddbmm, and the CUDA SDPA kernels), forward and back
 run. With unfused attention (scores by baddbmm, probs.V by bmm) the two agree exactly, term by
 term. With SDPA on CPU the counter has no formula for the CPU flash kernel
 (aten._scaled_dot_product_flash_attention_for_cpu) and misses exactly the attention core: the
-2 x 2 s^2 h FLOPs per layer and sequence, three times."""
+2 x 2 s^2 h FLOPs per layer and sequence, three times.
+
+DeepSpeed's profiler patches torch functions (matmul, baddbmm, softmax, F.scaled_dot_product_
+attention, ...) and counts the forward only. With SDPA it equals the model's forward exactly (its
+attention formula counts the full s x s scores, as Convention.PAPER does); with unfused attention
+it also counts baddbmm's addend and the softmax, one FLOP per score each: 2 b a s^2 per layer."""
 
 import pytest
 import torch
@@ -55,3 +60,28 @@ def test_flop_counter_misses_the_cpu_flash_kernel_and_nothing_else():
     core = 3 * shape.num_layers * B * _core(shape)
     assert set(ops) == {"aten.mm"}
     assert total == B * training_flops_per_sequence(shape, 2, "qk", Convention.PAPER) - core
+
+
+@pytest.mark.parametrize("core_attention", ["sdpa", "unfused"])
+@pytest.mark.parametrize("share,region", [("qk", 0), ("qk", 2), ("kv", 3)])
+def test_deepspeed_profiler_counts_the_models_forward(core_attention, share, region):
+    pytest.importorskip("deepspeed", reason="optional: tools/setup_env.sh installs it (DS_BUILD_OPS=0)")
+    from deepspeed.profiling.flops_profiler import FlopsProfiler
+
+    from epas_testing import build
+    from epas_megatron.metrics.flops import forward_flops_per_sequence
+    from epas_megatron.model.builder import LlamaArchitecture
+
+    arch = LlamaArchitecture(4, 64, 4, 2, 176, 512, S)
+    model = build(arch, tuple(range(4 - region, 4)), share=share, core_attention=core_attention)
+    tokens = torch.randint(0, 512, (B, S), generator=torch.Generator().manual_seed(0))
+    profiler = FlopsProfiler(model)
+    profiler.start_profile()
+    with torch.no_grad():
+        model(tokens, torch.arange(S).expand(B, S), None, labels=tokens)
+    total = profiler.get_total_flops()
+    profiler.end_profile()
+    expected = B * forward_flops_per_sequence(arch.flops_shape(S), region, share, Convention.PAPER)
+    if core_attention == "unfused":  # baddbmm's addend and the softmax: one FLOP per score each
+        expected += arch.num_layers * 2 * B * arch.num_attention_heads * S * S
+    assert total == expected
