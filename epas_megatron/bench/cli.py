@@ -44,6 +44,14 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=1234)
 
 
+def _region(args, preset) -> int:
+    """--region (default: half the layers), checked against the preset."""
+    region = preset.num_layers // 2 if args.region is None else args.region
+    if not 0 < region < preset.num_layers:
+        raise ConfigError(f"--region must be between 1 and {preset.num_layers - 1} for the {args.preset} preset")
+    return region
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from epas_megatron.runtime.quiet import quiet_library_noise
 
@@ -105,9 +113,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         preset = get_preset(args.preset)
-        region = preset.num_layers // 2 if args.region is None else args.region
-        if not 0 < region < preset.num_layers:
-            raise ConfigError(f"--region must be between 1 and {preset.num_layers - 1} for the {args.preset} preset")
+        region = _region(args, preset)
         tp = getattr(args, "tp", 1)
         if world_size_from_env() % (tp * args.pp):
             raise ConfigError(f"--tp {tp} x --pp {args.pp} does not divide the {world_size_from_env()} processes")
@@ -177,9 +183,7 @@ def _memory(args) -> int:
 
     try:
         preset = get_preset(args.preset)
-        region = preset.num_layers // 2 if args.region is None else args.region
-        if not 0 < region < preset.num_layers:
-            raise ConfigError(f"--region must be between 1 and {preset.num_layers - 1} for the {args.preset} preset")
+        region = _region(args, preset)
         if world_size_from_env() != args.tp:
             raise ConfigError(f"epas-bench memory runs one process per TP rank: --tp {args.tp} under "
                               f"{world_size_from_env()} process(es) (torchrun --nproc-per-node {args.tp})")

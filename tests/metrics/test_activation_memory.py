@@ -126,3 +126,12 @@ def test_memory_bench_under_tensor_and_sequence_parallelism():
     for row in record["configurations"]:
         assert row["computing_layer_bytes_measured"] == row["computing_layer_bytes_model"], row
         assert row["sharing_layer_bytes_measured"] == row["sharing_layer_bytes_model"], row
+
+
+@pytest.mark.parametrize("argv,message", [(["--region", "9"], "--region must be between 1 and 3 for the tiny preset"),
+                                          (["--sequence-parallel"], "--sequence-parallel needs --tp > 1")])
+def test_memory_bench_bad_input(argv, message):
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-m", "epas_megatron.bench.cli", "memory", "--preset", "tiny", *argv],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
