@@ -14,12 +14,14 @@ def rms_norm(x, weight, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def rope(x, base):
-    # x [b, heads, s, hn]
+def rope(x, base, positions=None):
+    # x [b, heads, s, hn]; positions [b, s] (default 0..s-1)
     s, hn = x.shape[-2], x.shape[-1]
     inv_freq = 1.0 / (base ** (torch.arange(0, hn, 2, dtype=torch.float32) / hn))
-    freqs = torch.outer(torch.arange(s, dtype=torch.float32), inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
+    if positions is None:
+        positions = torch.arange(s).unsqueeze(0)
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # [b, s, hn/2]
+    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [b, 1, s, hn]
     cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
     x1, x2 = x[..., : hn // 2], x[..., hn // 2:]
     rotated = torch.cat((-x2, x1), dim=-1)
@@ -43,29 +45,52 @@ def heads(x, n):
     return x.view(b, s, n, -1).transpose(1, 2)
 
 
-def forward(w, tokens, num_layers, np_, ng, sharing=(), share="qk", eps=1e-5, base=10000):
-    """Logits [b, s, vocab] for a LLaMA model with the given sharing layers."""
+def layer_forward(L, x, np_, ng, shared, sharing, share, eps, base, positions=None):
+    """One decoder layer over x [b, s, h] at ``positions``; returns (x, the Q/K or K/V it hands on)."""
+    xn = rms_norm(x, L["input_norm"], eps)
+    if not sharing:
+        q = rope(heads(xn @ L["q"].T, np_), base, positions)
+        k = rope(heads(xn @ L["k"].T, ng), base, positions)
+        v = heads(xn @ L["v"].T, ng)
+        shared = (q, k) if share == "qk" else (k, v)
+    elif share == "qk":
+        q, k = shared
+        v = heads(xn @ L["v"].T, ng)
+    else:
+        q = rope(heads(xn @ L["q"].T, np_), base, positions)
+        k, v = shared
+    a = attention(q, k, v)
+    b, _, s, _ = a.shape
+    x = x + a.transpose(1, 2).reshape(b, s, -1) @ L["o"].T
+    xn = rms_norm(x, L["mlp_norm"], eps)
+    x = x + (torch.nn.functional.silu(xn @ L["gate"].T) * (xn @ L["up"].T)) @ L["down"].T
+    return x, shared
+
+
+def forward(w, tokens, num_layers, np_, ng, sharing=(), share="qk", eps=1e-5, base=10000, kept=None):
+    """Logits [b, s, vocab] for a LLaMA model with the given sharing layers.
+
+    ``kept`` (Random-LTD): {layer: [b, r] sorted positions}; such a layer runs, sequence by
+    sequence, on its kept tokens only -- as a sequence of r tokens at their original positions,
+    causal among themselves, a sharing layer with the hand-off's rows at those positions -- and
+    the other tokens pass it unchanged."""
     x = w["embed"][tokens]
     shared = None
+    kept = kept or {}
     for i in range(num_layers):
         L = w["layers"][i]
-        xn = rms_norm(x, L["input_norm"], eps)
-        if i not in sharing:
-            q = rope(heads(xn @ L["q"].T, np_), base)
-            k = rope(heads(xn @ L["k"].T, ng), base)
-            v = heads(xn @ L["v"].T, ng)
-            shared = (q, k) if share == "qk" else (k, v)
-        elif share == "qk":
-            q, k = shared
-            v = heads(xn @ L["v"].T, ng)
-        else:
-            q = rope(heads(xn @ L["q"].T, np_), base)
-            k, v = shared
-        a = attention(q, k, v)
-        b, _, s, _ = a.shape
-        x = x + a.transpose(1, 2).reshape(b, s, -1) @ L["o"].T
-        xn = rms_norm(x, L["mlp_norm"], eps)
-        x = x + (torch.nn.functional.silu(xn @ L["gate"].T) * (xn @ L["up"].T)) @ L["down"].T
+        if i not in kept:
+            x, shared = layer_forward(L, x, np_, ng, shared, i in sharing, share, eps, base)
+            continue
+        rows = []
+        for j, index in enumerate(kept[i]):
+            mine = None if shared is None else tuple(t[j:j + 1, :, index] for t in shared)
+            out, handed = layer_forward(L, x[j:j + 1, index], np_, ng, mine, i in sharing, share, eps, base, index.unsqueeze(0))
+            rows.append((index, out[0]))
+            assert i in sharing or i + 1 not in sharing, "a source layer must see every token"
+        x = x.clone()
+        for j, (index, out) in enumerate(rows):
+            x[j, index] = out
     return rms_norm(x, w["final_norm"], eps) @ w["head"].T
 
 

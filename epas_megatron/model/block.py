@@ -9,6 +9,12 @@ states. Differences from the stock forward, all deliberate:
 * when the sharing region crosses this chunk's input boundary, the tensor received from the
   previous stage is ``[hidden | hand-off]`` and is split into views (:meth:`set_input_tensor`);
   when it crosses the output boundary, the hand-off is appended to the output;
+* Random-LTD (:mod:`epas_megatron.random_ltd`): in training, a Random-LTD layer runs on the kept
+  tokens of each sequence only (gathered before it, scattered back after it, with RoPE at the
+  kept positions); the kept positions of all of this chunk's Random-LTD layers are drawn once per
+  micro-batch and enter recompute chunks as one more tensor argument, like the hand-off. A layer
+  that hands Q/K on (a source) keeps every token, so the hand-off always covers the whole
+  sequence and a sharing layer takes the source's Q/K rows at its own kept tokens;
 * no FP8/FP4 contexts, CPU offloading, CUDA graphs or KV-cache inference (the trainer rejects
   those configurations with EPAS).
 """
@@ -16,12 +22,17 @@ states. Differences from the stock forward, all deliberate:
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import Optional
+
+import torch
 
 from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import make_viewless_tensor
 
+from epas_megatron.random_ltd import tokens as ltd_tokens
 from epas_megatron.sharing import handoff as qk_handoff
+from epas_megatron.sharing.schedule import LayerMode
 
 
 class EpasTransformerBlock(TransformerBlock):
@@ -38,6 +49,40 @@ class EpasTransformerBlock(TransformerBlock):
         self.p2p_rows = None
         """(hidden rows, total rows) of the p2p tensor while hand-offs cross stages, else None."""
         self.input_handoff = None
+        self.random_ltd_layers: frozenset = frozenset()
+        """Global (0-based) ids of the Random-LTD layers (the whole model's; empty: off)."""
+        self.random_ltd_seed = 0
+        self.random_ltd_ops = None
+        self.kept_tokens: Optional[int] = None
+        """Tokens a Random-LTD layer keeps in this step (set by the trainer; None: all)."""
+
+    def configure_random_ltd(self, layers, seed: int, kernels: str = "auto") -> None:
+        """Make ``layers`` (global ids) drop tokens in training, drawing with ``seed``."""
+        self.random_ltd_layers = frozenset(layers)
+        self.random_ltd_seed = int(seed)
+        self.random_ltd_ops = ltd_tokens.token_ops(kernels)
+
+    def _random_ltd_rows(self) -> dict[int, int]:
+        """Local layer index -> row of the kept-index tensor, for this chunk's dropping layers."""
+        rows = {}
+        for local, layer in enumerate(self.layers):
+            if layer.layer_number - 1 in self.random_ltd_layers and layer.epas_mode != LayerMode.SOURCE:
+                rows[local] = len(rows)
+        return rows
+
+    def _kept_index(self, sample_ids, seq_length: int, device):
+        """``[dropping layers, b, kept]`` positions for this micro-batch, or None (no dropping)."""
+        kept = self.kept_tokens
+        if not self.training or not self.random_ltd_layers or kept is None or kept >= seq_length:
+            return None
+        rows = self._random_ltd_rows()
+        if not rows:
+            return None
+        if sample_ids is None:
+            raise RuntimeError("Random-LTD needs the micro-batch's sample ids (batch['sample_ids']) to draw kept tokens")
+        ids = [self.layers[local].layer_number - 1 for local in rows]
+        index = ltd_tokens.kept_token_indices(torch.as_tensor(sample_ids).tolist(), ids, seq_length, kept, self.random_ltd_seed)
+        return index.to(device)
 
     def set_p2p_rows(self, hidden_rows: int, total_rows: int) -> None:
         """Stage outputs are ``[total_rows, b, h]`` (see :mod:`epas_megatron.sharing.handoff`)."""
@@ -55,16 +100,40 @@ class EpasTransformerBlock(TransformerBlock):
             input_tensor, self.input_handoff = qk_handoff.unpack_from_p2p(input_tensor, hidden_rows, shapes)
         self.input_tensor = input_tensor
 
-    def _run_layers(self, start, end, hidden_states, handoff, attention_mask, rotary_pos_emb, attention_bias, packed_seq_params):
-        for layer in self.layers[start:end]:
-            hidden_states, handoff = layer(
-                hidden_states=hidden_states,
+    def _run_layers(self, start, end, hidden_states, handoff, attention_mask, rotary_pos_emb, attention_bias, packed_seq_params,
+                    kept_index=None):
+        rows = self._random_ltd_rows() if kept_index is not None else {}
+        for local in range(start, end):
+            layer = self.layers[local]
+            if local not in rows:
+                hidden_states, handoff = layer(
+                    hidden_states=hidden_states,
+                    attention_mask=attention_mask,
+                    context=handoff,
+                    rotary_pos_emb=rotary_pos_emb,
+                    attention_bias=attention_bias,
+                    packed_seq_params=packed_seq_params,
+                )
+                continue
+            # Random-LTD: the layer sees its kept tokens only. [b, r]
+            index = kept_index[rows[local]]
+            sharing = layer.epas_mode == LayerMode.SHARE
+            ops = self.random_ltd_ops
+            # [s, b, h] -> [r, b, h]; hand-off [s, b, heads, hn] -> [r, b, heads, hn]
+            kept_hidden = ops.gather(hidden_states, index)
+            layer_handoff = tuple(ltd_tokens.gather_rows(t, index) for t in handoff) if sharing else handoff
+            kept_output, passed_on = layer(
+                hidden_states=kept_hidden,
                 attention_mask=attention_mask,
-                context=handoff,
-                rotary_pos_emb=rotary_pos_emb,
+                context=layer_handoff,
+                rotary_pos_emb=ltd_tokens.gather_rotary(rotary_pos_emb, index),
                 attention_bias=attention_bias,
                 packed_seq_params=packed_seq_params,
             )
+            # [r, b, h] back into [s, b, h]; dropped tokens skip the layer.
+            hidden_states = ops.scatter(hidden_states, kept_output, index)
+            if not sharing:  # a computing layer passes the (whole) hand-off on untouched
+                handoff = passed_on
         return hidden_states, handoff
 
     def _recompute_chunks(self):
@@ -95,6 +164,7 @@ class EpasTransformerBlock(TransformerBlock):
         *,
         inference_params=None,
         dynamic_inference_decode_only=None,
+        sample_ids=None,
     ):
         if inference_context is not None or inference_params is not None:
             raise NotImplementedError("KV-cache inference is not supported by EpasTransformerBlock")
@@ -104,6 +174,7 @@ class EpasTransformerBlock(TransformerBlock):
             handoff = self.input_handoff
         # [s, b, h]
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+        kept_index = self._kept_index(sample_ids, hidden_states.size(0), hidden_states.device)
         rng_context = (
             tensor_parallel.get_cuda_rng_tracker().fork() if self.config.sequence_parallel else nullcontext()
         )
@@ -112,13 +183,13 @@ class EpasTransformerBlock(TransformerBlock):
                 for start, end, checkpointed in self._recompute_chunks():
                     # The hand-off pair enters and leaves each chunk as two tensor arguments, so
                     # the checkpoint saves them and recomputation replays the same tensors.
-                    def run(hidden, first, second, mask, rope, start=start, end=end):
+                    def run(hidden, first, second, mask, rope, kept, start=start, end=end):
                         shared = None if first is None else (first, second)
-                        hidden, shared = self._run_layers(start, end, hidden, shared, mask, rope, attention_bias, packed_seq_params)
+                        hidden, shared = self._run_layers(start, end, hidden, shared, mask, rope, attention_bias, packed_seq_params, kept)
                         return (hidden, None, None) if shared is None else (hidden, *shared)
 
                     first, second = handoff if handoff is not None else (None, None)
-                    args = (hidden_states, first, second, attention_mask, rotary_pos_emb)
+                    args = (hidden_states, first, second, attention_mask, rotary_pos_emb, kept_index)
                     if checkpointed:
                         hidden_states, first, second = tensor_parallel.checkpoint(run, self.config.distribute_saved_activations, *args)
                     else:
@@ -127,7 +198,7 @@ class EpasTransformerBlock(TransformerBlock):
             else:
                 hidden_states, handoff = self._run_layers(
                     0, len(self.layers), hidden_states, handoff, attention_mask, rotary_pos_emb,
-                    attention_bias, packed_seq_params,
+                    attention_bias, packed_seq_params, kept_index,
                 )
 
         if self.final_layernorm is not None:

@@ -56,6 +56,21 @@ class RecomputeSettings:
 
 
 @dataclass(frozen=True)
+class RandomLTDSettings:
+    """Which layers drop tokens in training (:mod:`epas_megatron.random_ltd`); how many they keep
+    is set per step on the built chunks (:func:`epas_megatron.random_ltd.model.set_kept_tokens`)."""
+
+    layers: tuple[int, ...]
+    """Global (0-based) ids of the Random-LTD layers."""
+
+    seed: int = 0
+    """Keys the kept-token draws (with each sample's stream position and the layer)."""
+
+    kernels: str = "auto"
+    """Gather/scatter: 'torch', 'deepspeed' (DeepSpeed's CUDA kernels) or 'auto'."""
+
+
+@dataclass(frozen=True)
 class BuildPlan:
     """What to build for one sharing region: architecture, roles, parallel shape, kernels."""
 
@@ -109,6 +124,9 @@ class BuildPlan:
     the one built and the ones a switch or an evaluation at another region size makes from it --
     ends at layer ``num_layers - 1 - exclude_last``. Kept on the plan so that those regions are
     derived and validated in one place (:meth:`region_layers`, :meth:`with_region`)."""
+
+    random_ltd: Optional[RandomLTDSettings] = None
+    """Random-LTD layers (None: every layer sees every token)."""
 
     def __post_init__(self):
         if len(self.modes) != self.arch.num_layers:

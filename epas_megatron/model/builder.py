@@ -166,6 +166,10 @@ def make_transformer_config(plan: BuildPlan, kernels: Optional[KernelAvailabilit
         deterministic_mode=plan.deterministic,
         **fusion_settings(kernels),
     )
+    if plan.random_ltd is not None:
+        # Kept tokens rotate by per-sequence positions ([r, b, 1, d]); the fused RoPE kernel
+        # takes one [s, 1, 1, d] table for the whole batch.
+        kwargs["apply_rope_fusion"] = False
     recompute = plan.recompute
     if recompute.granularity == "full":
         kwargs.update(
@@ -324,5 +328,7 @@ def build_model(plan: BuildPlan, seed: Optional[int] = None, kernels: Optional[K
         if seed is not None and device.type != "meta":  # meta tensors hold no values to draw
             initialize_model(model, seed, arch.init_method_std, arch.num_layers)
         model.decoder.set_p2p_rows(hidden_rows, total_rows)
+        if plan.random_ltd is not None:
+            model.decoder.configure_random_ltd(plan.random_ltd.layers, plan.random_ltd.seed, plan.random_ltd.kernels)
         chunks.append(Float16Module(config, model) if (config.bf16 or config.fp16) else model)
     return BuiltModel(plan, chunks, config, schedule_seq)

@@ -116,14 +116,16 @@ class EpasGPTModel(LanguageModule):
         position_ids: Tensor,
         attention_mask: Optional[Tensor] = None,
         labels: Optional[Tensor] = None,
+        sample_ids: Optional[Tensor] = None,
     ) -> Tensor:
         """Per-token loss ``[b, s]`` when labels are given (last stage), logits ``[b, s, v/tp]``
-        without labels, hidden states ``[s, b, h(+hand-off)]`` on other stages."""
+        without labels, hidden states ``[s, b, h(+hand-off)]`` on other stages. ``sample_ids``
+        (``[b]``, the samples' positions in the training stream) key Random-LTD's token draws."""
         decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids) if self.pre_process else None
         rotary_seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, self.decoder, decoder_input, self.config, None)
         rotary_pos_emb = self.rotary_pos_emb(rotary_seq_len)
         hidden_states = self.decoder(
-            hidden_states=decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb
+            hidden_states=decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb, sample_ids=sample_ids
         )
         if not self.post_process:
             return hidden_states

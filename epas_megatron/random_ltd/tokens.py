@@ -1,0 +1,151 @@
+"""Which tokens a Random-LTD layer keeps, and the gather/scatter around the layer.
+
+**Selection.** Each Random-LTD layer keeps ``r`` tokens of every sequence, drawn uniformly
+without replacement and sorted by position (DeepSpeed's ``gpt_sample_tokens``: multinomial over
+uniform weights, then ``token_sort_``); layers draw independently. The draw is keyed, not taken
+from a global generator: the tokens of (sample, layer) are the ``r`` smallest of ``s`` uniform
+keys drawn from a generator seeded with ``(seed, sample id, layer)``, where the sample id is the
+sample's position in the training stream. So every TP rank, pipeline stage and data-parallel
+split of the same global batch keeps the same tokens (runs are layout-independent), activation
+recompute replays them, and a resume draws what the uninterrupted run drew.
+
+**Causal mask and positions.** Sorted kept tokens attend causally among themselves: token ``i``
+of the kept sequence sees kept tokens ``j <= i``, i.e. exactly the kept tokens at earlier
+positions, so the ordinary causal mask over ``r`` tokens is the right one (DeepSpeed's GPT
+path slices ``[:r, :r]`` of the causal mask for the same reason). RoPE must rotate each kept
+token by its *original* position: the layer gets the rotary frequencies gathered at the kept
+positions, ``[r, b, 1, d]`` instead of ``[s, 1, 1, d]``.
+
+**Gather/scatter.** ``gather_tokens`` takes the kept rows of ``[s, b, h]`` hidden states; after
+the layer, ``scatter_tokens`` writes its output back into those rows, and dropped tokens pass
+the layer unchanged (their residual stream skips it). Both are differentiable; the PyTorch path
+is plain ``torch.gather``/``torch.scatter``. DeepSpeed's CUDA kernels (``GatherTokens`` /
+``ScatterTokens`` of ``deepspeed.ops.random_ltd``) are used with ``--random-ltd-kernels
+deepspeed``, or by ``auto`` on CUDA when they load.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from epas_megatron.errors import ConfigError
+
+KERNELS = ("auto", "torch", "deepspeed")
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(*values: int) -> int:
+    """A 63-bit seed from integers (splitmix64 steps; deterministic across processes)."""
+    state = 0x9E3779B97F4A7C15
+    for value in values:
+        state = (state ^ (int(value) & _MASK64)) & _MASK64
+        state = (state + 0x9E3779B97F4A7C15) & _MASK64
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        state = z ^ (z >> 31)
+    return state >> 1
+
+
+def kept_token_indices(sample_ids: Sequence[int], layers: Sequence[int], seq_length: int, kept: int, seed: int) -> Tensor:
+    """Sorted kept positions ``[len(layers), b, kept]`` (int64, CPU) of each layer and sample."""
+    if not 0 < kept <= seq_length:
+        raise ValueError(f"kept tokens must be in 1..{seq_length}, got {kept}")
+    out = torch.empty(len(layers), len(sample_ids), kept, dtype=torch.int64)
+    generator = torch.Generator()
+    for j, sample in enumerate(sample_ids):
+        for i, layer in enumerate(layers):
+            generator.manual_seed(_mix(seed, sample, layer))
+            keys = torch.rand(seq_length, generator=generator)
+            # The kept tokens: the smallest keys (a uniform draw without replacement), by position.
+            out[i, j] = torch.sort(torch.argsort(keys)[:kept]).values
+    return out
+
+
+def gather_tokens(hidden: Tensor, index: Tensor) -> Tensor:
+    """``[s, b, h]`` hidden states, ``[b, r]`` positions -> the kept rows ``[r, b, h]``."""
+    # [b, r] -> [r, b, h]
+    rows = index.t().unsqueeze(-1).expand(-1, -1, hidden.size(-1))
+    return torch.gather(hidden, 0, rows)
+
+
+def scatter_tokens(hidden: Tensor, kept_output: Tensor, index: Tensor) -> Tensor:
+    """``hidden`` ``[s, b, h]`` with the kept rows replaced by the layer's ``[r, b, h]`` output."""
+    rows = index.t().unsqueeze(-1).expand(-1, -1, hidden.size(-1))
+    return torch.scatter(hidden, 0, rows, kept_output)
+
+
+def gather_rows(tensor: Tensor, index: Tensor) -> Tensor:
+    """Kept rows of any ``[s, b, ...]`` tensor (a Q/K hand-off ``[s, b, heads, hn]``)."""
+    # [b, r] -> [r, b, 1, ..., 1] broadcast over the trailing dims
+    rows = index.t().reshape(index.size(1), index.size(0), *([1] * (tensor.dim() - 2))).expand(-1, -1, *tensor.shape[2:])
+    return torch.gather(tensor, 0, rows)
+
+
+def gather_rotary(rotary_pos_emb, index: Tensor):
+    """RoPE frequencies ``[s, 1, 1, d]`` (or a (q, k) pair of them) at the kept positions:
+    ``[r, b, 1, d]``, one rotation per kept token of every sequence."""
+    if rotary_pos_emb is None:
+        return None
+    if isinstance(rotary_pos_emb, tuple):
+        return tuple(gather_rotary(freqs, index) for freqs in rotary_pos_emb)
+    # [s, 1, 1, d] -> [s, d] -> [r, b, d] -> [r, b, 1, d]
+    return rotary_pos_emb[:, 0, 0, :][index.t()].unsqueeze(2)
+
+
+class DeepSpeedTokenOps:
+    """DeepSpeed's CUDA gather/scatter kernels (``deepspeed.ops.random_ltd``), same semantics."""
+
+    def __init__(self):
+        from deepspeed.ops.random_ltd.dropping_utils import GatherTokens, ScatterTokens
+
+        self._gather, self._scatter = GatherTokens, ScatterTokens
+
+    def gather(self, hidden: Tensor, index: Tensor) -> Tensor:
+        # The kernels take int32 [b, r] positions; GatherTokens returns (all, kept).
+        return self._gather.apply(hidden, index.to(torch.int32), False)[1]
+
+    def scatter(self, hidden: Tensor, kept_output: Tensor, index: Tensor) -> Tensor:
+        return self._scatter.apply(hidden, kept_output, index.to(torch.int32), False)
+
+
+class TorchTokenOps:
+    """The PyTorch gather/scatter (every device; what CPU and the tests run)."""
+
+    gather = staticmethod(gather_tokens)
+    scatter = staticmethod(scatter_tokens)
+
+
+def deepspeed_kernels_load() -> Optional[str]:
+    """None if DeepSpeed's Random-LTD CUDA kernels load here, else why not."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        from deepspeed.ops.op_builder import RandomLTDBuilder
+
+        builder = RandomLTDBuilder()
+        if not builder.is_compatible(verbose=False):
+            return "DeepSpeed's RandomLTDBuilder is not compatible with this system"
+        builder.load(verbose=False)
+    except Exception as error:  # ImportError, a failed JIT build
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def token_ops(kernels: str = "auto"):
+    """The gather/scatter implementation for ``--random-ltd-kernels``."""
+    if kernels not in KERNELS:
+        raise ConfigError(f"--random-ltd-kernels {kernels!r}: choose one of {', '.join(KERNELS)}")
+    if kernels == "torch":
+        return TorchTokenOps()
+    problem = deepspeed_kernels_load()
+    if problem is None:
+        return DeepSpeedTokenOps()
+    if kernels == "deepspeed":
+        raise ConfigError(f"--random-ltd-kernels deepspeed: DeepSpeed's Random-LTD kernels do not load ({problem}); "
+                          "use --random-ltd-kernels torch or auto")
+    return TorchTokenOps()
