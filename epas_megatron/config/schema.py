@@ -356,6 +356,47 @@ class EpasConfig:
 
 
 @dataclass
+class RandomLTDConfig:
+    """Random-LTD (random layerwise token dropping, Yao et al. 2022; DeepSpeed Data Efficiency's
+    schedule and names): in training, the chosen layers process a random subset of each
+    sequence's tokens, the kept count growing linearly over training; composes with EPAS (see
+    README, 'Random-LTD')."""
+
+    random_ltd: bool = False
+    """Drop tokens in the --random-ltd-layers during training (evaluation keeps every token)."""
+
+    random_ltd_layers: Optional[str] = None
+    """Layers that drop tokens, 0-based ids and ranges ('1-10', '1,3,5-7'). Default: every
+    layer but the first and the last (DeepSpeed's GPT examples). A layer that hands Q/K on to an
+    EPAS sharing region keeps every token while it does."""
+
+    random_ltd_min_value: Optional[int] = None
+    """Tokens kept at the first iteration (DeepSpeed's min_value). Default: 1/16 of
+    --seq-length, a multiple of --random-ltd-seq-per-step."""
+
+    random_ltd_max_value: Optional[int] = None
+    """Tokens kept at the end of the ramp (max_value). Default: --seq-length (no dropping from
+    then on)."""
+
+    random_ltd_require_steps: Optional[int] = None
+    """Iterations over which the kept count ramps linearly from min to max (require_steps).
+    Default: 70 percent of --train-iters."""
+
+    random_ltd_seq_per_step: Optional[int] = None
+    """Kept counts are multiples of this (seq_per_step). Default: 16, or --seq-length / 16 for
+    sequences under 256 tokens."""
+
+    random_ltd_layer_token_lr: bool = True
+    """LayerToken learning rate: the LR schedule advances by the layer tokens each iteration
+    processes, so it decays more slowly while few tokens are kept, and still peaks after
+    --lr-warmup-iters and ends at --min-lr after --train-iters."""
+
+    random_ltd_kernels: str = "auto"
+    """Token gather/scatter: 'torch' (PyTorch ops, every device), 'deepspeed' (DeepSpeed's
+    Random-LTD CUDA kernels), or 'auto' (DeepSpeed's on CUDA when they load)."""
+
+
+@dataclass
 class RunConfig:
     """Everything a run needs; sections mirror the YAML file."""
 
@@ -366,6 +407,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     epas: EpasConfig = field(default_factory=EpasConfig)
+    random_ltd: RandomLTDConfig = field(default_factory=RandomLTDConfig)
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(RunConfig)}

@@ -7,7 +7,7 @@ and exit with status 2, leaving nothing written).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -21,6 +21,7 @@ from epas_megatron.model.build_plan import normalise_vpp
 from epas_megatron.sharing.schedule import SharingSchedule
 
 if TYPE_CHECKING:
+    from epas_megatron.random_ltd.schedule import RandomLTDSchedule
     from epas_megatron.evaluation.regions import RegionSpec
     from epas_megatron.parallel.layout import StageLayout
 
@@ -35,6 +36,7 @@ _CHOICES = {
     "epas_rebalance": ("auto", "on", "off"),
     "epas_cost_model": ("flops", "measured"),
     "epas_switch_mode": ("memory", "checkpoint"),
+    "random_ltd_kernels": ("auto", "torch", "deepspeed"),
 }
 
 
@@ -94,6 +96,9 @@ class ResolvedRun:
     eval_regions: Optional["RegionSpec"] = None
     """--eval-regions parsed (None: validate the region in training only)."""
 
+    random_ltd: Optional["RandomLTDSchedule"] = None
+    """The Random-LTD kept-token schedule (None: --random-ltd is off)."""
+
     notices: tuple[str, ...] = ()
     """What the run starts from, when that is not what --load names (a first start, a fall-back
     past damaged checkpoints): printed at start."""
@@ -105,7 +110,7 @@ class ResolvedRun:
 
 
 def _check_choices(cfg: RunConfig) -> None:
-    for section in (cfg.model, cfg.parallel, cfg.training, cfg.epas):
+    for section in (cfg.model, cfg.parallel, cfg.training, cfg.epas, cfg.random_ltd):
         for name, allowed in _CHOICES.items():
             if hasattr(section, name) and getattr(section, name) not in allowed:
                 raise ConfigError(f"{flag_name(name)} {getattr(section, name)!r}: choose one of {', '.join(allowed)}")
@@ -176,6 +181,7 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
     t = _resolve_training(cfg, m, dp)
     m = replace(m, max_position_embeddings=m.max_position_embeddings or t.seq_length)
     schedule, rebalance, warnings = _resolve_epas(cfg, m, t)
+    random_ltd = _resolve_random_ltd(cfg, m, t, warnings)
     eval_regions = _resolve_eval_regions(t, schedule)
     _check_data(cfg)
     if cfg.data.data is not None and cfg.data.tokenizer_model is None:
@@ -197,6 +203,7 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
         rebalance=rebalance,
         warnings=tuple(warnings),
         eval_regions=eval_regions,
+        random_ltd=random_ltd,
         **sources,
     )
 
@@ -305,6 +312,27 @@ def _resolve_epas(cfg: RunConfig, m, t) -> tuple[SharingSchedule, bool, list[str
         if not (rebalance and p.pp >= 2):
             warnings.append("--epas-memory-budget-gb has no effect: stages are not rebalanced (needs --pp > 1 and --epas-rebalance)")
     return schedule, rebalance and p.pp >= 2, list(warnings)
+
+
+def _resolve_random_ltd(cfg: RunConfig, m, t, warnings: list) -> Optional["RandomLTDSchedule"]:
+    """The Random-LTD schedule of the --random-ltd-* flags (None when off)."""
+    from epas_megatron.random_ltd.schedule import RandomLTDSchedule
+
+    r, p = cfg.random_ltd, cfg.parallel
+    if not r.random_ltd:
+        given = [flag_name(f.name) for f in fields(r) if f.name not in ("random_ltd", "random_ltd_layer_token_lr", "random_ltd_kernels")
+                 and getattr(r, f.name) is not None]
+        if given:
+            warnings.append(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect without --random-ltd")
+        return None
+    if p.sequence_parallel:
+        raise ConfigError("--random-ltd does not support --sequence-parallel (kept tokens are gathered from the whole "
+                          "sequence, which sequence parallelism splits over TP ranks); drop one of them")
+    return RandomLTDSchedule.from_flags(
+        m.num_layers, t.seq_length, t.global_batch_size, t.train_iters, layers=r.random_ltd_layers,
+        min_value=r.random_ltd_min_value, max_value=r.random_ltd_max_value, require_steps=r.random_ltd_require_steps,
+        seq_per_step=r.random_ltd_seq_per_step,
+    )
 
 
 def _resolve_eval_regions(t, schedule: SharingSchedule) -> Optional["RegionSpec"]:

@@ -29,8 +29,9 @@ parallel rank ``r`` takes positions ``[r * mbs, (r + 1) * mbs)`` of each chunk. 
 (``K`` counts all ranks' samples, and is what the trainer checkpoints). When the dataset runs
 out, the iterator raises :class:`DataExhaustedError` (a partial last chunk is dropped), or with
 ``cycle=True`` continues from sample 0 (sample positions are taken modulo the dataset length).
-Batches are dicts of CPU tensors: ``tokens``, ``labels``, ``position_ids`` (int64, ``[b, s]``)
-and ``loss_mask`` (float32, ``[b, s]``).
+Batches are dicts of CPU tensors: ``tokens``, ``labels``, ``position_ids`` (int64, ``[b, s]``),
+``loss_mask`` (float32, ``[b, s]``) and ``sample_ids`` (int64, ``[b]``: each sample's stream
+position, modulo the dataset length when cycling).
 
 Why not Megatron-LM's sampler itself: ``MegatronPretrainingSampler`` ships in the wheel but in
 ``megatron.training``, whose data loader reads the global training arguments; it cannot cycle
@@ -381,6 +382,8 @@ class MicroBatchIterator:
                 "iterate with cycle=True"
             )
         batch = collate_samples([self.dataset[i] for i in indices])
+        # [b] the samples' stream positions (Random-LTD keys its token draws with them)
+        batch["sample_ids"] = torch.tensor(indices, dtype=torch.int64)
         self.consumed_samples += self.micro_batch_size * self.data_parallel_size
         return batch
 

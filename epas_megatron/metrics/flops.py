@@ -77,9 +77,10 @@ V 32000                                                     +2.53%              
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Sequence
 
 from epas_megatron.errors import ConfigError
 
@@ -93,6 +94,7 @@ __all__ = [
     "forward_flops_per_sequence",
     "layer_forward_flops",
     "layer_matmul_flops",
+    "layerwise_forward_flops",
     "lm_head_forward_flops",
     "mfu",
     "peak_tflops",
@@ -279,6 +281,29 @@ def forward_flops_per_sequence(
         + num_sharing_layers * layer_forward_flops(shape, f"share_{share}", convention)
         + lm_head_forward_flops(shape)
     )
+
+
+def layerwise_forward_flops(
+    shape: ModelShape,
+    modes: Sequence[LayerFlopsMode],
+    tokens_per_layer: Sequence[int] | None = None,
+    convention: Convention = Convention.PAPER,
+) -> int:
+    """Forward FLOPs for one sequence when layer ``i`` runs in ``modes[i]`` on
+    ``tokens_per_layer[i]`` tokens (default: all ``s``), plus the LM head on all ``s``.
+
+    Random-LTD: a dropping layer runs every matmul on its ``r`` kept tokens only, so its linear
+    terms scale with ``r`` and its attention core with ``r²`` (the kept tokens attend causally
+    among themselves); the first layer, the last and the LM head still see every token."""
+    tokens_per_layer = [shape.seq_length] * shape.num_layers if tokens_per_layer is None else list(tokens_per_layer)
+    if len(modes) != shape.num_layers or len(tokens_per_layer) != shape.num_layers:
+        raise ValueError(f"need one mode and one token count per layer ({shape.num_layers}), got {len(modes)} and {len(tokens_per_layer)}")
+    if any(not 1 <= t <= shape.seq_length for t in tokens_per_layer):
+        raise ValueError(f"tokens per layer must be in 1..{shape.seq_length}, got {tokens_per_layer}")
+    total = lm_head_forward_flops(shape)
+    for mode, tokens in zip(modes, tokens_per_layer):
+        total += layer_forward_flops(dataclasses.replace(shape, seq_length=tokens), mode, convention)
+    return total
 
 
 def training_flops_per_sequence(

@@ -29,6 +29,7 @@ checkpoint still records DeepSpeed's state dict, and a resume checks it against 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -158,8 +159,20 @@ class RandomLTDSchedule:
         return self.global_batch_size * (self.kept_tokens(step) * ltd + self.max_value * (self.num_layers - ltd))
 
     def consumed_layer_tokens(self, steps: int) -> int:
-        """Layer tokens of the first ``steps`` steps."""
-        return sum(self.layer_tokens(step) for step in range(steps))
+        """Layer tokens of the first ``steps`` steps (prefix sums over the ramp, then linear)."""
+        prefix = self._ramp_prefix_sums
+        plateau = len(prefix) - 1  # the first step that keeps max_value
+        ramp = min(steps, plateau)
+        return prefix[ramp] + (steps - ramp) * self.layer_tokens(plateau)
+
+    @functools.cached_property
+    def _ramp_prefix_sums(self) -> list[int]:
+        """Layer tokens of steps ``0..k-1`` for every ``k`` up to the plateau (kept == max)."""
+        sums, step = [0], 0
+        while self.kept_tokens(step) < self.max_value:
+            sums.append(sums[-1] + self.layer_tokens(step))
+            step += 1
+        return sums
 
     def lr_steps(self, warmup_iters: int, train_iters: int) -> tuple[int, int]:
         """(warm-up, decay) lengths of the LayerToken LR schedule, in layer tokens."""

@@ -67,6 +67,10 @@ class OptimizerSettings:
     decay_style: str
     """'cosine', 'linear' or 'constant'."""
 
+    lr_schedule_units: Optional[tuple[int, int]] = None
+    """(warm-up, decay) lengths in the units the LR schedule is stepped in, when those are not
+    iterations (Random-LTD's LayerToken LR: layer tokens); None: ``warmup_iters``/``decay_iters``."""
+
     precision: str = "fp32"
     """'fp32', 'bf16' or 'fp16' (half-precision parameters with fp32 main parameters)."""
 
@@ -146,14 +150,16 @@ def build_optimizer(wrapped_chunks, settings: OptimizerSettings, tf_config=None)
 
 
 def build_scheduler(optimizer, settings: OptimizerSettings) -> OptimizerParamScheduler:
-    """Warm-up then decay, stepped once per iteration."""
+    """Warm-up then decay, stepped once per iteration (by the iteration's layer tokens with
+    ``lr_schedule_units``)."""
+    warmup, decay = settings.lr_schedule_units or (settings.warmup_iters, settings.decay_iters)
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
         max_lr=settings.lr,
         min_lr=settings.min_lr,
-        lr_warmup_steps=settings.warmup_iters,
-        lr_decay_steps=max(settings.decay_iters, settings.warmup_iters + 1),
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(decay, warmup + 1),
         lr_decay_style=settings.decay_style,
         start_wd=settings.weight_decay,
         end_wd=settings.weight_decay,

@@ -113,12 +113,13 @@ def console_line(record: dict, train_iters: int, elapsed: float, remaining: floa
     grad_norm = "skipped" if r["grad_norm"] is None else f"{r['grad_norm']:.3f}"
     scaler = "" if r["loss_scale"] is None else f"loss scale: {r['loss_scale']:.1f} | skipped: {r['skipped_iterations']} | "
     utilisation = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
+    kept = "" if r.get("random_ltd_kept_tokens") is None else f"kept tokens: {r['random_ltd_kept_tokens']} | "
     return (
         f" iteration {r['iteration']:8d}/{train_iters:8d} | consumed samples: {r['consumed_samples']:10d} | "
         f"ms/iter: {r['iteration_time_s'] * 1000:8.1f} | lr: {r['lr']:.3E} | lm loss: {r['lm_loss']:.6E} | "
         f"grad norm: {grad_norm} | {scaler}"
         f"tokens/s: {r['tokens_per_s']:8.0f} | TFLOP/s/dev: {r['tflops_per_device']:7.3f} | "
-        f"MFU: {utilisation} | sharing: {r['region_size']} | "
+        f"MFU: {utilisation} | sharing: {r['region_size']} | {kept}"
         f"elapsed: {format_duration(elapsed)} | ETA: {format_duration(remaining)}"
     )
 

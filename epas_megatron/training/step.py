@@ -36,7 +36,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(data_iterator, model):
     """Megatron forward_step_func: next micro-batch -> model output and its loss function."""
     batch = to_compute_device(next(data_iterator))
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], sample_ids=batch.get("sample_ids"))
     return output, partial(loss_func, batch["loss_mask"])
 
 
@@ -91,11 +91,13 @@ def _run_schedule(model_chunks, data_iterators, num_microbatches, seq_length, mi
     )
 
 
-def train_step(model_chunks, optimizer, scheduler, data_iterators, *, num_microbatches: int, seq_length: int, micro_batch_size: int) -> StepResult:
+def train_step(model_chunks, optimizer, scheduler, data_iterators, *, num_microbatches: int, seq_length: int, micro_batch_size: int,
+               lr_increment: int = 1) -> StepResult:
     """Forward/backward over a global batch, optimizer step, LR schedule step.
 
     ``seq_length`` is what Megatron's schedules size p2p tensors with (see
-    ``BuiltModel.schedule_seq_length``)."""
+    ``BuiltModel.schedule_seq_length``). ``lr_increment``: how far the LR schedule advances
+    (1 iteration; the step's layer tokens under Random-LTD's LayerToken LR)."""
     for chunk in model_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -103,7 +105,7 @@ def train_step(model_chunks, optimizer, scheduler, data_iterators, *, num_microb
     loss_scale = float(optimizer.get_loss_scale()) if model_chunks[0].config.fp16 else None
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:  # as Megatron-LM: a skipped (overflowing fp16) step does not advance the LR
-        scheduler.step(increment=1)
+        scheduler.step(increment=lr_increment)
     loss, tokens = _reduce_losses(losses)
     return StepResult(
         lm_loss=loss,

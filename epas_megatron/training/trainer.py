@@ -159,6 +159,12 @@ class Trainer:
             saved = run.load_meta.get("epas_schedule")
             if saved is not None:
                 run.schedule.check_resume(saved, start_iteration)
+            saved_ltd = run.load_meta.get("random_ltd")
+            if run.random_ltd is not None:
+                run.random_ltd.check_resume(saved_ltd, start_iteration)
+            elif saved_ltd is not None:
+                raise ConfigError(f"--load: the checkpoint at iteration {start_iteration} was trained with --random-ltd; resume "
+                                  "with the same --random-ltd-* flags (or start from its weights with --pretrained)")
         self.iteration = start_iteration
         self.plan = self._plan_for(run.schedule.sharing_layers(start_iteration))
         if run.schedule.enabled:
@@ -168,6 +174,9 @@ class Trainer:
 
                 self.print("pipeline stages, rebalanced at every switch (predicted costs from the FLOPs model):")
                 self.print(describe_schedule_layouts(self.plan, run.schedule, memory=self.memory_limit()))
+        if run.random_ltd is not None:
+            self.print(run.random_ltd.describe(cfg.training.train_iters) +
+                       ("; LayerToken LR" if cfg.random_ltd.random_ltd_layer_token_lr else ""))
         self.build(initialize=run.load_dir is None and run.pretrained_dir is None)
         if run.load_dir is not None:
             self._load(run.load_dir)
@@ -263,11 +272,19 @@ class Trainer:
             detach_shared=self.cfg.epas.epas_detach_shared,
             exclude_last=self.cfg.epas.epas_exclude_last,
             deterministic=self.cfg.training.deterministic,
+            random_ltd=self._random_ltd_settings(),
         )
         if self.run.rebalance:
             self.plan = plan  # the planner starts from it
             plan = plan.with_region(sharing_layers, self._rebalanced_layout(sharing_layers))
         return plan
+
+    def _random_ltd_settings(self):
+        from epas_megatron.model.build_plan import RandomLTDSettings
+
+        if self.run.random_ltd is None:
+            return None
+        return RandomLTDSettings(self.run.random_ltd.layers, seed=self.cfg.training.seed, kernels=self.cfg.random_ltd.random_ltd_kernels)
 
     def _rebalanced_layout(self, sharing_layers):
         from epas_megatron.parallel.stage_plan import plan_stage_layout_noted
@@ -338,7 +355,12 @@ class Trainer:
             warmup_iters=t.lr_warmup_iters,
             decay_iters=t.train_iters,
             decay_style=t.lr_decay_style,
+            lr_schedule_units=self.run.random_ltd.lr_steps(t.lr_warmup_iters, t.train_iters) if self._layer_token_lr else None,
         )
+
+    @property
+    def _layer_token_lr(self) -> bool:
+        return self.run.random_ltd is not None and self.cfg.random_ltd.random_ltd_layer_token_lr
 
     # ------------------------------------------------------------------ data
     def _build_datasets(self) -> None:
@@ -385,6 +407,7 @@ class Trainer:
                          "use_distributed_optimizer": self.run.use_distributed_optimizer},
             "precision": self.run.precision,
             "epas_schedule": self.run.schedule.state_dict(),
+            "random_ltd": self.run.random_ltd.state_dict(self.iteration) if self.run.random_ltd is not None else None,
             "epas_share": self.cfg.epas.epas_share,
             "sharing_layers": list(self.sharing_layers),
             "tokenizer_model": self.data.tokenizer_path,
@@ -494,19 +517,27 @@ class Trainer:
         return {"bytes_written": 0, "bytes_between_ranks": int(moved)}
 
     # ------------------------------------------------------------------ loop
-    def _flops_per_iteration(self) -> float:
-        from epas_megatron.metrics.flops import Convention, flops_per_iteration
+    def _flops_of_iteration(self, iteration: int) -> float:
+        """Model FLOPs of ``iteration`` (1-based): its sharing region and, under Random-LTD, the
+        tokens each layer keeps in it (the source of a sharing region keeps all)."""
+        from epas_megatron.metrics.flops import Convention, layerwise_forward_flops
+        from epas_megatron.sharing.schedule import LayerMode
 
-        t = self.cfg.training
-        return float(
-            flops_per_iteration(
-                self.plan.arch.flops_shape(t.seq_length),
-                t.global_batch_size,
-                self.plan.region_size,
-                share=self.cfg.epas.epas_share,
-                convention=Convention.MEGATRON,
-            )
-        )
+        t, schedule = self.cfg.training, self.run.schedule
+        plan = self.plan.with_region(schedule.sharing_layers(iteration), self.plan.layout)
+        modes = ["compute" if mode != LayerMode.SHARE else f"share_{plan.share}" for mode in plan.modes]
+        tokens = None
+        if self.run.random_ltd is not None:
+            source = [i for i, mode in enumerate(plan.modes) if mode == LayerMode.SOURCE]
+            tokens = self.run.random_ltd.tokens_per_layer(iteration - 1, exempt=source)
+        forward = layerwise_forward_flops(plan.arch.flops_shape(t.seq_length), modes, tokens, Convention.MEGATRON)
+        return float(3 * t.global_batch_size * forward)
+
+    def _flops_per_iteration(self, first: Optional[int] = None, last: Optional[int] = None) -> float:
+        """Mean model FLOPs per iteration over iterations ``first..last`` (default: the current one)."""
+        last = self.iteration if last is None else last
+        first = last if first is None else first
+        return sum(self._flops_of_iteration(i) for i in range(first, last + 1)) / (last - first + 1)
 
     def _peak_name(self) -> str:
         if self.cfg.logging.peak_tflops:
@@ -591,9 +622,15 @@ class Trainer:
         """One iteration over all micro-batches (and the layer timer's bookkeeping)."""
         from epas_megatron.training.step import train_step
 
+        ltd, step = self.run.random_ltd, self.iteration  # the step about to run (completed iterations so far)
+        if ltd is not None:
+            from epas_megatron.random_ltd.model import set_kept_tokens
+
+            set_kept_tokens(self.model, ltd.kept_tokens(step))
         result = train_step(self.model, self.optimizer, self.scheduler, self.train_iterators,
                             num_microbatches=self.run.num_microbatches, seq_length=self.schedule_seq_length,
-                            micro_batch_size=self.cfg.training.micro_batch_size)
+                            micro_batch_size=self.cfg.training.micro_batch_size,
+                            lr_increment=ltd.layer_tokens(step) if self._layer_token_lr else 1)
         if self.layer_timer is not None and self.layer_timer.attached:
             self.timed_iterations += 1
             if self.timed_iterations >= self.cfg.epas.epas_cost_timing_iters:
@@ -618,13 +655,25 @@ class Trainer:
                           "switch_cost_iterations": in_iterations}, step=iteration, prefix="epas")
 
     def _log_interval(self, progress, result) -> None:
+        first = max(self.iteration - self.cfg.logging.log_interval + 1, progress.start_iteration + 1, 1)
+        extra = {"consumed_samples": self.consumed_samples, "sharing_layers": list(self.sharing_layers),
+                 "region_size": len(self.sharing_layers), "layout": self.layout}
+        if self.run.random_ltd is not None:
+            extra.update(self._random_ltd_record())
         record = progress.interval_record(
-            self.iteration, result, self.optimizer.param_groups[0]["lr"], self._flops_per_iteration(),
-            {"consumed_samples": self.consumed_samples, "sharing_layers": list(self.sharing_layers),
-             "region_size": len(self.sharing_layers), "layout": self.layout},
+            self.iteration, result, self.optimizer.param_groups[0]["lr"], self._flops_per_iteration(first, self.iteration), extra,
         )
         self.metrics.log(record, step=self.iteration)
         self.print(progress.console_line(record))
+
+    def _random_ltd_record(self) -> dict:
+        """Random-LTD's state after the current iteration: the kept tokens of its last step and
+        DeepSpeed's layer-token count (and the mean tokens per layer it amounts to)."""
+        ltd, t = self.run.random_ltd, self.cfg.training
+        step_tokens = ltd.layer_tokens(self.iteration - 1)
+        return {"random_ltd_kept_tokens": ltd.kept_tokens(self.iteration - 1),
+                "consumed_layer_tokens": ltd.consumed_layer_tokens(self.iteration),
+                "layer_averaged_seq_length": step_tokens / (t.global_batch_size * ltd.num_layers)}
 
     def _log_validation(self, progress) -> tuple[int, dict[int, float]]:
         """Validation loss of the region in training and of every --eval-regions region (one
@@ -683,6 +732,7 @@ class Trainer:
             "skipped_iterations": progress.skipped_iterations,
             "exit_reason": exit_reason,
             "output_dir": str(self.out),
+            **({"random_ltd": self._random_ltd_record()} if self.run.random_ltd is not None and self.iteration else {}),
         }
 
     def close(self) -> None:

@@ -142,3 +142,13 @@ def test_resuming_with_another_vocabulary_fails_before_data_work(isolated, capsy
     fixture = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoint_406e8ca"  # vocabulary 512
     fails(["--default-vocab-size", "1024", "--load", str(fixture)], isolated, capsys, "--load",
           match="the checkpoint's vocabulary is 512, this run's is 1024")
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--random-ltd", "--random-ltd-layers", "2-7"], "--random-ltd-layers"),
+    (["--random-ltd", "--random-ltd-min-value", "100"], "--random-ltd-min-value"),
+    (["--random-ltd", "--random-ltd-kernels", "cuda"], "--random-ltd-kernels"),
+    (["--random-ltd", "--tp", "2", "--sequence-parallel"], "--sequence-parallel"),
+])
+def test_random_ltd_flags(isolated, capsys, monkeypatch, argv, flag):
+    fails(argv, isolated, capsys, flag, 2 if "--tp" in argv else None, monkeypatch)

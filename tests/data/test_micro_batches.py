@@ -65,8 +65,8 @@ def test_ranks_partition_each_chunk_in_order(micro_batch_size, dp):
 def test_batches_are_collated_tensors_of_the_right_samples():
     iterator = build_data_iterator(IndexDataset(20), 3, 1, 2)
     batch = next(iterator)
-    assert set(batch) == {"tokens", "labels", "loss_mask", "position_ids"}
-    assert sample_ids(batch) == [3, 4, 5]
+    assert set(batch) == {"tokens", "labels", "loss_mask", "position_ids", "sample_ids"}
+    assert sample_ids(batch) == [3, 4, 5] and batch["sample_ids"].tolist() == [3, 4, 5]
     assert batch["tokens"].shape == (3, 4) and batch["tokens"].dtype == torch.int64
     assert batch["labels"].dtype == torch.int64 and batch["position_ids"].dtype == torch.int64
     assert batch["loss_mask"].dtype == torch.float32
