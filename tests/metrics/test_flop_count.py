@@ -85,3 +85,28 @@ def test_deepspeed_profiler_counts_the_models_forward(core_attention, share, reg
     if core_attention == "unfused":  # baddbmm's addend and the softmax: one FLOP per score each
         expected += arch.num_layers * 2 * B * arch.num_attention_heads * S * S
     assert total == expected
+
+
+@pytest.mark.parametrize("region, kept", [(0, 8), (2, 12), (3, 20)])
+def test_flop_counter_equals_the_model_under_random_ltd(region, kept):
+    """Random-LTD layers run on their kept tokens: FlopCounterMode (forward + backward, unfused
+    attention) equals the layerwise model exactly, with the source of a region keeping all."""
+    from epas_megatron.metrics.flops import layerwise_forward_flops
+    from epas_megatron.model.build_plan import BuildPlan, RandomLTDSettings
+    from epas_megatron.model.builder import LlamaArchitecture, build_model
+    from epas_megatron.random_ltd.model import set_kept_tokens
+
+    arch = LlamaArchitecture(4, 64, 4, 2, 176, 512, S)
+    sharing = tuple(range(4 - region, 4))
+    plan = BuildPlan.for_region(arch, sharing, core_attention="unfused", random_ltd=RandomLTDSettings((0, 1, 2, 3), kernels="torch"))
+    model = build_model(plan, seed=3).chunks[0]
+    set_kept_tokens([model], kept)
+    tokens = torch.randint(0, 512, (B, S), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter:
+        model(tokens, torch.arange(S).expand(B, S), None, labels=tokens, sample_ids=torch.arange(B)).sum().backward()
+    source = 3 - region if region else None
+    modes = ["share_qk" if i in sharing else "compute" for i in range(4)]
+    per_layer = [S if i == source else kept for i in range(4)]
+    expected = 3 * B * layerwise_forward_flops(arch.flops_shape(S), modes, per_layer, Convention.PAPER)
+    assert counter.get_total_flops() == expected
+    assert expected < 3 * B * layerwise_forward_flops(arch.flops_shape(S), modes, None, Convention.PAPER)

@@ -309,3 +309,20 @@ def test_tflops_per_device():
     assert tflops_per_device(8e15, 2.0, 8) == pytest.approx(500.0)
     with pytest.raises(ValueError):
         tflops_per_device(1.0, 0.0, 1)
+
+
+def test_layerwise_flops_reduce_to_the_region_formula_and_scale_with_kept_tokens():
+    from epas_megatron.metrics.flops import ModelShape, forward_flops_per_sequence, layerwise_forward_flops, lm_head_forward_flops
+
+    shape = ModelShape(6, 256, 8, 2, 704, 1000, 128)
+    modes = ["compute"] * 3 + ["share_qk"] * 3
+    assert layerwise_forward_flops(shape, modes) == forward_flops_per_sequence(shape, 3, "qk")
+    # One computing layer on r = 32 of 128 tokens: linear terms x 1/4, attention core x 1/16.
+    s, h, kv, F, r = 128, 256, 64, 704, 32
+    full_layer = 2 * s * h * (h + 2 * kv) + 2 * 2 * s * s * h + 2 * s * h * h + 6 * s * h * F
+    kept_layer = 2 * r * h * (h + 2 * kv) + 2 * 2 * r * r * h + 2 * r * h * h + 6 * r * h * F
+    one = ModelShape(1, 256, 8, 2, 704, 1000, 128)
+    assert layerwise_forward_flops(one, ["compute"], [32]) == kept_layer + lm_head_forward_flops(one)
+    assert layerwise_forward_flops(one, ["compute"]) == full_layer + lm_head_forward_flops(one)
+    with pytest.raises(ValueError, match="one mode and one token count"):
+        layerwise_forward_flops(shape, modes, [128] * 5)
