@@ -2,6 +2,7 @@
 
     epas-bench train --preset small --region 4 --iters 20
     epas-bench train --preset 125m --region 6 --iters 12 --seq-length 512 --micro-batch-size 2
+    epas-bench train --preset small --method all --kept-tokens 128
     torchrun --nproc-per-node 2 -m epas_megatron.bench.cli pipeline --preset small --region 4
     epas-bench decode --preset 125m --batch 8 --context 2048
     epas-bench quality --scale cpu --output-dir runs/quality
@@ -52,6 +53,20 @@ def _region(args, preset) -> int:
     return region
 
 
+METHODS = ("epas", "random-ltd", "both")
+
+
+def _methods(args) -> tuple[str, ...]:
+    """--method parsed; --kept-tokens checked against the sequence."""
+    names = METHODS if args.method == "all" else tuple(m.strip() for m in args.method.split(",") if m.strip())
+    unknown = [m for m in names if m not in METHODS]
+    if unknown or not names:
+        raise ConfigError(f"--method {args.method!r}: choose from {', '.join(METHODS)} or all (comma-separated)")
+    if args.kept_tokens is not None and not 0 < args.kept_tokens <= (args.seq_length or 10**9):
+        raise ConfigError(f"--kept-tokens must be between 1 and --seq-length, got {args.kept_tokens}")
+    return tuple(dict.fromkeys(names))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from epas_megatron.runtime.quiet import quiet_library_noise
 
@@ -62,6 +77,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _common(train)
     train.add_argument("--tp", type=int, default=1)
     train.add_argument("--pp", type=int, default=1)
+    train.add_argument("--method", default="epas",
+                       help="variants timed against the baseline, comma-separated: epas, random-ltd, both (EPAS with "
+                            "Random-LTD), or all (default: epas)")
+    train.add_argument("--kept-tokens", type=int, default=None,
+                       help="tokens each Random-LTD layer keeps (default: half the sequence)")
     pipe = commands.add_parser("pipeline", help="PP=2: baseline, EPAS without and with rebalancing")
     _common(pipe)
     pipe.add_argument("--pp", type=int, default=2)
@@ -119,6 +139,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise ConfigError(f"--tp {tp} x --pp {args.pp} does not divide the {world_size_from_env()} processes")
         if args.iters < args.blocks:
             raise ConfigError("--iters must be at least --blocks")
+        methods = _methods(args) if args.command == "train" else ()
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return ConfigError.exit_code
@@ -133,7 +154,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             cfg = BenchConfig(args.preset, region, args.iters, args.blocks, args.warmup, seq, mbs,
                              args.num_microbatches, tp=tp, pp=args.pp, share=args.share, seed=args.seed,
-                             core_attention=args.core_attention)
+                             core_attention=args.core_attention, methods=methods, kept_tokens=args.kept_tokens)
             record = run_train_bench(cfg, log=log)
         else:
             from epas_megatron.bench.common import BenchConfig

@@ -62,6 +62,12 @@ class BenchConfig:
     core_attention: str = "sdpa"
     """Attention kernel of local layers ('sdpa' or 'unfused')."""
 
+    methods: tuple[str, ...] = ("epas",)
+    """Variants timed against the baseline (``epas-bench train``): 'epas', 'random-ltd', 'both'."""
+
+    kept_tokens: Optional[int] = None
+    """Tokens Random-LTD layers keep (``random-ltd`` and ``both``); default half the sequence."""
+
     seed: int = 1234
     """Initialisation seed (every variant gets the same weights)."""
 
@@ -76,6 +82,7 @@ class SyntheticTokens:
     def __init__(self, vocab: int, seq: int, batch: int, seed: int):
         self.g = torch.Generator().manual_seed(seed)
         self.vocab, self.seq, self.batch = vocab, seq, batch
+        self.consumed = 0
 
     def __iter__(self):
         return self
@@ -87,7 +94,13 @@ class SyntheticTokens:
             "labels": tokens[:, 1:],
             "loss_mask": torch.ones(self.batch, self.seq),
             "position_ids": torch.arange(self.seq).expand(self.batch, -1),
+            "sample_ids": self._next_ids(),
         }
+
+    def _next_ids(self):
+        ids = torch.arange(self.consumed, self.consumed + self.batch)
+        self.consumed += self.batch
+        return ids
 
 
 @dataclass
@@ -109,19 +122,25 @@ class BenchVariant:
 
 def bench_variant(arch, sharing, *, seq_length: int, micro_batch_size: int, num_microbatches: int, seed: int,
                   tp: int = 1, pp: int = 1, vpp=None, layout=None, share: str = "qk", backend: str = "local",
-                  core_attention: str = "sdpa") -> BenchVariant:
+                  core_attention: str = "sdpa", random_ltd=None, kept_tokens: Optional[int] = None) -> BenchVariant:
     """A trainable model for the region ``sharing`` (and optional :class:`StageLayout`), built
     from ``seed`` so every variant starts from the same weights: bf16 with the distributed
-    optimizer on a GPU, fp32 on CPU."""
+    optimizer on a GPU, fp32 on CPU. ``random_ltd`` (a
+    :class:`~epas_megatron.model.build_plan.RandomLTDSettings`): its layers keep ``kept_tokens``."""
     from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.training.state import build_training_state
 
     cuda = torch.cuda.is_available()
     precision = "bf16" if cuda else "fp32"
     plan = BuildPlan.for_region(arch, sharing, seq_length=seq_length, tp=tp, pp=pp, vpp=vpp, layout=layout,
-                                precision=precision, backend=backend, core_attention=core_attention, share=share)
+                                precision=precision, backend=backend, core_attention=core_attention, share=share,
+                                random_ltd=random_ltd)
     settings = OptimizerSettings(precision=precision, use_distributed_optimizer=cuda, **BENCH_OPTIMIZER)
     state = build_training_state(plan, settings, seed=seed)
+    if random_ltd is not None:
+        from epas_megatron.random_ltd.model import set_kept_tokens
+
+        set_kept_tokens(state.model, kept_tokens)
     data = [SyntheticTokens(arch.vocab_size, seq_length, micro_batch_size, seed + 1) for _ in state.model]
     return BenchVariant(state, data, micro_batch_size, num_microbatches)
 

@@ -1,14 +1,18 @@
-"""``epas-bench train``: training throughput of EPAS against the baseline, measured in one run.
+"""``epas-bench train``: training throughput of EPAS (and Random-LTD, and both) against the
+baseline, measured in one run.
 
-Both models -- the baseline (region 0) and EPAS with the deepest ``--region`` layers sharing from
-the start -- are built in the same process group from the same seed (so they hold the same
-weights), on synthetic tokens (no data loading in the timing). Timed blocks alternate between
+The models -- the baseline (region 0) and each ``--method``: ``epas`` (the deepest ``--region``
+layers sharing from the start), ``random-ltd`` (the middle layers keep ``--kept-tokens`` of each
+sequence) and ``both`` (the two together; the region's source keeps every token) -- are built in
+the same process group from the same seed (so they hold the same weights), on synthetic tokens
+(no data loading in the timing). Timed blocks alternate between
 them (A B, B A, ...) after warm-up steps, and each model's throughput is the median over its
 blocks, because timing on shared machines drifts by several percent between blocks.
 
-Reported: tokens/s of each, the measured ratio (EPAS / baseline), the FLOP-limit ratio
-(baseline training FLOPs / EPAS training FLOPs: the speed-up if time were purely proportional to
-FLOPs), and measured / limit. The FLOP convention follows the backend: local attention computes
+Reported: tokens/s of each (input tokens: every token still gets a loss under Random-LTD), the
+measured ratio (method / baseline), the FLOP-limit ratio (baseline training FLOPs / the method's,
+from the layerwise FLOPs model: the speed-up if time were purely proportional to FLOPs), and
+measured / limit. The FLOP convention follows the backend: local attention computes
 the full score matrix (no causal halving), Transformer Engine's fused kernels skip the masked half.
 Last line: ``BENCH {json}``.
 """
@@ -27,8 +31,10 @@ def run_train_bench(cfg: BenchConfig, log=print) -> dict:
     import torch.distributed as dist
 
     from epas_megatron.config.presets import get_preset
-    from epas_megatron.metrics.flops import Convention, flop_limit_ratio
+    from epas_megatron.metrics.flops import Convention, layerwise_forward_flops
+    from epas_megatron.model.build_plan import RandomLTDSettings
     from epas_megatron.model.builder import LlamaArchitecture, padded_vocab_size
+    from epas_megatron.random_ltd.schedule import default_layers
     from epas_megatron.sharing.schedule import region_layers
 
     from epas_megatron.bench.common import alternating_throughput, bench_variant, default_backend
@@ -40,30 +46,50 @@ def run_train_bench(cfg: BenchConfig, log=print) -> dict:
     sharing = region_layers(arch.num_layers, cfg.region, flag="--region")
     cuda = torch.cuda.is_available()
     backend = default_backend()
+    kept = cfg.kept_tokens or cfg.seq_length // 2
+    ltd = RandomLTDSettings(default_layers(arch.num_layers), seed=cfg.seed)
     common = dict(seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
                   seed=cfg.seed, tp=cfg.tp, pp=cfg.pp, share=cfg.share, backend=backend, core_attention=cfg.core_attention)
-    states = {"baseline": bench_variant(arch, (), **common), "epas": bench_variant(arch, sharing, **common)}
+    variants = {"baseline": ((), None), "epas": (sharing, None), "random-ltd": ((), ltd), "both": (sharing, ltd)}
+    states = {name: bench_variant(arch, variants[name][0], random_ltd=variants[name][1], kept_tokens=kept, **common)
+              for name in ("baseline", *cfg.methods)}
     dp = dist.get_world_size() // (cfg.tp * cfg.pp)
     tokens_per_iter = cfg.seq_length * cfg.micro_batch_size * cfg.num_microbatches * dp
-    log(f"bench: {cfg.preset} ({arch.num_layers} layers, h {arch.hidden_size}), region {cfg.region} {list(sharing)}, "
+    log(f"bench: {cfg.preset} ({arch.num_layers} layers, h {arch.hidden_size}), methods {', '.join(cfg.methods)}: region {cfg.region} "
+        f"{list(sharing)}{f', Random-LTD layers {ltd.layers[0]}-{ltd.layers[-1]} keep {kept} of {cfg.seq_length} tokens' if set(cfg.methods) & {'random-ltd', 'both'} else ''}, "
         f"seq {cfg.seq_length}, {cfg.num_microbatches} x {cfg.micro_batch_size} x DP {dp}, TP {cfg.tp}, PP {cfg.pp}, "
         f"{backend} layers{'' if backend != 'local' else f' ({cfg.core_attention} attention)'}, {'bf16 CUDA' if cuda else 'fp32 CPU'}; "
         f"{cfg.warmup} warm-up + {cfg.iters} timed iterations each")
     tps = alternating_throughput(states, tokens_per_iter, iters=cfg.iters, blocks=cfg.blocks, warmup=cfg.warmup, log=log)
     # Fused kernels (TE, SDPA) skip the causally masked half of the scores; unfused attention does not.
     convention = Convention.PAPER if (backend == "local" and cfg.core_attention == "unfused") else Convention.MEGATRON
-    limit = flop_limit_ratio(arch.flops_shape(cfg.seq_length), cfg.region, share=cfg.share, convention=convention)
-    ratio = tps["epas"] / tps["baseline"]
+    shape = arch.flops_shape(cfg.seq_length)
+
+    def forward_flops(name):
+        region, drop = variants[name]
+        modes = [f"share_{cfg.share}" if i in region else "compute" for i in range(arch.num_layers)]
+        source = region[0] - 1 if region else None
+        tokens = [kept if drop is not None and i in drop.layers and i != source else cfg.seq_length for i in range(arch.num_layers)]
+        return layerwise_forward_flops(shape, modes, tokens, convention)
+
+    methods = {}
+    for name in cfg.methods:
+        ratio, limit = tps[name] / tps["baseline"], forward_flops("baseline") / forward_flops(name)
+        methods[name] = {"tokens_per_s": tps[name], "ratio": ratio, "flop_limit_ratio": limit, "measured_over_limit": ratio / limit}
     record = {
         "preset": cfg.preset, "region": cfg.region, "seq_length": cfg.seq_length, "tp": cfg.tp, "pp": cfg.pp,
-        "baseline_tokens_per_s": tps["baseline"], "epas_tokens_per_s": tps["epas"], "ratio": ratio,
-        "flop_limit_ratio": limit, "measured_over_limit": ratio / limit, "flop_convention": convention.name.lower(),
+        "baseline_tokens_per_s": tps["baseline"], "methods": methods, "random_ltd_kept_tokens": kept,
+        "flop_convention": convention.name.lower(),
         "backend": backend, "core_attention": cfg.core_attention if backend == "local" else "te",
         "device": _device_name(), "precision": "bf16" if cuda else "fp32",
         "blocks": cfg.blocks, "iters_per_block": max(1, cfg.iters // cfg.blocks),
     }
-    log(f"baseline {tps['baseline']:.1f} tok/s | EPAS {tps['epas']:.1f} tok/s | ratio {ratio:.4f} | "
-        f"FLOP limit {limit:.4f} | measured/limit {ratio / limit:.4f}")
+    if "epas" in methods:  # the EPAS figures under their established keys
+        record.update(epas_tokens_per_s=tps["epas"], ratio=methods["epas"]["ratio"], flop_limit_ratio=methods["epas"]["flop_limit_ratio"],
+                      measured_over_limit=methods["epas"]["measured_over_limit"])
+    log(f"baseline {tps['baseline']:.1f} tok/s | " + " | ".join(
+        f"{name} {m['tokens_per_s']:.1f} tok/s, ratio {m['ratio']:.4f}, FLOP limit {m['flop_limit_ratio']:.4f}, "
+        f"measured/limit {m['measured_over_limit']:.4f}" for name, m in methods.items()))
     return record
 
 

@@ -13,10 +13,10 @@ from epas_testing import REPO
 
 def _block_rates(stdout: str) -> dict[str, list[float]]:
     """The per-block tokens/s the bench logs: ``  block 2/3: epas 1234.5 tok/s, baseline 1200.0 tok/s``."""
-    rates = {"baseline": [], "epas": []}
+    rates = {"baseline": [], "epas": [], "random-ltd": [], "both": []}
     for line in stdout.splitlines():
         if re.match(r"\s+block \d+/\d+:", line):
-            for name, value in re.findall(r"(baseline|epas) ([0-9.]+) tok/s", line):
+            for name, value in re.findall(r"(baseline|epas|random-ltd|both) ([0-9.]+) tok/s", line):
                 rates[name].append(float(value))
     return rates
 
@@ -28,7 +28,7 @@ def test_train_bench_reports_ratio_and_flop_limit():
     started = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "epas_megatron.bench.cli", "train", "--preset", "tiny", "--region", "2",
                            "--iters", "3", "--blocks", "3", "--warmup", "1", "--seq-length", "64",
-                           "--micro-batch-size", "2", "--num-microbatches", "1"], cwd=REPO, capture_output=True,
+                           "--micro-batch-size", "2", "--num-microbatches", "1", "--method", "all"], cwd=REPO, capture_output=True,
                           text=True, timeout=600, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     wall_s = time.perf_counter() - started
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -38,11 +38,15 @@ def test_train_bench_reports_ratio_and_flop_limit():
     # Throughput against the per-block rates it is the median of (logged to 0.1 tok/s), and the
     # ratio against those medians: EPAS over baseline, not the other way round.
     rates = _block_rates(proc.stdout)
-    assert len(rates["baseline"]) == len(rates["epas"]) == blocks
+    assert all(len(values) == blocks for values in rates.values()), rates
     medians = {name: sorted(values)[1] for name, values in rates.items()}
     assert record["baseline_tokens_per_s"] == pytest.approx(medians["baseline"], abs=0.051)
     assert record["epas_tokens_per_s"] == pytest.approx(medians["epas"], abs=0.051)
     assert record["ratio"] == pytest.approx(medians["epas"] / medians["baseline"], rel=1e-3)
+    for name in ("random-ltd", "both"):
+        got = record["methods"][name]
+        assert got["tokens_per_s"] == pytest.approx(medians[name], abs=0.051)
+        assert got["ratio"] == pytest.approx(medians[name] / medians["baseline"], rel=1e-3)
     # Units, against a clock outside the process: the timed iterations the rates imply (128 tokens
     # each) fit in the run's wall time. A rate in samples/s or per millisecond would not.
     timed_s = sum(tokens_per_iteration / r for values in rates.values() for r in values)
@@ -57,6 +61,13 @@ def test_train_bench_reports_ratio_and_flop_limit():
     sharing = layer - qkv + v_only                                   # 88064
     head = 2 * 64 * 8192                                             # 1048576
     assert record["flop_limit_ratio"] == pytest.approx((4 * layer + head) / (2 * layer + 2 * sharing + head), rel=1e-12)
+    # Random-LTD: layers 1-2 keep 32 of the 64 tokens -- per input token, the linear terms halve and
+    # the attention core quarters. With EPAS (region 2-3), layer 1 is the source and keeps all.
+    kept_layer = (layer - attention) // 2 + attention // 4           # 48128
+    kept_sharing = (sharing - attention) // 2 + attention // 4       # 41984
+    assert record["random_ltd_kept_tokens"] == 32
+    assert record["methods"]["random-ltd"]["flop_limit_ratio"] == pytest.approx((4 * layer + head) / (2 * layer + 2 * kept_layer + head), rel=1e-12)
+    assert record["methods"]["both"]["flop_limit_ratio"] == pytest.approx((4 * layer + head) / (2 * layer + kept_sharing + sharing + head), rel=1e-12)
     assert record["core_attention"] == "sdpa" and record["flop_convention"] == "megatron"
 
 
