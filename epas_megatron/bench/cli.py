@@ -266,7 +266,8 @@ def _quality_parser(commands) -> None:
     quality.add_argument("--scale", default="cpu", choices=list(SCALES),
                          help="recipe size: smoke (CI), cpu (~40 min on 2 cores), 125m / 1b (GPUs), tinyllama (continual only)")
     quality.add_argument("--output-dir", default="runs/quality", help="runs, quality.md, quality.json and plots go here")
-    quality.add_argument("--parts", default="scratch,continual,ablation", help="experiments to run (comma-separated)")
+    quality.add_argument("--parts", default="scratch,continual,ablation",
+                         help="experiments to run (comma-separated): scratch, continual, ablation, random_ltd")
     quality.add_argument("--nproc", type=int, default=1, help="processes per training run (torchrun when > 1)")
     quality.add_argument("--base-checkpoint", default=None,
                          help="continual pretraining from this checkpoint (default: the from-scratch baseline)")
@@ -283,9 +284,9 @@ def _quality(args) -> int:
 
     try:
         parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
-        unknown = sorted(set(parts) - {"scratch", "continual", "ablation"})
+        unknown = sorted(set(parts) - {"scratch", "continual", "ablation", "random_ltd"})
         if unknown or not parts:
-            raise ConfigError(f"--parts {args.parts!r}: choose among scratch, continual, ablation")
+            raise ConfigError(f"--parts {args.parts!r}: choose among scratch, continual, ablation, random_ltd")
         scale = SCALES[args.scale]
         if scale.continual_only and args.base_checkpoint is None:
             raise ConfigError(f"--scale {args.scale} is continual pretraining only: give --base-checkpoint (e.g. an epas-convert hf-import)")

@@ -15,6 +15,12 @@ or torchrun with ``--nproc``) whose outputs the report reads back:
    paper's inference-time-sharing baseline).
 3. **Ablation** (one the paper reports): the EPAS run with the region ending one layer before
    the last (``--epas-exclude-last 1``) against the default region, which includes it.
+4. **Random-LTD** (``--parts`` ``random_ltd``, not in the default set): the from-scratch
+   baseline and EPAS of the first seed against Random-LTD (``--random-ltd``, DeepSpeed-style
+   defaults: the middle layers, 1/16 of the tokens kept at first, all from 70% of the run, the
+   LayerToken LR) and EPAS with Random-LTD, at the same token budget and LR schedule. Reported:
+   final validation loss, throughput and training time in the runs, and each run's FLOP-limit
+   ratio (the baseline's model FLOPs over the arm's, summed over the run).
 
 Every arm writes ``<output-dir>/<arm>/`` (the run directory, ``train.log``, ``summary.json``
 once it finished); an arm whose ``summary.json`` exists is not run again, so an interrupted
@@ -168,6 +174,15 @@ def plan_arms(scale: QualityScale, out: Path, base_checkpoint: Optional[str] = N
     if not scale.continual_only and "ablation" in parts:
         common = _common_args(scale, scale.scratch_iters, scale.lr, scale.warmup_iters, scale.seeds[0], data_args)
         arms.append(ArmSpec("ablation_exclude_last", [*common, *epas, "--epas-exclude-last", "1"]))
+    if not scale.continual_only and "random_ltd" in parts:
+        common = _common_args(scale, scale.scratch_iters, scale.lr, scale.warmup_iters, scale.seeds[0], data_args)
+        planned = {arm.name for arm in arms}
+        for arm in (ArmSpec("scratch_baseline", [*common, "--epas-target-layers", "0"]),  # what it compares with
+                    ArmSpec("scratch_epas", [*common, *epas, "--eval-regions", "0,half,max"]),
+                    ArmSpec("scratch_random_ltd", [*common, "--epas-target-layers", "0", "--random-ltd"]),
+                    ArmSpec("scratch_epas_random_ltd", [*common, *epas, "--random-ltd"])):
+            if arm.name not in planned:
+                arms.append(arm)
     if "continual" in parts:
         base = base_checkpoint or str(out / "scratch_baseline" / "run" / "checkpoints")
         needs = None if base_checkpoint else "scratch_baseline"
@@ -324,6 +339,12 @@ class QualityRecipe:
             numbers["ablation"] = {"baseline": reference, **{name: loss for name, loss in rows},
                                    "exclude_last_minus_default": rows[1][1] - rows[0][1]}
             sections.append(f"### Ablation: where the region ends (seed {scale.seeds[0]})\n\n{report.ablation_table(rows, reference)}")
+        if "random_ltd" in self.parts and not scale.continual_only:
+            rows = report.methods_comparison([arm("scratch_baseline"), arm("scratch_epas"), arm("scratch_random_ltd"),
+                                              arm("scratch_epas_random_ltd")])
+            numbers["random_ltd"] = rows
+            sections.append(f"### Random-LTD, EPAS and both, from scratch at equal tokens (seed {scale.seeds[0]})\n\n"
+                            + report.methods_table(rows))
         if "continual" in self.parts:
             comparison = report.continual_comparison(self.evaluate_regions("continual_epas", scale.continual_region),
                                                      self.evaluate_regions("continual_baseline", scale.continual_region))

@@ -180,6 +180,52 @@ def scratch_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def run_flops(arm: ArmResult) -> Optional[float]:
+    """Model FLOPs of the whole run, from its training records: each record's TFLOP/s per
+    device is the mean FLOPs of its interval's iterations over their time, so
+    ``TFLOP/s x 1e12 x s/iter x devices x iterations`` gives them back. None without records."""
+    records = arm.train_records
+    if not records:
+        return None
+    world = arm.summary.get("world_size", 1)
+    total, previous = 0.0, 0
+    for record in records:
+        total += record["tflops_per_device"] * 1e12 * record["iteration_time_s"] * world * (record["iteration"] - previous)
+        previous = record["iteration"]
+    return total
+
+
+def methods_comparison(arms: Sequence[ArmResult]) -> list[dict]:
+    """One row per arm, the first (the baseline) the reference: final validation loss at the
+    same tokens, its difference, throughput and training time ratios, and the run's FLOP-limit
+    ratio (baseline run FLOPs / the arm's)."""
+    base = arms[0]
+    base_flops = run_flops(base)
+    rows = []
+    for arm in arms:
+        loss, flops = arm.final_valid_loss, run_flops(arm)
+        rows.append({
+            "arm": arm.name, "final_valid_loss": loss, "vs_baseline": loss - base.final_valid_loss,
+            "tokens": arm.summary.get("iterations", 0) * arm.summary.get("global_batch_size", 0) * arm.summary.get("seq_length", 0),
+            "tokens_per_s": arm.tokens_per_s, "tokens_per_s_ratio": _ratio(arm.tokens_per_s, base.tokens_per_s),
+            "train_time_s": arm.train_time_s, "train_time_ratio": _ratio(arm.train_time_s, base.train_time_s),
+            "run_flops": flops, "flop_limit_ratio": _ratio(base_flops, flops),
+        })
+    return rows
+
+
+def methods_table(rows: Sequence[dict]) -> str:
+    """Markdown of :func:`methods_comparison`."""
+    lines = ["| arm | tokens | final val loss | vs baseline | tokens/s (run) | training time | FLOP-limit ratio (run) |",
+             "|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(rows):
+        versus = "" if i == 0 else f"{r['vs_baseline']:+.4f}"
+        lines.append(f"| {r['arm']} | {r['tokens']} | {_num(r['final_valid_loss'])} | {versus} | {_num(r['tokens_per_s'], '.0f')} "
+                     f"({_num(r['tokens_per_s_ratio'], '.3f')}x) | {_time(r['train_time_s'])} ({_num(r['train_time_ratio'], '.3f')}x) | "
+                     f"{_num(r['flop_limit_ratio'], '.3f')} |")
+    return "\n".join(lines)
+
+
 def ablation_table(rows: Sequence[tuple[str, float]], reference: float) -> str:
     """Markdown: final validation loss per arm and its difference to ``reference``."""
     lines = ["| arm | final val loss | vs baseline |", "|---|---|---|"]

@@ -81,13 +81,41 @@ def test_arms_of_the_cpu_recipe(tmp_path):
     assert "--eval-untrained-regions" in flags("continual_baseline")
 
 
+def test_arms_of_the_random_ltd_part(tmp_path):
+    arms = {a.name: a for a in plan_arms(SCALES["cpu"], tmp_path, parts=("random_ltd",))}
+    assert list(arms) == ["scratch_baseline", "scratch_epas", "scratch_random_ltd", "scratch_epas_random_ltd"]
+    flags = lambda name: " ".join(arms[name].train_args)
+    assert flags("scratch_random_ltd") == flags("scratch_baseline") + " --random-ltd"
+    assert flags("scratch_epas_random_ltd") == flags("scratch_epas").replace(" --eval-regions 0,half,max", "") + " --random-ltd"
+    # With the from-scratch part too, the shared arms are planned once.
+    names = [a.name for a in plan_arms(SCALES["cpu"], tmp_path, parts=("scratch", "random_ltd"))]
+    assert len(names) == len(set(names)) == 6
+
+
+def test_methods_comparison_by_hand():
+    # Records every 2 iterations; TFLOP/s x 1e12 x s/iter x devices x iterations = run FLOPs.
+    def with_flops(name, tflops, loss, tokens_per_s, time_s):
+        a = arm(name, [(4, time_s, loss)], tokens_per_s=tokens_per_s, world_size=2, iterations=4, global_batch_size=8, seq_length=16)
+        a.records += [{"iteration": i, "iteration_time_s": 0.5, "tflops_per_device": tflops} for i in (2, 4)]
+        return a
+
+    base = with_flops("baseline", 1.0, 3.0, 100.0, 10.0)      # 2 x (1e12 x 0.5 x 2 x 2) = 4e12 FLOPs
+    ltd = with_flops("random-ltd", 0.8, 3.1, 120.0, 8.0)      # 3.2e12
+    rows = report.methods_comparison([base, ltd])
+    assert rows[0]["run_flops"] == pytest.approx(4e12) and rows[1]["run_flops"] == pytest.approx(3.2e12)
+    assert rows[1]["flop_limit_ratio"] == pytest.approx(1.25) and rows[1]["vs_baseline"] == pytest.approx(0.1)
+    assert rows[1]["tokens_per_s_ratio"] == pytest.approx(1.2) and rows[1]["train_time_ratio"] == pytest.approx(0.8)
+    assert rows[1]["tokens"] == 4 * 8 * 16
+    assert "| random-ltd | 512 | 3.1000 | +0.1000 | 120 (1.200x) | 8.0 s (0.800x) | 1.250 |" in report.methods_table(rows)
+
+
 def run_bench(*argv):
     return subprocess.run([sys.executable, "-m", "epas_megatron.bench.cli", "quality", *argv], cwd=REPO, capture_output=True,
                           text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--parts", "scratch,speed"], "--parts 'scratch,speed': choose among scratch, continual, ablation"),
+    (["--parts", "scratch,speed"], "--parts 'scratch,speed': choose among scratch, continual, ablation, random_ltd"),
     (["--scale", "tinyllama"], "--scale tinyllama is continual pretraining only: give --base-checkpoint"),
     (["--data", "x"], "--data needs --tokenizer-model"),
 ])
@@ -98,11 +126,12 @@ def test_bad_input(argv, message):
 
 def test_smoke_recipe_end_to_end(tmp_path):
     out = tmp_path / "quality"
-    proc = run_bench("--scale", "smoke", "--output-dir", str(out))
+    proc = run_bench("--scale", "smoke", "--output-dir", str(out), "--parts", "scratch,continual,ablation,random_ltd")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     numbers = json.loads((out / "quality.json").read_text())
     summaries = {p.parent.name: json.loads(p.read_text()) for p in out.glob("*/summary.json")}
-    assert set(summaries) == {"scratch_baseline", "scratch_epas", "ablation_exclude_last", "continual_epas", "continual_baseline"}
+    assert set(summaries) == {"scratch_baseline", "scratch_epas", "ablation_exclude_last", "continual_epas", "continual_baseline",
+                              "scratch_random_ltd", "scratch_epas_random_ltd"}
     # The gap is the difference of the two runs' own final validation losses.
     (scratch,) = numbers["scratch"]
     assert scratch["gap"] == pytest.approx(summaries["scratch_epas"]["final_valid_lm_loss"] - summaries["scratch_baseline"]["final_valid_lm_loss"])
@@ -117,10 +146,17 @@ def test_smoke_recipe_end_to_end(tmp_path):
     assert numbers["continual"]["baseline_inference_sharing"] == [r["lm_loss"] for r in evals["continual_baseline"]["results"]]
     for name in ("loss_vs_tokens.png", "loss_vs_time.png", "continual_regions.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Random-LTD arms: same tokens, losses from their own summaries, fewer FLOPs than the baseline.
+    rows = {r["arm"]: r for r in numbers["random_ltd"]}
+    assert rows["scratch_random_ltd"]["vs_baseline"] == pytest.approx(
+        summaries["scratch_random_ltd"]["final_valid_lm_loss"] - summaries["scratch_baseline"]["final_valid_lm_loss"])
+    assert rows["scratch_random_ltd"]["tokens"] == rows["scratch_baseline"]["tokens"] == 8 * 4 * 64
+    assert rows["scratch_random_ltd"]["flop_limit_ratio"] > 1 and rows["scratch_epas_random_ltd"]["flop_limit_ratio"] > 1
+    assert summaries["scratch_epas_random_ltd"]["random_ltd"]["consumed_layer_tokens"] > 0
     markdown = (out / "quality.md").read_text()
     assert "### From scratch, seed 1234" in markdown and "### Continual pretraining" in markdown
     assert all(command in markdown for command in numbers["commands"])
     # A second invocation reuses every finished arm and writes the same numbers.
-    again = run_bench("--scale", "smoke", "--output-dir", str(out))
-    assert again.returncode == 0 and again.stdout.count("finished before; reusing") == 5
+    again = run_bench("--scale", "smoke", "--output-dir", str(out), "--parts", "scratch,continual,ablation,random_ltd")
+    assert again.returncode == 0 and again.stdout.count("finished before; reusing") == 7
     assert json.loads((out / "quality.json").read_text())["scratch"] == numbers["scratch"]
