@@ -56,13 +56,13 @@ def _region(args, preset) -> int:
 METHODS = ("epas", "random-ltd", "both")
 
 
-def _methods(args) -> tuple[str, ...]:
+def _methods(args, seq_length: int) -> tuple[str, ...]:
     """--method parsed; --kept-tokens checked against the sequence."""
     names = METHODS if args.method == "all" else tuple(m.strip() for m in args.method.split(",") if m.strip())
     unknown = [m for m in names if m not in METHODS]
     if unknown or not names:
         raise ConfigError(f"--method {args.method!r}: choose from {', '.join(METHODS)} or all (comma-separated)")
-    if args.kept_tokens is not None and not 0 < args.kept_tokens <= (args.seq_length or 10**9):
+    if args.kept_tokens is not None and not 0 < args.kept_tokens <= seq_length:
         raise ConfigError(f"--kept-tokens must be between 1 and --seq-length, got {args.kept_tokens}")
     return tuple(dict.fromkeys(names))
 
@@ -139,7 +139,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise ConfigError(f"--tp {tp} x --pp {args.pp} does not divide the {world_size_from_env()} processes")
         if args.iters < args.blocks:
             raise ConfigError("--iters must be at least --blocks")
-        methods = _methods(args) if args.command == "train" else ()
+        methods = _methods(args, args.seq_length or preset.seq_length) if args.command == "train" else ()
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return ConfigError.exit_code
