@@ -69,3 +69,17 @@ def test_epas_exclude_last_resolves_into_the_schedule(tmp_path):
     off = resolve_run(parse_config([*base, "--epas-exclude-last", "1"]), world_size=1)
     assert off.warnings == ("--epas-exclude-last 1 has no effect: EPAS is off (--epas-target-layers 0)",)
     assert parse_config(["--preset", "tiny"]).epas.epas_exclude_last == 0
+
+
+def test_random_ltd_resolves_into_its_schedule(tmp_path):
+    from epas_megatron.config.validation import resolve_run
+
+    base = ["--preset", "tiny", "--output-dir", str(tmp_path / "out"), "--train-iters", "100"]
+    run = resolve_run(parse_config([*base, "--random-ltd", "--random-ltd-layers", "1,2", "--random-ltd-min-value", "8"]), world_size=1)
+    ltd = run.random_ltd
+    assert (ltd.layers, ltd.min_value, ltd.max_value, ltd.require_steps, ltd.seq_per_step) == ((1, 2), 8, 64, 70, 4)
+    assert run.warnings == ()
+    off = resolve_run(parse_config([*base, "--random-ltd-min-value", "8"]), world_size=1)
+    assert off.random_ltd is None and off.warnings == ("--random-ltd-min-value has no effect without --random-ltd",)
+    # YAML section of its own, like the flags
+    assert "random_ltd" in to_dict(parse_config([*base, "--random-ltd"]))
