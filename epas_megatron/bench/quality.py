@@ -345,6 +345,10 @@ class QualityRecipe:
             numbers["random_ltd"] = rows
             sections.append(f"### Random-LTD, EPAS and both, from scratch at equal tokens (seed {scale.seeds[0]})\n\n"
                             + report.methods_table(rows))
+            report.plot_curves([arm(name) for name in ("scratch_baseline", "scratch_epas", "scratch_random_ltd", "scratch_epas_random_ltd")],
+                               str(self.out / "random_ltd_loss_vs_tokens.png"), str(self.out / "random_ltd_loss_vs_time.png"),
+                               scale.seq_length * scale.global_batch_size)
+            plots += ["random_ltd_loss_vs_tokens.png", "random_ltd_loss_vs_time.png"]
         if "continual" in self.parts:
             comparison = report.continual_comparison(self.evaluate_regions("continual_epas", scale.continual_region),
                                                      self.evaluate_regions("continual_baseline", scale.continual_region))

@@ -144,7 +144,7 @@ def test_smoke_recipe_end_to_end(tmp_path):
     evals = {name: json.loads((out / name / "eval.json").read_text()) for name in ("continual_epas", "continual_baseline")}
     assert numbers["continual"]["epas"] == [r["lm_loss"] for r in evals["continual_epas"]["results"]]
     assert numbers["continual"]["baseline_inference_sharing"] == [r["lm_loss"] for r in evals["continual_baseline"]["results"]]
-    for name in ("loss_vs_tokens.png", "loss_vs_time.png", "continual_regions.png"):
+    for name in ("loss_vs_tokens.png", "loss_vs_time.png", "continual_regions.png", "random_ltd_loss_vs_tokens.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Random-LTD arms: same tokens, losses from their own summaries, fewer FLOPs than the baseline.
     rows = {r["arm"]: r for r in numbers["random_ltd"]}
