@@ -73,7 +73,9 @@ def forward(w, tokens, num_layers, np_, ng, sharing=(), share="qk", eps=1e-5, ba
     ``kept`` (Random-LTD): {layer: [b, r] sorted positions}; such a layer runs, sequence by
     sequence, on its kept tokens only -- as a sequence of r tokens at their original positions,
     causal among themselves, a sharing layer with the hand-off's rows at those positions -- and
-    the other tokens pass it unchanged."""
+    the other tokens pass it unchanged. A source (the computing layer before the sharing layers)
+    computes Q, K and V for every token, hands on the whole sequence's, and attends with its
+    kept tokens' rows."""
     x = w["embed"][tokens]
     shared = None
     kept = kept or {}
@@ -83,11 +85,21 @@ def forward(w, tokens, num_layers, np_, ng, sharing=(), share="qk", eps=1e-5, ba
             x, shared = layer_forward(L, x, np_, ng, shared, i in sharing, share, eps, base)
             continue
         rows = []
-        for j, index in enumerate(kept[i]):
+        if i not in sharing and i + 1 in sharing:  # a dropping source
+            xn = rms_norm(x, L["input_norm"], eps)
+            q = rope(heads(xn @ L["q"].T, np_), base)
+            k = rope(heads(xn @ L["k"].T, ng), base)
+            v = heads(xn @ L["v"].T, ng)
+            shared = (q, k) if share == "qk" else (k, v)
+            for j, index in enumerate(kept[i]):
+                a = attention(q[j:j + 1, :, index], k[j:j + 1, :, index], v[j:j + 1, :, index])
+                h = x[j:j + 1, index] + a.transpose(1, 2).reshape(1, len(index), -1) @ L["o"].T
+                hn = rms_norm(h, L["mlp_norm"], eps)
+                rows.append((index, (h + (torch.nn.functional.silu(hn @ L["gate"].T) * (hn @ L["up"].T)) @ L["down"].T)[0]))
+        for j, index in enumerate(kept[i] if not rows else []):
             mine = None if shared is None else tuple(t[j:j + 1, :, index] for t in shared)
             out, handed = layer_forward(L, x[j:j + 1, index], np_, ng, mine, i in sharing, share, eps, base, index.unsqueeze(0))
             rows.append((index, out[0]))
-            assert i in sharing or i + 1 not in sharing, "a source layer must see every token"
         x = x.clone()
         for j, (index, out) in enumerate(rows):
             x[j, index] = out

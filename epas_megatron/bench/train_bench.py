@@ -3,7 +3,7 @@ baseline, measured in one run.
 
 The models -- the baseline (region 0) and each ``--method``: ``epas`` (the deepest ``--region``
 layers sharing from the start), ``random-ltd`` (the middle layers keep ``--kept-tokens`` of each
-sequence) and ``both`` (the two together; the region's source keeps every token) -- are built in
+sequence) and ``both`` (the two together; the region's source projects Q/K/V for every token) -- are built in
 the same process group from the same seed (so they hold the same weights), on synthetic tokens
 (no data loading in the timing). Timed blocks alternate between
 them (A B, B A, ...) after warm-up steps, and each model's throughput is the median over its
@@ -69,8 +69,9 @@ def run_train_bench(cfg: BenchConfig, log=print) -> dict:
         region, drop = variants[name]
         modes = [f"share_{cfg.share}" if i in region else "compute" for i in range(arch.num_layers)]
         source = region[0] - 1 if region else None
-        tokens = [kept if drop is not None and i in drop.layers and i != source else cfg.seq_length for i in range(arch.num_layers)]
-        return layerwise_forward_flops(shape, modes, tokens, convention)
+        tokens = [kept if drop is not None and i in drop.layers else cfg.seq_length for i in range(arch.num_layers)]
+        qkv_tokens = [cfg.seq_length if i == source else n for i, n in enumerate(tokens)]
+        return layerwise_forward_flops(shape, modes, tokens, convention, qkv_tokens)
 
     methods = {}
     for name in cfg.methods:

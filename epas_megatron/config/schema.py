@@ -368,7 +368,7 @@ class RandomLTDConfig:
     random_ltd_layers: Optional[str] = None
     """Layers that drop tokens, 0-based ids and ranges ('1-10', '1,3,5-7'). Default: every
     layer but the first and the last (DeepSpeed's GPT examples). A layer that hands Q/K on to an
-    EPAS sharing region keeps every token while it does."""
+    EPAS sharing region computes Q/K for every token and the rest for its kept tokens."""
 
     random_ltd_min_value: Optional[int] = None
     """Tokens kept at the first iteration (DeepSpeed's min_value). Default: 1/16 of

@@ -288,21 +288,30 @@ def layerwise_forward_flops(
     modes: Sequence[LayerFlopsMode],
     tokens_per_layer: Sequence[int] | None = None,
     convention: Convention = Convention.PAPER,
+    qkv_tokens_per_layer: Sequence[int] | None = None,
 ) -> int:
     """Forward FLOPs for one sequence when layer ``i`` runs in ``modes[i]`` on
     ``tokens_per_layer[i]`` tokens (default: all ``s``), plus the LM head on all ``s``.
 
     Random-LTD: a dropping layer runs every matmul on its ``r`` kept tokens only, so its linear
     terms scale with ``r`` and its attention core with ``r²`` (the kept tokens attend causally
-    among themselves); the first layer, the last and the LM head still see every token."""
-    tokens_per_layer = [shape.seq_length] * shape.num_layers if tokens_per_layer is None else list(tokens_per_layer)
-    if len(modes) != shape.num_layers or len(tokens_per_layer) != shape.num_layers:
-        raise ValueError(f"need one mode and one token count per layer ({shape.num_layers}), got {len(modes)} and {len(tokens_per_layer)}")
-    if any(not 1 <= t <= shape.seq_length for t in tokens_per_layer):
-        raise ValueError(f"tokens per layer must be in 1..{shape.seq_length}, got {tokens_per_layer}")
+    among themselves); the LM head still sees every token. ``qkv_tokens_per_layer`` (default: the
+    same counts) is what the Q/K/V projections run on: the whole sequence for a dropping layer
+    that hands Q/K on to a sharing region."""
+    s = shape.seq_length
+    tokens = [s] * shape.num_layers if tokens_per_layer is None else list(tokens_per_layer)
+    qkv_tokens = list(tokens) if qkv_tokens_per_layer is None else list(qkv_tokens_per_layer)
+    if not len(modes) == len(tokens) == len(qkv_tokens) == shape.num_layers:
+        raise ValueError(f"need one mode and one token count per layer ({shape.num_layers}), got {len(modes)}, "
+                         f"{len(tokens)} and {len(qkv_tokens)}")
+    if any(not 1 <= t <= s for t in tokens + qkv_tokens):
+        raise ValueError(f"tokens per layer must be in 1..{s}, got {tokens} / {qkv_tokens}")
     total = lm_head_forward_flops(shape)
-    for mode, tokens in zip(modes, tokens_per_layer):
-        total += layer_forward_flops(dataclasses.replace(shape, seq_length=tokens), mode, convention)
+    for mode, kept, qkv in zip(modes, tokens, qkv_tokens):
+        at_kept = layer_matmul_flops(dataclasses.replace(shape, seq_length=kept), convention)
+        at_qkv = layer_matmul_flops(dataclasses.replace(shape, seq_length=qkv), convention)
+        projections = lambda m: m.q_proj + m.k_proj + m.v_proj  # noqa: E731
+        total += at_kept.total - projections(at_kept) + projections(at_qkv) - at_qkv.skipped(mode)
     return total
 
 

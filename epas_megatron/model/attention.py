@@ -202,8 +202,13 @@ class ComputingAttention(_AttentionOps, SelfAttention):
         rotary_pos_emb=None,
         attention_bias: Optional[Tensor] = None,
         packed_seq_params=None,
+        kept_index: Optional[Tensor] = None,
     ) -> tuple[tuple[Tensor, Optional[Tensor]], tuple[Tensor, Tensor]]:
-        """Attention output and bias, plus the hand-off: post-RoPE (Q, K), or (K, V)."""
+        """Attention output and bias, plus the hand-off: post-RoPE (Q, K), or (K, V).
+
+        ``kept_index`` (Random-LTD, ``[b, r]``): Q, K and V are computed for every token (the
+        hand-off covers the whole sequence) and the layer's own attention runs on the kept
+        tokens only: the output is ``[r, b, h]``."""
         assert self.hand_off is not None
         # [sq, b, h] -> [sq, b, np, hn], [sq, b, ng, hn], [sq, b, ng, hn]
         query, key, value = self.get_query_key_value_tensors(hidden_states)
@@ -213,6 +218,11 @@ class ComputingAttention(_AttentionOps, SelfAttention):
             key = self._rope(key, pos[1])
         # The hand-off is these very tensors: no copy, the sharing layers read them as they are.
         shared = (query, key) if self.hand_off == "qk" else (key, value)
+        if kept_index is not None:
+            from epas_megatron.random_ltd.tokens import gather_rows
+
+            # [sq, b, heads, hn] -> [r, b, heads, hn]
+            query, key, value = (gather_rows(t, kept_index) for t in (query, key, value))
         output = self._attend_and_project(query, key, value, attention_mask, attention_bias, packed_seq_params)
         return output, tuple(t.detach() for t in shared) if self.detach_shared else shared
 

@@ -13,8 +13,9 @@ states. Differences from the stock forward, all deliberate:
   tokens of each sequence only (gathered before it, scattered back after it, with RoPE at the
   kept positions); the kept positions of all of this chunk's Random-LTD layers are drawn once per
   micro-batch and enter recompute chunks as one more tensor argument, like the hand-off. A layer
-  that hands Q/K on (a source) keeps every token, so the hand-off always covers the whole
-  sequence and a sharing layer takes the source's Q/K rows at its own kept tokens;
+  that hands Q/K on (a source) computes Q/K for every token and the rest for its kept tokens,
+  so the hand-off always covers the whole sequence and a sharing layer takes the source's Q/K
+  rows at its own kept tokens;
 * no FP8/FP4 contexts, CPU offloading, CUDA graphs or KV-cache inference (the trainer rejects
   those configurations with EPAS).
 """
@@ -66,7 +67,7 @@ class EpasTransformerBlock(TransformerBlock):
         """Local layer index -> row of the kept-index tensor, for this chunk's dropping layers."""
         rows = {}
         for local, layer in enumerate(self.layers):
-            if layer.layer_number - 1 in self.random_ltd_layers and layer.epas_mode != LayerMode.SOURCE:
+            if layer.layer_number - 1 in self.random_ltd_layers:
                 rows[local] = len(rows)
         return rows
 
@@ -119,6 +120,19 @@ class EpasTransformerBlock(TransformerBlock):
             index = kept_index[rows[local]]
             sharing = layer.epas_mode == LayerMode.SHARE
             ops = self.random_ltd_ops
+            if layer.epas_mode == LayerMode.SOURCE:
+                # Q/K for every token (the hand-off), the rest for the kept ones: [r, b, h] out.
+                kept_output, handoff = layer(
+                    hidden_states=hidden_states,
+                    attention_mask=attention_mask,
+                    context=handoff,
+                    rotary_pos_emb=rotary_pos_emb,
+                    attention_bias=attention_bias,
+                    packed_seq_params=packed_seq_params,
+                    kept_index=index,
+                )
+                hidden_states = ops.scatter(hidden_states, kept_output, index)
+                continue
             # [s, b, h] -> [r, b, h]; hand-off [s, b, heads, hn] -> [r, b, heads, hn]
             kept_hidden = ops.gather(hidden_states, index)
             layer_handoff = tuple(ltd_tokens.gather_rows(t, index) for t in handoff) if sharing else handoff

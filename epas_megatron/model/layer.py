@@ -7,7 +7,9 @@ QK hand-off: a source layer returns its post-RoPE (Q, K) as ``context``, a shari
 incoming ``context`` and returns it unchanged, a plain computing layer is exactly Megatron's
 ``TransformerLayer`` (``context`` passes through untouched: with ``--epas-exclude-last`` the
 computing layers after the region carry the hand-off on to the end of the stage, where nothing
-reads it, and a stage that starts after the region receives none). Because the hand-off is an
+reads it, and a stage that starts after the region receives none). Under Random-LTD a source
+layer takes the whole sequence and ``kept_index``: it computes Q/K/V for every token (the
+hand-off) and everything else for its kept tokens, returning ``[r, b, h]``. Because the hand-off is an
 ordinary argument and return value, activation checkpointing saves it as an input and
 recomputation sees the same tensor (no side channel that a later micro-batch could overwrite).
 """
@@ -18,6 +20,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.typed_torch import apply_module
 
 from epas_megatron.model.attention import ComputingAttention, SharedAttention
+from epas_megatron.random_ltd.tokens import gather_tokens
 from epas_megatron.sharing.schedule import LayerMode
 
 
@@ -51,8 +54,11 @@ class EpasTransformerLayer(TransformerLayer):
         padding_mask=None,
         *,
         inference_params=None,
+        kept_index=None,
     ):
         mode = self.epas_mode
+        if kept_index is not None and mode != LayerMode.SOURCE:
+            raise ValueError("kept_index is for a Random-LTD source layer; other layers get their kept tokens gathered")
         if mode == LayerMode.COMPUTE:
             return super()._forward_attention(
                 hidden_states,
@@ -82,12 +88,17 @@ class EpasTransformerLayer(TransformerLayer):
         if isinstance(normed, tuple):  # norms that also return the residual
             normed, residual = normed
         if mode == LayerMode.SOURCE:
+            if kept_index is not None:
+                # Random-LTD source: Q/K (the hand-off) for every token, the rest for the kept
+                # ones. [s, b, h] -> [r, b, h]
+                residual = gather_tokens(residual, kept_index)
             attention_output, context = self.self_attention.forward_and_hand_off(
                 normed,
                 attention_mask,
                 rotary_pos_emb=rotary_pos_emb,
                 attention_bias=attention_bias,
                 packed_seq_params=packed_seq_params,
+                kept_index=kept_index,
             )
         else:
             attention_output, context = self.self_attention(

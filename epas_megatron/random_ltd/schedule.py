@@ -178,13 +178,13 @@ class RandomLTDSchedule:
         """(warm-up, decay) lengths of the LayerToken LR schedule, in layer tokens."""
         return self.consumed_layer_tokens(warmup_iters), self.consumed_layer_tokens(train_iters)
 
-    def tokens_per_layer(self, step: int, exempt: Sequence[int] = ()) -> list[int]:
+    def tokens_per_layer(self, step: int) -> list[int]:
         """Tokens each decoder layer processes per sequence at ``step``: the kept count in the
-        Random-LTD layers (but ``exempt`` ones, e.g. a layer that hands Q/K on), the sequence
-        elsewhere. What the FLOPs model counts."""
+        Random-LTD layers, the sequence elsewhere. What the FLOPs model counts (a source of an
+        EPAS region runs its Q/K/V projections on the whole sequence, see
+        :func:`~epas_megatron.metrics.flops.layerwise_forward_flops`)."""
         kept = min(self.kept_tokens(step), self.seq_length)
-        dropping = set(self.layers) - set(exempt)
-        return [kept if i in dropping else self.seq_length for i in range(self.num_layers)]
+        return [kept if i in self.layers else self.seq_length for i in range(self.num_layers)]
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self, iteration: int) -> dict:

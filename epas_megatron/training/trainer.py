@@ -519,18 +519,18 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def _flops_of_iteration(self, iteration: int) -> float:
         """Model FLOPs of ``iteration`` (1-based): its sharing region and, under Random-LTD, the
-        tokens each layer keeps in it (the source of a sharing region keeps all)."""
+        tokens each layer keeps in it (the source of a sharing region projects Q/K/V for all)."""
         from epas_megatron.metrics.flops import Convention, layerwise_forward_flops
         from epas_megatron.sharing.schedule import LayerMode
 
         t, schedule = self.cfg.training, self.run.schedule
         plan = self.plan.with_region(schedule.sharing_layers(iteration), self.plan.layout)
         modes = ["compute" if mode != LayerMode.SHARE else f"share_{plan.share}" for mode in plan.modes]
-        tokens = None
+        tokens = qkv_tokens = None
         if self.run.random_ltd is not None:
-            source = [i for i, mode in enumerate(plan.modes) if mode == LayerMode.SOURCE]
-            tokens = self.run.random_ltd.tokens_per_layer(iteration - 1, exempt=source)
-        forward = layerwise_forward_flops(plan.arch.flops_shape(t.seq_length), modes, tokens, Convention.MEGATRON)
+            tokens = self.run.random_ltd.tokens_per_layer(iteration - 1)
+            qkv_tokens = [t.seq_length if mode == LayerMode.SOURCE else n for mode, n in zip(plan.modes, tokens)]
+        forward = layerwise_forward_flops(plan.arch.flops_shape(t.seq_length), modes, tokens, Convention.MEGATRON, qkv_tokens)
         return float(3 * t.global_batch_size * forward)
 
     def _flops_per_iteration(self, first: Optional[int] = None, last: Optional[int] = None) -> float:

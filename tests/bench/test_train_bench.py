@@ -62,12 +62,14 @@ def test_train_bench_reports_ratio_and_flop_limit():
     head = 2 * 64 * 8192                                             # 1048576
     assert record["flop_limit_ratio"] == pytest.approx((4 * layer + head) / (2 * layer + 2 * sharing + head), rel=1e-12)
     # Random-LTD: layers 1-2 keep 32 of the 64 tokens -- per input token, the linear terms halve and
-    # the attention core quarters. With EPAS (region 2-3), layer 1 is the source and keeps all.
+    # the attention core quarters. With EPAS (region 2-3), layer 1 is the source: its Q/K/V
+    # projections run on all 64 tokens, the rest on its 32.
     kept_layer = (layer - attention) // 2 + attention // 4           # 48128
     kept_sharing = (sharing - attention) // 2 + attention // 4       # 41984
+    kept_source = kept_layer + qkv // 2                              # 56320
     assert record["random_ltd_kept_tokens"] == 32
     assert record["methods"]["random-ltd"]["flop_limit_ratio"] == pytest.approx((4 * layer + head) / (2 * layer + 2 * kept_layer + head), rel=1e-12)
-    assert record["methods"]["both"]["flop_limit_ratio"] == pytest.approx((4 * layer + head) / (2 * layer + kept_sharing + sharing + head), rel=1e-12)
+    assert record["methods"]["both"]["flop_limit_ratio"] == pytest.approx((4 * layer + head) / (layer + kept_source + kept_sharing + sharing + head), rel=1e-12)
     assert record["core_attention"] == "sdpa" and record["flop_convention"] == "megatron"
 
 

@@ -90,7 +90,7 @@ def test_deepspeed_profiler_counts_the_models_forward(core_attention, share, reg
 @pytest.mark.parametrize("region, kept", [(0, 8), (2, 12), (3, 20)])
 def test_flop_counter_equals_the_model_under_random_ltd(region, kept):
     """Random-LTD layers run on their kept tokens: FlopCounterMode (forward + backward, unfused
-    attention) equals the layerwise model exactly, with the source of a region keeping all."""
+    attention) equals the layerwise model exactly; the source of a region projects Q/K/V for all."""
     from epas_megatron.metrics.flops import layerwise_forward_flops
     from epas_megatron.model.build_plan import BuildPlan, RandomLTDSettings
     from epas_megatron.model.builder import LlamaArchitecture, build_model
@@ -106,7 +106,7 @@ def test_flop_counter_equals_the_model_under_random_ltd(region, kept):
         model(tokens, torch.arange(S).expand(B, S), None, labels=tokens, sample_ids=torch.arange(B)).sum().backward()
     source = 3 - region if region else None
     modes = ["share_qk" if i in sharing else "compute" for i in range(4)]
-    per_layer = [S if i == source else kept for i in range(4)]
-    expected = 3 * B * layerwise_forward_flops(arch.flops_shape(S), modes, per_layer, Convention.PAPER)
+    qkv = [S if i == source else kept for i in range(4)]
+    expected = 3 * B * layerwise_forward_flops(arch.flops_shape(S), modes, [kept] * 4, Convention.PAPER, qkv)
     assert counter.get_total_flops() == expected
     assert expected < 3 * B * layerwise_forward_flops(arch.flops_shape(S), modes, None, Convention.PAPER)

@@ -324,5 +324,9 @@ def test_layerwise_flops_reduce_to_the_region_formula_and_scale_with_kept_tokens
     one = ModelShape(1, 256, 8, 2, 704, 1000, 128)
     assert layerwise_forward_flops(one, ["compute"], [32]) == kept_layer + lm_head_forward_flops(one)
     assert layerwise_forward_flops(one, ["compute"]) == full_layer + lm_head_forward_flops(one)
+    # A dropping source: Q/K/V projections on all 128 tokens, the rest on the 32 kept.
+    qkv_full = 2 * s * h * (h + 2 * kv)
+    assert layerwise_forward_flops(one, ["compute"], [32], qkv_tokens_per_layer=[128]) == (
+        kept_layer - 2 * r * h * (h + 2 * kv) + qkv_full + lm_head_forward_flops(one))
     with pytest.raises(ValueError, match="one mode and one token count"):
         layerwise_forward_flops(shape, modes, [128] * 5)

@@ -52,10 +52,10 @@ def expected_kept(sample_ids, dropping, kept, seed=7):
 
 @pytest.mark.parametrize("share", ["qk", "kv"])
 @pytest.mark.parametrize("sharing, exclude_last, dropping", [
-    ((), 0, (0, 1, 2, 3)),          # plain Random-LTD, every layer drops
-    ((2, 3), 0, (0, 2, 3)),          # layer 1 is the source: it keeps every token
-    ((3,), 0, (0, 1, 3)),
-    ((1, 2), 1, (1, 2, 3)),          # source 0 keeps all; layer 3 computes after the region
+    ((), 0, (0, 1, 2, 3)),           # plain Random-LTD, every layer drops
+    ((2, 3), 0, (0, 1, 2, 3)),       # layer 1 is the source: Q/K for all tokens, the rest for its kept ones
+    ((3,), 0, (0, 1, 2, 3)),
+    ((1, 2), 1, (0, 1, 2, 3)),       # source 0; layer 3 computes after the region
 ])
 def test_forward_and_gradients_match_reference(tiny_arch, share, sharing, exclude_last, dropping):
     if not sharing and share == "kv":

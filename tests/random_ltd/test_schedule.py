@@ -47,7 +47,6 @@ def test_hand_computed_ramp():
     assert s.kept_tokens_at_iteration(1) == 8
     assert s.layer_tokens(0) == 2 * (8 * 2 + 64 * 2)
     assert s.tokens_per_layer(0) == [64, 8, 8, 64]
-    assert s.tokens_per_layer(0, exempt=(1,)) == [64, 64, 8, 64]
     assert s.drops(5) and not s.drops(6)
     warmup, decay = s.lr_steps(2, 8)
     assert warmup == 2 * (8 * 2 + 128) + 2 * (16 * 2 + 128)

@@ -32,8 +32,8 @@ def test_schedule_lr_and_flops_of_the_run(reference):
     assert recs[2]["lr"] == pytest.approx(3e-4) and recs[6]["lr"] == pytest.approx(3e-5)
     # Layer tokens: DeepSpeed's count, layers 0-3 all dropping.
     assert recs[6]["consumed_layer_tokens"] == 4 * 4 * sum(KEPT.values())
-    # TFLOP/s from the FLOPs each iteration ran: kept tokens in dropping layers, except the
-    # source layer of the sharing region (layer 2 at iterations 3-4, layer 1 from 5).
+    # TFLOP/s from the FLOPs each iteration ran: kept tokens in dropping layers, whose source of
+    # the sharing region (layer 2 at iterations 3-4, layer 1 from 5) projects Q/K/V for all 64.
     shape = ModelShape(4, 64, 4, 2, 176, 512, 64)
     for i, rec in recs.items():
         modes = ["compute"] * 4
@@ -44,8 +44,9 @@ def test_schedule_lr_and_flops_of_the_run(reference):
         if i >= 5:
             modes[2] = "share_qk"
             source = 1
-        tokens = [64 if layer == source else KEPT[i] for layer in range(4)]
-        expected = 3 * 4 * layerwise_forward_flops(shape, modes, tokens, Convention.MEGATRON)
+        tokens = [KEPT[i]] * 4
+        qkv = [64 if layer == source else KEPT[i] for layer in range(4)]
+        expected = 3 * 4 * layerwise_forward_flops(shape, modes, tokens, Convention.MEGATRON, qkv)
         logged = rec["tflops_per_device"] * 1e12 * rec["iteration_time_s"]
         assert logged == pytest.approx(expected, rel=1e-9), i
     assert recs[1]["tokens_per_s"] * recs[1]["iteration_time_s"] == pytest.approx(4 * 64)  # every input token counts
