@@ -131,7 +131,9 @@ class EpasTransformerBlock(TransformerBlock):
                     packed_seq_params=packed_seq_params,
                     kept_index=index,
                 )
-                hidden_states = ops.scatter(hidden_states, kept_output, index)
+                # PyTorch's scatter: DeepSpeed's ScatterTokens is only correct paired with its
+                # GatherTokens (whose backward overwrites the kept rows' gradient).
+                hidden_states = ltd_tokens.scatter_tokens(hidden_states, kept_output, index)
                 continue
             # [s, b, h] -> [r, b, h]; hand-off [s, b, heads, hn] -> [r, b, heads, hn]
             kept_hidden = ops.gather(hidden_states, index)

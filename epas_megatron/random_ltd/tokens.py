@@ -98,7 +98,10 @@ def gather_rotary(rotary_pos_emb, index: Tensor):
 
 
 class DeepSpeedTokenOps:
-    """DeepSpeed's CUDA gather/scatter kernels (``deepspeed.ops.random_ltd``), same semantics."""
+    """DeepSpeed's CUDA gather/scatter kernels (``deepspeed.ops.random_ltd``), same semantics as a
+    pair: ``ScatterTokens``' backward passes the whole gradient to the full hidden states and
+    ``GatherTokens``' backward overwrites the kept rows with the layer's, so each scatter must
+    follow a gather of the same positions from the same tensor."""
 
     def __init__(self):
         from deepspeed.ops.random_ltd.dropping_utils import GatherTokens, ScatterTokens
