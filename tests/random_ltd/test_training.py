@@ -1,5 +1,5 @@
-"""Random-LTD training (with EPAS switching on): layout-independent (TP=2, PP=2, DP=2 with the
-distributed optimizer equal the single process), resumed bit-identically, LayerToken LR, and
+"""Random-LTD training (with EPAS switching on): layout-independent (TP=2, PP=2 x VPP=2, DP=2 with
+the distributed optimizer equal the single process), resumed bit-identically, LayerToken LR, and
 throughput from the FLOPs the kept tokens cost."""
 
 import pytest
@@ -62,8 +62,8 @@ def test_keeping_every_token_is_plain_training(reference, tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("extra", [["--tp", "2"], ["--pp", "2", "--epas-rebalance", "off"], ["--use-distributed-optimizer"]],
-                         ids=["tp2", "pp2", "dp2_distributed_optimizer"])
+@pytest.mark.parametrize("extra", [["--tp", "2"], ["--pp", "2", "--vpp", "2", "--epas-rebalance", "off"], ["--use-distributed-optimizer"]],
+                         ids=["tp2", "pp2_vpp2", "dp2_distributed_optimizer"])
 def test_layout_independent(reference, tmp_path, extra):
     """Kept tokens are keyed by sample and layer, so every layout drops the same tokens."""
     run = run_trainer([*ARGS, *extra, "--no-save-final"], tmp_path / "run", nproc=2)
