@@ -86,12 +86,13 @@ def test_forward_and_gradients_match_reference(tiny_arch, share, sharing, exclud
     assert (emb - hf["model.embed_tokens.weight"].grad).norm() / hf["model.embed_tokens.weight"].grad.norm() < 1e-5
 
 
-def test_full_recompute_replays_the_same_tokens(tiny_arch):
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+def test_recompute_replays_the_same_tokens(tiny_arch, granularity):
     from epas_megatron.model.build_plan import RecomputeSettings
 
     tokens, labels, positions, sample_ids = batch(tiny_arch)
     results = []
-    for recompute in (RecomputeSettings(), RecomputeSettings("full", "uniform", 2)):
+    for recompute in (RecomputeSettings(), RecomputeSettings(granularity, "uniform", 2)):
         model = build(tiny_arch, (2, 3), recompute=recompute)
         set_kept_tokens([model], 8)
         loss = model(tokens, positions, None, labels=labels, sample_ids=sample_ids)
