@@ -181,7 +181,7 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
     t = _resolve_training(cfg, m, dp)
     m = replace(m, max_position_embeddings=m.max_position_embeddings or t.seq_length)
     schedule, rebalance, warnings = _resolve_epas(cfg, m, t)
-    random_ltd = _resolve_random_ltd(cfg, m, t, warnings)
+    random_ltd = _resolve_random_ltd(cfg, m, t, warnings, cuda)
     eval_regions = _resolve_eval_regions(t, schedule)
     _check_data(cfg)
     if cfg.data.data is not None and cfg.data.tokenizer_model is None:
@@ -314,7 +314,7 @@ def _resolve_epas(cfg: RunConfig, m, t) -> tuple[SharingSchedule, bool, list[str
     return schedule, rebalance and p.pp >= 2, list(warnings)
 
 
-def _resolve_random_ltd(cfg: RunConfig, m, t, warnings: list) -> Optional["RandomLTDSchedule"]:
+def _resolve_random_ltd(cfg: RunConfig, m, t, warnings: list, cuda: bool) -> Optional["RandomLTDSchedule"]:
     """The Random-LTD schedule of the --random-ltd-* flags (None when off)."""
     from epas_megatron.random_ltd.schedule import RandomLTDSchedule
 
@@ -325,6 +325,13 @@ def _resolve_random_ltd(cfg: RunConfig, m, t, warnings: list) -> Optional["Rando
         if given:
             warnings.append(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect without --random-ltd")
         return None
+    if r.random_ltd_kernels == "deepspeed":
+        from epas_megatron.random_ltd.tokens import deepspeed_kernels_load
+
+        problem = deepspeed_kernels_load() if cuda else "no CUDA device"
+        if problem is not None:
+            raise ConfigError(f"--random-ltd-kernels deepspeed: DeepSpeed's Random-LTD kernels do not load ({problem}); "
+                              "use --random-ltd-kernels torch or auto")
     if p.sequence_parallel:
         raise ConfigError("--random-ltd does not support --sequence-parallel (kept tokens are gathered from the whole "
                           "sequence, which sequence parallelism splits over TP ranks); drop one of them")

@@ -56,27 +56,23 @@ class EpasTransformerBlock(TransformerBlock):
         self.random_ltd_ops = None
         self.kept_tokens: Optional[int] = None
         """Tokens a Random-LTD layer keeps in this step (set by the trainer; None: all)."""
+        self._random_ltd_rows: dict[int, int] = {}
 
     def configure_random_ltd(self, layers, seed: int, kernels: str = "auto") -> None:
         """Make ``layers`` (global ids) drop tokens in training, drawing with ``seed``."""
         self.random_ltd_layers = frozenset(layers)
         self.random_ltd_seed = int(seed)
         self.random_ltd_ops = ltd_tokens.token_ops(kernels)
-
-    def _random_ltd_rows(self) -> dict[int, int]:
-        """Local layer index -> row of the kept-index tensor, for this chunk's dropping layers."""
-        rows = {}
-        for local, layer in enumerate(self.layers):
-            if layer.layer_number - 1 in self.random_ltd_layers:
-                rows[local] = len(rows)
-        return rows
+        # local layer index -> row of the kept-index tensor, for this chunk's dropping layers
+        dropping = [local for local, layer in enumerate(self.layers) if layer.layer_number - 1 in self.random_ltd_layers]
+        self._random_ltd_rows = {local: row for row, local in enumerate(dropping)}
 
     def _kept_index(self, sample_ids, seq_length: int, device):
         """``[dropping layers, b, kept]`` positions for this micro-batch, or None (no dropping)."""
         kept = self.kept_tokens
         if not self.training or not self.random_ltd_layers or kept is None or kept >= seq_length:
             return None
-        rows = self._random_ltd_rows()
+        rows = self._random_ltd_rows
         if not rows:
             return None
         if sample_ids is None:
@@ -103,51 +99,32 @@ class EpasTransformerBlock(TransformerBlock):
 
     def _run_layers(self, start, end, hidden_states, handoff, attention_mask, rotary_pos_emb, attention_bias, packed_seq_params,
                     kept_index=None):
-        rows = self._random_ltd_rows() if kept_index is not None else {}
+        rows = self._random_ltd_rows if kept_index is not None else {}
+        common = dict(attention_mask=attention_mask, attention_bias=attention_bias, packed_seq_params=packed_seq_params)
         for local in range(start, end):
             layer = self.layers[local]
             if local not in rows:
-                hidden_states, handoff = layer(
-                    hidden_states=hidden_states,
-                    attention_mask=attention_mask,
-                    context=handoff,
-                    rotary_pos_emb=rotary_pos_emb,
-                    attention_bias=attention_bias,
-                    packed_seq_params=packed_seq_params,
-                )
+                hidden_states, handoff = layer(hidden_states=hidden_states, context=handoff, rotary_pos_emb=rotary_pos_emb, **common)
                 continue
             # Random-LTD: the layer sees its kept tokens only. [b, r]
             index = kept_index[rows[local]]
-            sharing = layer.epas_mode == LayerMode.SHARE
-            ops = self.random_ltd_ops
-            if layer.epas_mode == LayerMode.SOURCE:
+            mode = layer.epas_mode
+            if mode == LayerMode.SOURCE:
                 # Q/K for every token (the hand-off), the rest for the kept ones: [r, b, h] out.
-                kept_output, handoff = layer(
-                    hidden_states=hidden_states,
-                    attention_mask=attention_mask,
-                    context=handoff,
-                    rotary_pos_emb=rotary_pos_emb,
-                    attention_bias=attention_bias,
-                    packed_seq_params=packed_seq_params,
-                    kept_index=index,
-                )
+                kept_output, handoff = layer(hidden_states=hidden_states, context=handoff, rotary_pos_emb=rotary_pos_emb,
+                                             kept_index=index, **common)
                 # PyTorch's scatter: DeepSpeed's ScatterTokens is only correct paired with its
                 # GatherTokens (whose backward overwrites the kept rows' gradient).
                 hidden_states = ltd_tokens.scatter_tokens(hidden_states, kept_output, index)
                 continue
             # [s, b, h] -> [r, b, h]; hand-off [s, b, heads, hn] -> [r, b, heads, hn]
-            kept_hidden = ops.gather(hidden_states, index)
+            kept_hidden = self.random_ltd_ops.gather(hidden_states, index)
+            sharing = mode == LayerMode.SHARE
             layer_handoff = tuple(ltd_tokens.gather_rows(t, index) for t in handoff) if sharing else handoff
-            kept_output, passed_on = layer(
-                hidden_states=kept_hidden,
-                attention_mask=attention_mask,
-                context=layer_handoff,
-                rotary_pos_emb=ltd_tokens.gather_rotary(rotary_pos_emb, index),
-                attention_bias=attention_bias,
-                packed_seq_params=packed_seq_params,
-            )
+            kept_output, passed_on = layer(hidden_states=kept_hidden, context=layer_handoff,
+                                           rotary_pos_emb=ltd_tokens.gather_rotary(rotary_pos_emb, index), **common)
             # [r, b, h] back into [s, b, h]; dropped tokens skip the layer.
-            hidden_states = ops.scatter(hidden_states, kept_output, index)
+            hidden_states = self.random_ltd_ops.scatter(hidden_states, kept_output, index)
             if not sharing:  # a computing layer passes the (whole) hand-off on untouched
                 handoff = passed_on
         return hidden_states, handoff

@@ -66,24 +66,25 @@ def kept_token_indices(sample_ids: Sequence[int], layers: Sequence[int], seq_len
     return out
 
 
-def gather_tokens(hidden: Tensor, index: Tensor) -> Tensor:
-    """``[s, b, h]`` hidden states, ``[b, r]`` positions -> the kept rows ``[r, b, h]``."""
-    # [b, r] -> [r, b, h]
-    rows = index.t().unsqueeze(-1).expand(-1, -1, hidden.size(-1))
-    return torch.gather(hidden, 0, rows)
+def _row_index(index: Tensor, like: Tensor) -> Tensor:
+    """``[b, r]`` positions -> the ``[r, b, ...]`` gather/scatter index for ``[s, b, ...]`` ``like``."""
+    # [b, r] -> [r, b, 1, ..., 1] broadcast over the trailing dims
+    return index.t().reshape(index.size(1), index.size(0), *([1] * (like.dim() - 2))).expand(-1, -1, *like.shape[2:])
+
+
+def gather_rows(tensor: Tensor, index: Tensor) -> Tensor:
+    """Kept rows ``[r, b, ...]`` of any ``[s, b, ...]`` tensor (hidden states ``[s, b, h]``, a Q/K
+    hand-off ``[s, b, heads, hn]``) at ``[b, r]`` positions."""
+    return torch.gather(tensor, 0, _row_index(index, tensor))
+
+
+gather_tokens = gather_rows
+"""``[s, b, h]`` hidden states, ``[b, r]`` positions -> the kept rows ``[r, b, h]``."""
 
 
 def scatter_tokens(hidden: Tensor, kept_output: Tensor, index: Tensor) -> Tensor:
     """``hidden`` ``[s, b, h]`` with the kept rows replaced by the layer's ``[r, b, h]`` output."""
-    rows = index.t().unsqueeze(-1).expand(-1, -1, hidden.size(-1))
-    return torch.scatter(hidden, 0, rows, kept_output)
-
-
-def gather_rows(tensor: Tensor, index: Tensor) -> Tensor:
-    """Kept rows of any ``[s, b, ...]`` tensor (a Q/K hand-off ``[s, b, heads, hn]``)."""
-    # [b, r] -> [r, b, 1, ..., 1] broadcast over the trailing dims
-    rows = index.t().reshape(index.size(1), index.size(0), *([1] * (tensor.dim() - 2))).expand(-1, -1, *tensor.shape[2:])
-    return torch.gather(tensor, 0, rows)
+    return torch.scatter(hidden, 0, _row_index(index, hidden), kept_output)
 
 
 def gather_rotary(rotary_pos_emb, index: Tensor):

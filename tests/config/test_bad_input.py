@@ -4,6 +4,7 @@ work, and nothing written."""
 import os
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from epas_testing import TINY, run_trainer
@@ -149,6 +150,8 @@ def test_resuming_with_another_vocabulary_fails_before_data_work(isolated, capsy
     (["--random-ltd", "--random-ltd-min-value", "100"], "--random-ltd-min-value"),
     (["--random-ltd", "--random-ltd-kernels", "cuda"], "--random-ltd-kernels"),
     (["--random-ltd", "--tp", "2", "--sequence-parallel"], "--sequence-parallel"),
+    pytest.param(["--random-ltd", "--random-ltd-kernels", "deepspeed"], "--random-ltd-kernels",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the kernels may load on a GPU node")),
 ])
 def test_random_ltd_flags(isolated, capsys, monkeypatch, argv, flag):
     fails(argv, isolated, capsys, flag, 2 if "--tp" in argv else None, monkeypatch)
