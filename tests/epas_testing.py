@@ -128,3 +128,84 @@ def build(arch, sharing=(), share="qk", seed=11, detach=False, core_attention="s
     plan = BuildPlan.for_region(arch, sharing, precision=precision, share=share, detach_shared=detach,
                                 core_attention=core_attention, exclude_last=exclude_last)
     return build_model(plan, seed=seed).chunks[0]
+
+
+def main_weight_mismatches(optimizer) -> list[str]:
+    """Where the optimizer's fp32 main weights differ from the model's half-precision weights
+    (empty: every main weight equals its model weight, upcast). Read straight from Megatron's
+    own fields: the mixed-precision optimizer's ``float16_groups`` / ``fp32_from_float16_groups``
+    and the distributed optimizer's ``model_float16_groups`` / ``shard_fp32_from_float16_groups``
+    with each parameter's element range; an fp32 optimizer steps the model's weights themselves."""
+    import torch
+
+    mismatches = []
+    for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if hasattr(part, "shard_fp32_from_float16_groups"):  # distributed optimizer
+            pairs = [(p, m, part._get_model_param_range_map(p)["param"])
+                     for model_group, main_group in zip(part.model_float16_groups, part.shard_fp32_from_float16_groups)
+                     for p, m in zip(model_group, main_group)]
+        elif hasattr(part, "fp32_from_float16_groups"):  # mixed-precision optimizer
+            pairs = [(p, m, None) for model_group, main_group in zip(part.float16_groups, part.fp32_from_float16_groups)
+                     for p, m in zip(model_group, main_group)]
+        else:
+            continue
+        for param, main, elements in pairs:
+            model = param.detach().float().view(-1)
+            if elements is not None:
+                model = model[elements.start:elements.end]
+            if not torch.equal(main.detach().view(-1), model):
+                mismatches.append(f"{tuple(param.shape)}: max |main - model| = {(main.detach().view(-1) - model).abs().max().item()}")
+    return mismatches
+
+
+def train_in_process(args: Sequence[str], output_dir: Path, *, after_load=None, world_size: Optional[int] = None) -> TrainerRun:
+    """Run the trainer in this process (no interpreter start, no re-import of Megatron-Core),
+    collecting what :func:`run_trainer` collects. ``after_load(trainer, what)`` is called right
+    after every load into built objects: ``what`` is 'setup' (after a resume or --pretrained)
+    and 'switch' (after each EPAS switch). Under torchrun, every rank calls it with its own
+    ``world_size`` (default: torchrun's, else 1)."""
+    import contextlib
+    import io
+
+    from epas_megatron.config.cli import parse_config
+    from epas_megatron.config.validation import resolve_run
+    from epas_megatron.training.trainer import Trainer
+
+    run = resolve_run(parse_config([*args, "--output-dir", str(output_dir)]), world_size=world_size)
+    trainer = Trainer(run)
+    stdout, returncode = io.StringIO(), 0
+    try:
+        with contextlib.redirect_stdout(stdout):
+            trainer.setup()
+            if after_load is not None:
+                if run.load_dir is not None or run.pretrained_dir is not None:
+                    after_load(trainer, "setup")
+                apply_switch = trainer.apply_switch
+
+                def checked_switch(sharing_layers):
+                    info = apply_switch(sharing_layers)
+                    after_load(trainer, "switch")
+                    return info
+
+                trainer.apply_switch = checked_switch
+            trainer.train()
+    except BaseException as error:
+        returncode = getattr(error, "exit_code", 1)
+        if not hasattr(error, "exit_code"):
+            raise
+        stdout.write(f"error: {error}\n")
+    finally:
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            # Under torchrun the process group stays for the next run: a second
+            # init_process_group on torchrun's store would wait for a rendezvous that never comes.
+            from unittest import mock
+
+            from megatron.core import parallel_state
+
+            with mock.patch("epas_megatron.training.trainer.destroy_distributed", parallel_state.destroy_model_parallel):
+                trainer.close()
+        else:
+            trainer.close()
+    text = stdout.getvalue()
+    return TrainerRun(returncode=returncode, stdout=text, stderr="", output_dir=Path(output_dir),
+                      summary=parse_summary(text), metrics=read_metrics(output_dir))

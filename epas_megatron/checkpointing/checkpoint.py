@@ -332,35 +332,59 @@ def load_checkpoint(
     scheduler=None,
     *,
     restore_rng: bool = True,
+    weights_only: bool = False,
 ) -> dict:
     """Load into built model chunks (and optimizer/scheduler if given); returns train_state.
 
     ``restore_rng`` only applies when the checkpoint was written with the same TP/PP/DP sizes.
+    ``weights_only``: the model's weights alone (``--pretrained``: a fresh optimizer, LR schedule
+    and loss scale); an ``optimizer`` given then only has its main weights refreshed from them.
     """
     from megatron.core import dist_checkpointing
 
     # Before the first optimizer step there is no optimizer state to restore (fresh == saved).
-    with_optimizer = optimizer is not None and read_meta(checkpoint_dir, required=()).get("has_optimizer_state", True)
-    state = sharded_state(model_chunks, optimizer, scheduler, {}, loading=True, with_optimizer=with_optimizer, with_rng=restore_rng)
-    if not with_optimizer:
-        state.pop("opt_param_scheduler", None)
+    with_optimizer = (optimizer is not None and not weights_only
+                      and read_meta(checkpoint_dir, required=()).get("has_optimizer_state", True))
+    state = sharded_state(model_chunks, optimizer if with_optimizer else None, scheduler, {}, loading=True,
+                          with_optimizer=with_optimizer, with_rng=restore_rng)
     loaded = dist_checkpointing.load(state, str(checkpoint_dir))
+    if weights_only:
+        loaded.pop("train_state", None)
     return apply_loaded_state(loaded, model_chunks, optimizer, scheduler, with_optimizer=with_optimizer, restore_rng=restore_rng)
+
+
+def refresh_main_weights(optimizer) -> None:
+    """Copy the model's weights into the optimizer's fp32 main weights (Megatron-Core's
+    ``reload_model_params``): after any load that leaves the optimizer state behind.
+
+    The mixed-precision and distributed optimizers copy their main weights from the model when
+    they are built; a model whose weights are loaded afterwards -- every build with
+    ``load_follows``: a resume, a switch, ``--pretrained`` -- would otherwise step from those
+    stale copies (memory never initialised) and write them back into the model. The fp32
+    optimizer steps the model's own parameters and has nothing to refresh."""
+    if optimizer is not None:
+        optimizer.reload_model_params()
 
 
 def apply_loaded_state(loaded: dict, model_chunks, optimizer, scheduler, *, with_optimizer: bool, restore_rng: bool,
                        with_model: bool = True) -> dict:
     """Put a loaded state dict (what ``dist_checkpointing.load`` returns for
     :func:`sharded_state`, or the in-memory switch assembles) into the built objects; returns
-    train_state. ``with_model=False``: the optimizer's part only (the model's is loaded)."""
+    train_state. ``with_model=False``: the optimizer's part only (the model's is loaded).
+
+    With an ``optimizer`` but no optimizer state (a checkpoint saved before the first step, a
+    weights-only load), the optimizer's main weights are refreshed from the loaded model; with
+    optimizer state they come from it (the fp32 main weights a mixed-precision run saved)."""
     for i, chunk in enumerate(model_chunks if with_model else ()):
         unwrap_model(chunk).load_state_dict(loaded["model" if i == 0 else f"model{i}"], strict=True)
     if with_optimizer:
         optimizer.load_state_dict(loaded["optimizer"])
         if scheduler is not None:
             scheduler.load_state_dict(loaded["opt_param_scheduler"])
-    elif optimizer is not None and "grad_scalers" in loaded.get("train_state", {}):
-        _restore_scaler_states(optimizer, loaded["train_state"]["grad_scalers"])
+    else:
+        refresh_main_weights(optimizer)
+        if optimizer is not None and "grad_scalers" in loaded.get("train_state", {}):
+            _restore_scaler_states(optimizer, loaded["train_state"]["grad_scalers"])
     if restore_rng and "rng_state" in loaded:
         restore_rng_state(loaded["rng_state"])
     return loaded.get("train_state", {})

@@ -182,7 +182,7 @@ class Trainer:
             self._load(run.load_dir)
             self.print(f"resumed from {run.load_dir} at iteration {self.iteration} ({self.consumed_samples} samples consumed)")
         elif run.pretrained_dir is not None:
-            ckpt.load_checkpoint(run.pretrained_dir, self.model, restore_rng=False)
+            ckpt.load_checkpoint(run.pretrained_dir, self.model, self.optimizer, restore_rng=False, weights_only=True)
             self.print(f"initialised from the weights of {run.pretrained_dir} (fresh optimizer, iteration 0)")
         self._build_data_iterators()
         if cfg.checkpoint.async_save:
