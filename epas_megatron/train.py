@@ -6,7 +6,8 @@ Run one process, or launch with torchrun (``launch/run_train.sh`` picks the argu
     torchrun --nproc-per-node 2 -m epas_megatron.train --preset tiny --tp 2
 
 Exit status: 0 on success (also after a checkpoint on SIGTERM/SIGUSR1), 2 on bad input or
-configuration (reported before any process group or data work), 1 on other failures.
+configuration (reported before any process group or data work), 3 when a step's loss or
+gradient norm is not finite (nothing of that state is saved; see training/step.py), 1 on other failures.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
-from epas_megatron.errors import ConfigError
+from epas_megatron.errors import ConfigError, NonFiniteError
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -43,9 +44,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         trainer.setup()
         trainer.train()
-    except ConfigError as error:
+    except (ConfigError, NonFiniteError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
-        return ConfigError.exit_code
+        return error.exit_code
     finally:
         trainer.close()
     return 0

@@ -43,8 +43,12 @@ class TrainerRun:
         return [m for m in self.metrics if m.get("kind") == "switch"]
 
 
-def trainer_command(args: Sequence[str], nproc: int = 1, module: str = "epas_megatron.train") -> list[str]:
-    """python -m <module> ... for one process, torchrun --standalone for several."""
+def trainer_command(args: Sequence[str], nproc: int = 1, module: str = "epas_megatron.train",
+                    command: Optional[Sequence[str]] = None) -> list[str]:
+    """python -m <module> ... for one process, torchrun --standalone for several; ``command``
+    (e.g. an installed entry point) instead of ``python -m <module>`` for one process."""
+    if command is not None:
+        return [*command, *args]
     if nproc == 1:
         return [sys.executable, "-m", module, *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", module, *args]
@@ -70,10 +74,11 @@ def run_trainer(
     timeout: int = 900,
     check: bool = True,
     module: str = "epas_megatron.train",
+    command: Optional[Sequence[str]] = None,
 ) -> TrainerRun:
     """Run the trainer to completion and collect stdout, SUMMARY and metrics.jsonl."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    cmd = trainer_command([*args, "--output-dir", str(output_dir)], nproc, module)
+    cmd = trainer_command([*args, "--output-dir", str(output_dir)], nproc, module, command)
     proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     run = TrainerRun(
         returncode=proc.returncode,

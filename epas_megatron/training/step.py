@@ -6,12 +6,29 @@ count, and with ``calculate_per_token_loss`` Megatron divides the gradients by t
 count. Reported losses are reduced the same way, so they do not depend on DP, TP, PP or the
 micro-batch split.
 
-Data iterators yield CPU tensors; :func:`forward_step` moves each micro-batch to the model's
-device (:func:`epas_megatron.runtime.device.to_compute_device`) before anything touches it.
+Data iterators yield CPU tensors (pinned with a GPU) of what the chunk's pipeline stage uses
+(:func:`stage_batch_keys`); :func:`forward_step` moves each micro-batch to the model's device
+(:func:`epas_megatron.runtime.device.to_compute_device`, asynchronous from pinned memory) before
+anything touches it. ``sample_ids`` stay on the host: they only key Random-LTD's token draws.
+
+**A non-finite step stops the run** (:class:`~epas_megatron.errors.NonFiniteError`), with the
+semantics of Megatron-LM's ``--check-for-nan-in-loss-and-grad`` (on by default there): the loss
+of the global batch is checked *before* the optimizer step, so a NaN or Inf forward never
+updates the weights; the gradient norm (bf16 and fp32) right after the step -- the step that
+produced it is never saved. Megatron checks each rank's loss and each gradient bucket before the
+data-parallel reduction, to name a faulty rank; here the reduced values are checked, which every
+rank sees alike, so all ranks stop at the same iteration without another collective. In fp16 an
+overflowing step is the loss scaler's business (skipped, the scale lowered, as Megatron does),
+not an error; a non-finite fp16 *loss* still is. Loss spikes (Megatron's optional
+``--check-for-spiky-loss``) do not stop a run: Megatron's check is off by default and exists to
+catch silent hardware faults by re-running the iteration on the same data (its rerun state
+machine), which a plain threshold cannot tell from a real spike -- and an EPAS switch causes a
+legitimate, recovering jump in the loss.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Iterator, Optional, Sequence
@@ -20,6 +37,8 @@ import torch
 
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from epas_megatron.errors import NonFiniteError
+from epas_megatron.model.wrapping import unwrap_model
 from epas_megatron.runtime.device import to_compute_device
 
 
@@ -33,11 +52,22 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss_sum, num_tokens, {"lm loss": reported}
 
 
+def stage_batch_keys(chunk) -> tuple[str, ...]:
+    """The batch entries a model chunk uses: tokens and positions where it embeds (the first
+    stage), labels and the loss mask where it computes the loss (the last), sample ids always."""
+    model = unwrap_model(chunk)
+    keys = ("tokens", "position_ids") if model.pre_process else ()
+    keys += ("labels", "loss_mask") if model.post_process else ()
+    return (*keys, "sample_ids")
+
+
 def forward_step(data_iterator, model):
     """Megatron forward_step_func: next micro-batch -> model output and its loss function."""
-    batch = to_compute_device(next(data_iterator))
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], sample_ids=batch.get("sample_ids"))
-    return output, partial(loss_func, batch["loss_mask"])
+    batch = next(data_iterator)
+    sample_ids = batch.pop("sample_ids", None)  # [b], host: keys Random-LTD's draws
+    batch = to_compute_device(batch)
+    output = model(batch.get("tokens"), batch.get("position_ids"), None, labels=batch.get("labels"), sample_ids=sample_ids)
+    return output, partial(loss_func, batch.get("loss_mask"))
 
 
 @dataclass
@@ -103,10 +133,14 @@ def train_step(model_chunks, optimizer, scheduler, data_iterators, *, num_microb
     optimizer.zero_grad()
     losses = _run_schedule(model_chunks, data_iterators, num_microbatches, seq_length, micro_batch_size, False)
     loss_scale = float(optimizer.get_loss_scale()) if model_chunks[0].config.fp16 else None
+    loss, tokens = _reduce_losses(losses)
+    if not math.isfinite(loss):  # before the step: the weights stay as they were
+        raise NonFiniteError(f"the loss is {loss} (the weights were not updated)")
     update_successful, grad_norm, _ = optimizer.step()
+    if update_successful and grad_norm is not None and not math.isfinite(float(grad_norm)):
+        raise NonFiniteError(f"the gradient norm is {float(grad_norm)} (loss {loss:.6g})")
     if update_successful:  # as Megatron-LM: a skipped (overflowing fp16) step does not advance the LR
         scheduler.step(increment=lr_increment)
-    loss, tokens = _reduce_losses(losses)
     return StepResult(
         lm_loss=loss,
         tokens=tokens,

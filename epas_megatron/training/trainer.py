@@ -35,7 +35,7 @@ import torch.distributed as dist
 from epas_megatron.checkpointing import checkpoint as ckpt
 from epas_megatron.config.cli import dump_yaml, to_dict
 from epas_megatron.config.validation import ResolvedRun, model_shape_of
-from epas_megatron.errors import ConfigError
+from epas_megatron.errors import ConfigError, NonFiniteError
 from epas_megatron.runtime.distributed import ParallelDims, destroy_distributed, init_distributed
 
 
@@ -591,7 +591,10 @@ class Trainer:
             if after_rebuild:
                 self._switch(target, next_iteration, progress)
             step_start = time.perf_counter()
-            result = self._train_step()
+            try:
+                result = self._train_step()
+            except NonFiniteError as error:
+                raise self._stop_non_finite(next_iteration, error) from None
             self.iteration, self.consumed_samples = next_iteration, self.consumed_samples + t.global_batch_size
             progress.step(self.iteration, result, time.perf_counter() - step_start, after_rebuild)
 
@@ -636,6 +639,19 @@ class Trainer:
             if self.timed_iterations >= self.cfg.epas.epas_cost_timing_iters:
                 self.layer_timer.detach()
         return result
+
+    def _stop_non_finite(self, iteration: int, error: NonFiniteError) -> NonFiniteError:
+        """The error that ends the run at a non-finite step (see :mod:`epas_megatron.training.step`):
+        saves in flight (of earlier iterations) complete, nothing of this state is saved, and the
+        message names the iteration and the checkpoint to resume from."""
+        self._finish_async_saves()
+        root = self.run.checkpoint_root
+        last_good = ckpt.latest_iteration(root)
+        self.metrics.log({"kind": "error", "iteration": iteration, "error": str(error)}, step=iteration)
+        resume = (f"the last good checkpoint is iteration {last_good}: resume with --load {root}"
+                  if last_good is not None else "no checkpoint was saved before it")
+        return NonFiniteError(f"iteration {iteration}: {error}; training stopped without saving this state ({resume}; "
+                              "a learning rate too high for the model is the usual cause: lower --lr or lengthen --lr-warmup-iters)")
 
     def _switch(self, target: tuple[int, ...], iteration: int, progress) -> None:
         """Carry out the switch before ``iteration``'s step, and report it."""
