@@ -94,7 +94,7 @@ def evaluate_regions(args, checkpoint: Path, meta: dict) -> list[dict]:
     from epas_megatron.model.builder import architecture_from_config
     from epas_megatron.sharing.schedule import region_layers
     from epas_megatron.training.state import build_training_state
-    from epas_megatron.training.step import eval_step
+    from epas_megatron.training.step import eval_step, stage_batch_keys
 
     cfg = from_dict(meta["config"])
     # The checkpoint's regions end exclude_last layers before the last; check every requested
@@ -130,7 +130,8 @@ def evaluate_regions(args, checkpoint: Path, meta: dict) -> list[dict]:
         state = build_training_state(plan)  # chunks only: no optimizer
         chunks, schedule_seq = state.model, state.schedule_seq_length
         load_checkpoint(checkpoint, chunks, restore_rng=False)
-        iterators = [build_data_iterator(valid, mbs, parallel_state.get_data_parallel_rank(), dp, 0) for _ in chunks]
+        iterators = [build_data_iterator(valid, mbs, parallel_state.get_data_parallel_rank(), dp, 0, keys=stage_batch_keys(chunk))
+                     for chunk in chunks]
         result = eval_step(chunks, iterators, num_microbatches=batch // (mbs * dp) * args.eval_iters,
                            seq_length=schedule_seq, micro_batch_size=mbs)
         results.append({"region": region, "sharing_layers": list(sharing), "lm_loss": result.lm_loss,

@@ -31,7 +31,11 @@ out, the iterator raises :class:`DataExhaustedError` (a partial last chunk is dr
 ``cycle=True`` continues from sample 0 (sample positions are taken modulo the dataset length).
 Batches are dicts of CPU tensors: ``tokens``, ``labels``, ``position_ids`` (int64, ``[b, s]``),
 ``loss_mask`` (float32, ``[b, s]``) and ``sample_ids`` (int64, ``[b]``: each sample's stream
-position, modulo the dataset length when cycling).
+position, modulo the dataset length when cycling). ``keys`` selects what a pipeline stage uses
+(the first: tokens and positions; the last: labels and loss mask; every stage: sample ids): a
+stage that needs no token data reads nothing from the dataset, as Megatron-LM's ``get_batch``
+returns nothing on middle stages. With a GPU the tensors are in pinned host memory, so the
+copy to the device is asynchronous (``non_blocking``).
 
 Why not Megatron-LM's sampler itself: ``MegatronPretrainingSampler`` ships in the wheel but in
 ``megatron.training``, whose data loader reads the global training arguments; it cannot cycle
@@ -48,6 +52,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy
 import torch
@@ -339,8 +344,13 @@ class MicroBatchIterator:
         data_parallel_size: int,
         consumed_samples: int = 0,
         cycle: bool = False,
+        keys: Optional[Sequence[str]] = None,
+        pin_memory: Optional[bool] = None,
     ):
         _check_positive(micro_batch_size, "--micro-batch-size")
+        unknown = set(keys or ()) - set(BATCH_KEYS) - {"sample_ids"}
+        if unknown:
+            raise ValueError(f"unknown batch keys {sorted(unknown)}; choose from {[*BATCH_KEYS, 'sample_ids']}")
         _check_positive(data_parallel_size, "data_parallel_size")
         _check_positive(consumed_samples, "consumed_samples", minimum=0)
         if not 0 <= data_parallel_rank < data_parallel_size:
@@ -364,6 +374,10 @@ class MicroBatchIterator:
         """Samples consumed by all ranks so far (advances by ``mbs * dp`` per micro-batch)."""
         self.cycle = cycle
         """Wrap around at the end instead of raising :class:`DataExhaustedError`."""
+        self.keys = tuple(keys) if keys is not None else (*BATCH_KEYS, "sample_ids")
+        """The batch entries yielded (the dataset is read only if one of them is token data)."""
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        """Yield tensors in pinned host memory (default: when a GPU is present)."""
         self._indices = micro_batch_indices(
             len(dataset), consumed_samples, micro_batch_size, data_parallel_rank,
             data_parallel_size, cycle,
@@ -381,10 +395,15 @@ class MicroBatchIterator:
                 "build the dataset with more samples (--train-iters / --eval-iters) or "
                 "iterate with cycle=True"
             )
-        batch = collate_samples([self.dataset[i] for i in indices])
+        batch = {}
+        if any(key in BATCH_KEYS for key in self.keys):
+            batch = collate_samples([self.dataset[i] for i in indices])
         # [b] the samples' stream positions (Random-LTD keys its token draws with them)
         batch["sample_ids"] = torch.tensor(indices, dtype=torch.int64)
         self.consumed_samples += self.micro_batch_size * self.data_parallel_size
+        batch = {key: batch[key] for key in self.keys}
+        if self.pin_memory:
+            batch = {key: value.pin_memory() for key, value in batch.items()}
         return batch
 
 
@@ -395,8 +414,10 @@ def build_data_iterator(
     data_parallel_size: int,
     consumed_samples: int = 0,
     cycle: bool = False,
+    keys: Optional[Sequence[str]] = None,
 ) -> MicroBatchIterator:
-    """This rank's micro-batches of ``dataset`` after ``consumed_samples`` (see module doc)."""
+    """This rank's micro-batches of ``dataset`` after ``consumed_samples`` (see module doc);
+    ``keys``: the batch entries this rank's model chunk uses (None: all)."""
     return MicroBatchIterator(
-        dataset, micro_batch_size, data_parallel_rank, data_parallel_size, consumed_samples, cycle
+        dataset, micro_batch_size, data_parallel_rank, data_parallel_size, consumed_samples, cycle, keys
     )

@@ -384,19 +384,24 @@ class Trainer:
         from megatron.core import parallel_state
 
         from epas_megatron.data.datasets import build_data_iterator
+        from epas_megatron.training.step import stage_batch_keys
 
         t = self.cfg.training
         self.dp_rank = parallel_state.get_data_parallel_rank()
+        # A chunk's pipeline position (first/last stage) is the same in every layout a switch makes.
         self.train_iterators = [
-            build_data_iterator(self.train_ds, t.micro_batch_size, self.dp_rank, self.dims.dp, self.consumed_samples)
-            for _ in self.model
+            build_data_iterator(self.train_ds, t.micro_batch_size, self.dp_rank, self.dims.dp, self.consumed_samples,
+                                keys=stage_batch_keys(chunk))
+            for chunk in self.model
         ]
 
     def _valid_iterators(self):
         from epas_megatron.data.datasets import build_data_iterator
+        from epas_megatron.training.step import stage_batch_keys
 
         t = self.cfg.training
-        return [build_data_iterator(self.valid_ds, t.micro_batch_size, self.dp_rank, self.dims.dp, 0) for _ in self.model]
+        return [build_data_iterator(self.valid_ds, t.micro_batch_size, self.dp_rank, self.dims.dp, 0, keys=stage_batch_keys(chunk))
+                for chunk in self.model]
 
     # ------------------------------------------------------------------ checkpoints
     def _meta(self) -> dict:

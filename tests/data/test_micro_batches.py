@@ -145,3 +145,51 @@ def test_indices_equal_megatron_lms_pretraining_sampler(total, consumed, mbs, dp
         theirs = list(MegatronPretrainingSampler(total, consumed, mbs, rank, dp, drop_last=True))
         ours = list(micro_batch_indices(total, consumed, mbs, rank, dp))
         assert ours == theirs, (rank, ours[:3], theirs[:3])
+
+
+class CountingDataset(IndexDataset):
+    """An IndexDataset that counts its reads."""
+
+    reads = 0
+
+    def __getitem__(self, i):
+        CountingDataset.reads += 1
+        return super().__getitem__(i)
+
+
+def test_a_stage_reads_only_what_it_uses():
+    """First stage: tokens and positions; last: labels and loss mask; a middle stage: only the
+    sample ids, and it reads nothing from the dataset (as Megatron-LM's get_batch)."""
+    def two(iterator):
+        return list(itertools.islice(iterator, 2))
+
+    full = two(build_data_iterator(IndexDataset(12), 2, 1, 2, consumed_samples=4))
+    first = two(build_data_iterator(IndexDataset(12), 2, 1, 2, 4, keys=("tokens", "position_ids", "sample_ids")))
+    last = two(build_data_iterator(IndexDataset(12), 2, 1, 2, 4, keys=("labels", "loss_mask", "sample_ids")))
+    CountingDataset.reads = 0
+    middle = two(build_data_iterator(CountingDataset(12), 2, 1, 2, 4, keys=("sample_ids",)))
+    assert CountingDataset.reads == 0
+    assert len(full) == len(first) == len(last) == len(middle) == 2
+    for whole, f, l, m in zip(full, first, last, middle):
+        assert set(f) == {"tokens", "position_ids", "sample_ids"} and set(l) == {"labels", "loss_mask", "sample_ids"}
+        assert set(m) == {"sample_ids"}
+        for part in (f, l, m):
+            for key, value in part.items():
+                assert torch.equal(value, whole[key]), key
+    assert [m["sample_ids"].tolist() for m in middle] == [[6, 7], [10, 11]]  # hand-computed: rank 1 of chunks 1 and 2
+    with pytest.raises(ValueError, match="unknown batch keys"):
+        build_data_iterator(IndexDataset(12), 2, 0, 1, keys=("tokens", "attention_mask"))
+
+
+def test_stage_batch_keys():
+    from types import SimpleNamespace
+
+    from epas_megatron.training.step import stage_batch_keys
+
+    def chunk(pre, post):  # wrapped as DDP(Float16Module(model)) is: .module twice
+        return SimpleNamespace(module=SimpleNamespace(module=SimpleNamespace(pre_process=pre, post_process=post)))
+
+    assert stage_batch_keys(chunk(True, True)) == ("tokens", "position_ids", "labels", "loss_mask", "sample_ids")
+    assert stage_batch_keys(chunk(True, False)) == ("tokens", "position_ids", "sample_ids")
+    assert stage_batch_keys(chunk(False, True)) == ("labels", "loss_mask", "sample_ids")
+    assert stage_batch_keys(chunk(False, False)) == ("sample_ids",)
