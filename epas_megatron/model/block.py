@@ -12,7 +12,9 @@ states. Differences from the stock forward, all deliberate:
 * Random-LTD (:mod:`epas_megatron.random_ltd`): in training, a Random-LTD layer runs on the kept
   tokens of each sequence only (gathered before it, scattered back after it, with RoPE at the
   kept positions); the kept positions of all of this chunk's Random-LTD layers are drawn once per
-  micro-batch and enter recompute chunks as one more tensor argument, like the hand-off. A layer
+  micro-batch in one vectorised pass where the sample ids are (the host: a GPU gets them as one
+  asynchronous copy, nothing waits; :func:`~epas_megatron.random_ltd.keyed_draw.kept_index`) and
+  enter recompute chunks as one more tensor argument, like the hand-off. A layer
   that hands Q/K on (a source) computes Q/K for every token and the rest for its kept tokens,
   so the hand-off always covers the whole sequence and a sharing layer takes the source's Q/K
   rows at its own kept tokens;
@@ -25,13 +27,12 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Optional
 
-import torch
-
 from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import make_viewless_tensor
 
 from epas_megatron.random_ltd import tokens as ltd_tokens
+from epas_megatron.random_ltd.keyed_draw import kept_index
 from epas_megatron.sharing import handoff as qk_handoff
 from epas_megatron.sharing.schedule import LayerMode
 
@@ -77,9 +78,9 @@ class EpasTransformerBlock(TransformerBlock):
             return None
         if sample_ids is None:
             raise RuntimeError("Random-LTD needs the micro-batch's sample ids (batch['sample_ids']) to draw kept tokens")
-        ids = [self.layers[local].layer_number - 1 for local in rows]
-        index = ltd_tokens.kept_token_indices(torch.as_tensor(sample_ids).tolist(), ids, seq_length, kept, self.random_ltd_seed)
-        return index.to(device)
+        layers = [self.layers[local].layer_number - 1 for local in rows]
+        # Drawn where the ids are (the host, from forward_step) and copied asynchronously: no sync.
+        return kept_index(sample_ids, layers, seq_length, kept, self.random_ltd_seed, device)
 
     def set_p2p_rows(self, hidden_rows: int, total_rows: int) -> None:
         """Stage outputs are ``[total_rows, b, h]`` (see :mod:`epas_megatron.sharing.handoff`)."""

@@ -7,7 +7,8 @@ from a global generator: the tokens of (sample, layer) are the ``r`` smallest of
 keys drawn from a generator seeded with ``(seed, sample id, layer)``, where the sample id is the
 sample's position in the training stream. So every TP rank, pipeline stage and data-parallel
 split of the same global batch keeps the same tokens (runs are layout-independent), activation
-recompute replays them, and a resume draws what the uninterrupted run drew.
+recompute replays them, and a resume draws what the uninterrupted run drew. The draw itself:
+:mod:`epas_megatron.random_ltd.keyed_draw`.
 
 **Causal mask and positions.** Sorted kept tokens attend causally among themselves: token ``i``
 of the kept sequence sees kept tokens ``j <= i``, i.e. exactly the kept tokens at earlier
@@ -26,7 +27,7 @@ deepspeed``, or by ``auto`` on CUDA when they load.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -34,36 +35,6 @@ from torch import Tensor
 from epas_megatron.errors import ConfigError
 
 KERNELS = ("auto", "torch", "deepspeed")
-
-_MASK64 = (1 << 64) - 1
-
-
-def _mix(*values: int) -> int:
-    """A 63-bit seed from integers (splitmix64 steps; deterministic across processes)."""
-    state = 0x9E3779B97F4A7C15
-    for value in values:
-        state = (state ^ (int(value) & _MASK64)) & _MASK64
-        state = (state + 0x9E3779B97F4A7C15) & _MASK64
-        z = state
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-        state = z ^ (z >> 31)
-    return state >> 1
-
-
-def kept_token_indices(sample_ids: Sequence[int], layers: Sequence[int], seq_length: int, kept: int, seed: int) -> Tensor:
-    """Sorted kept positions ``[len(layers), b, kept]`` (int64, CPU) of each layer and sample."""
-    if not 0 < kept <= seq_length:
-        raise ValueError(f"kept tokens must be in 1..{seq_length}, got {kept}")
-    out = torch.empty(len(layers), len(sample_ids), kept, dtype=torch.int64)
-    generator = torch.Generator()
-    for j, sample in enumerate(sample_ids):
-        for i, layer in enumerate(layers):
-            generator.manual_seed(_mix(seed, sample, layer))
-            keys = torch.rand(seq_length, generator=generator)
-            # The kept tokens: the smallest keys (a uniform draw without replacement), by position.
-            out[i, j] = torch.sort(torch.argsort(keys)[:kept]).values
-    return out
 
 
 def _row_index(index: Tensor, like: Tensor) -> Tensor:

@@ -10,7 +10,7 @@ from epas_megatron.convert.hf_llama import LlamaShape, megatron_to_hf, strip_ext
 from epas_megatron.model.build_plan import BuildPlan, RandomLTDSettings
 from epas_megatron.model.builder import build_model
 from epas_megatron.random_ltd.model import set_kept_tokens
-from epas_megatron.random_ltd.tokens import kept_token_indices
+from epas_megatron.random_ltd.keyed_draw import kept_token_indices
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
