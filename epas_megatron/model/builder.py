@@ -29,7 +29,7 @@ from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from epas_megatron.model.fusions import KernelAvailability, fusion_settings
+from epas_megatron.model.fusions import KernelAvailability, fusion_settings, output_layer_gradient_accumulation_fusion
 from epas_megatron.model.gpt import EpasGPTModel
 from epas_megatron.model.init import initialize_model
 from epas_megatron.model.build_plan import BuildPlan
@@ -126,9 +126,11 @@ def make_transformer_config(plan: BuildPlan, kernels: Optional[KernelAvailabilit
                             megatron_init: bool = True) -> TransformerConfig:
     """The Megatron ``TransformerConfig`` of a plan (a LLaMA decoder).
 
-    ``kernels``: the fused kernels to use where they help (default: what this process can load,
-    :mod:`epas_megatron.model.fusions`). ``megatron_init=False``: weights are allocated but not
-    drawn (Megatron's ``perform_initialization``), for builds whose weights are loaded next."""
+    ``kernels``: the fused kernels to use where they help (default: what this process can load),
+    for the plan's layer backend (:func:`epas_megatron.model.fusions.fusion_settings`; the LM
+    head's own gradient-accumulation setting is :func:`build_model`'s). ``megatron_init=False``:
+    weights are allocated but not drawn (Megatron's ``perform_initialization``), for builds whose
+    weights are loaded next."""
     kernels = KernelAvailability.detect() if kernels is None else kernels
     arch, dtype = plan.arch, PRECISIONS[plan.precision]
     kwargs = dict(
@@ -164,7 +166,7 @@ def make_transformer_config(plan: BuildPlan, kernels: Optional[KernelAvailabilit
         batch_p2p_comm=kernels.cuda,
         deallocate_pipeline_outputs=True,
         deterministic_mode=plan.deterministic,
-        **fusion_settings(kernels),
+        **fusion_settings(kernels, plan.backend),
     )
     if plan.random_ltd is not None:
         # Kept tokens rotate by per-sequence positions ([r, b, 1, d]); the fused RoPE kernel
@@ -300,6 +302,7 @@ def build_model(plan: BuildPlan, seed: Optional[int] = None, kernels: Optional[K
     ``Float16Module`` around the :class:`EpasGPTModel`."""
     if load_follows and seed is not None:
         raise ValueError("build_model: a seed initialises the weights, load_follows leaves them to a load")
+    kernels = KernelAvailability.detect() if kernels is None else kernels
     config = make_transformer_config(plan, kernels, megatron_init=not load_follows)
     hidden_rows, total_rows, schedule_seq = pipeline_handoff_rows(config, plan.modes, plan.seq_length, plan.share)
     layers_backend = get_backend(plan.backend, plan.core_attention)
@@ -323,6 +326,7 @@ def build_model(plan: BuildPlan, seed: Optional[int] = None, kernels: Optional[K
             sends_handoff=placement.sends_handoff,
             handoff_heads=handoff_heads(config, plan.share),
             vp_stage=placement.vp_stage,
+            output_layer_gradient_accumulation_fusion=output_layer_gradient_accumulation_fusion(kernels, plan.backend),
         )
         model.to(device)
         if seed is not None and device.type != "meta":  # meta tensors hold no values to draw

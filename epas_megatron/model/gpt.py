@@ -15,6 +15,7 @@ is saved as ``linear_q/k/v.weight`` (see :mod:`epas_megatron.model.attention`).
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 from torch import Tensor
@@ -48,7 +49,11 @@ class EpasGPTModel(LanguageModule):
         handoff_heads: tuple = (0, 0),
         vp_stage: Optional[int] = None,
         pg_collection=None,
+        output_layer_gradient_accumulation_fusion: Optional[bool] = None,
     ):
+        """``output_layer_gradient_accumulation_fusion``: the LM head's own setting where it
+        differs from ``config.gradient_accumulation_fusion`` (None: the config's) -- TE decoder
+        layers fuse it without apex, the local head needs apex (:mod:`epas_megatron.model.fusions`)."""
         super().__init__(config=config, pg_collection=pg_collection)
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
@@ -89,10 +94,16 @@ class EpasGPTModel(LanguageModule):
             handoff_heads=handoff_heads,
         )
         if post_process:
+            head_config = config
+            fuse_head = output_layer_gradient_accumulation_fusion
+            if fuse_head is not None and fuse_head != config.gradient_accumulation_fusion:
+                # A per-layer setting: a shallow copy (no __post_init__ rerun) for this layer only.
+                head_config = copy.copy(config)
+                head_config.gradient_accumulation_fusion = fuse_head
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size,
                 vocab_size,
-                config=config,
+                config=head_config,
                 init_method=config.init_method,
                 bias=False,
                 skip_bias_add=False,

@@ -219,10 +219,11 @@ class Trainer:
         )
 
     def _layers_description(self) -> str:
-        from epas_megatron.model.fusions import KernelAvailability, describe, fusion_settings
+        from epas_megatron.model.fusions import KernelAvailability, describe, fusion_off_reasons, fusion_settings
 
         attention = "TE attention" if self.run.backend == "transformer_engine" else f"{self.cfg.model.core_attention} attention"
-        return f"{self.run.backend} layers, {attention}, {describe(fusion_settings(KernelAvailability.detect()))}"
+        kernels, backend = KernelAvailability.detect(), self.run.backend
+        return f"{backend} layers, {attention}, {describe(fusion_settings(kernels, backend), fusion_off_reasons(kernels, backend))}"
 
     def _metrics_logger(self):
         from epas_megatron.metrics.logger import MetricsLogger

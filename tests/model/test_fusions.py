@@ -1,0 +1,127 @@
+"""Fusion flags: every combination of available kernels and layer backend (no GPU needed), the
+reasons in the banner, the compiler probe, and the LM head's own gradient-accumulation setting."""
+
+import itertools
+
+import pytest
+
+from epas_megatron.model.fusions import (
+    BACKENDS,
+    KernelAvailability,
+    describe,
+    fusion_off_reasons,
+    fusion_settings,
+    output_layer_gradient_accumulation_fusion,
+    triton_compiler_problem,
+)
+
+NO_COMPILER = "torch.compile cannot build Triton kernels: no C compiler"
+
+ALL_KERNELS = [
+    KernelAvailability(cuda, te_rope, apex_softmax, apex_ga, jit_problem if cuda else None)
+    for cuda, te_rope, apex_softmax, apex_ga, jit_problem in itertools.product(
+        (False, True), (False, True), (False, True), (False, True), (None, NO_COMPILER))
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kernels", ALL_KERNELS)
+def test_each_fusion_is_on_exactly_where_its_kernel_exists(kernels, backend):
+    """Safety: a flag is on only where the kernel behind it exists (on this backend's layers);
+    liveness: it is on wherever that kernel exists."""
+    flags = fusion_settings(kernels, backend)
+    can_compile = kernels.cuda and kernels.jit_fuser_problem is None
+    kernel_exists = {
+        "bias_activation_fusion": can_compile,  # Megatron's jit_fuser: torch.compile -> Triton
+        "bias_dropout_fusion": can_compile,
+        "masked_softmax_fusion": kernels.cuda and kernels.apex_softmax,
+        "apply_rope_fusion": kernels.cuda and kernels.te_rope,
+        # TE's linear layers accumulate into main_grad themselves; local layers need apex
+        "gradient_accumulation_fusion": kernels.cuda and (backend == "transformer_engine" or kernels.apex_gradient_accumulation),
+        "persist_layer_norm": False,  # RMSNorm: apex's persistent LayerNorm never applies
+    }
+    assert flags == kernel_exists
+    # the LM head is a local ColumnParallelLinear on both backends: apex or nothing
+    assert output_layer_gradient_accumulation_fusion(kernels, backend) == (kernels.cuda and kernels.apex_gradient_accumulation)
+    reasons = fusion_off_reasons(kernels, backend)
+    if not kernels.cuda:
+        assert reasons == {}
+    else:
+        assert all(not flags.get(flag, False) for flag in reasons)  # reasons only for flags that are off
+        assert ("bias_activation_fusion" in reasons) == (kernels.jit_fuser_problem is not None)
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="transformer_engine"):
+        fusion_settings(ALL_KERNELS[0], "te")
+
+
+def test_banner_says_what_is_off_and_why():
+    kernels = KernelAvailability(cuda=True, te_rope=False, apex_softmax=False, apex_gradient_accumulation=False,
+                                 jit_fuser_problem=NO_COMPILER)
+    local = describe(fusion_settings(kernels, "local"), fusion_off_reasons(kernels, "local"))
+    assert local == ("fused kernels: none; off: bias-activation, bias-dropout (torch.compile cannot build Triton kernels: "
+                     "no C compiler); apply-rope (needs Transformer Engine); gradient-accumulation (local layers need "
+                     "apex's fused_weight_gradient_mlp_cuda)")
+    te = describe(fusion_settings(kernels, "transformer_engine"), fusion_off_reasons(kernels, "transformer_engine"))
+    assert te.startswith("fused kernels: gradient-accumulation; off: ") and "output-layer-gradient-accumulation (the LM head" in te
+    # without reasons, as before: what is on
+    assert describe(fusion_settings(ALL_KERNELS[0])) == "fused kernels: none"
+
+
+def test_triton_compiler_probe_follows_tritons_rule():
+    """$CC as given (must exist), else gcc, else clang -- `cc` alone does not count."""
+    def which(found):
+        return lambda name: f"/usr/bin/{name}" if name in found else None
+
+    assert triton_compiler_problem({}, which({"gcc"})) is None
+    assert triton_compiler_problem({}, which({"clang"})) is None
+    assert "neither gcc nor clang" in triton_compiler_problem({}, which({"cc"}))
+    assert triton_compiler_problem({"CC": "cc"}, which({"cc"})) is None
+    assert "CC='/opt/missing-cc'" in triton_compiler_problem({"CC": "/opt/missing-cc"}, which({"gcc"}))
+
+
+def test_transformer_config_follows_the_backend(tiny_arch):
+    from epas_megatron.model.build_plan import BuildPlan
+    from epas_megatron.model.builder import make_transformer_config
+
+    kernels = KernelAvailability(cuda=True, te_rope=False, apex_softmax=False, apex_gradient_accumulation=False,
+                                 jit_fuser_problem=NO_COMPILER)
+    te = make_transformer_config(BuildPlan.for_region(tiny_arch, backend="transformer_engine"), kernels)
+    local = make_transformer_config(BuildPlan.for_region(tiny_arch), kernels)
+    assert te.gradient_accumulation_fusion and not local.gradient_accumulation_fusion
+    assert not te.bias_activation_fusion and not te.bias_dropout_fusion  # no compiler: unfused paths
+
+
+def test_lm_head_has_its_own_gradient_accumulation_setting(single_process, tiny_arch):
+    """With the fusion on for the decoder (TE layers) and no apex, the local LM head builds
+    unfused; with the config's setting, Megatron's ColumnParallelLinear refuses to build."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from epas_megatron.model.build_plan import BuildPlan
+    from epas_megatron.model.builder import make_transformer_config
+    from epas_megatron.model.gpt import EpasGPTModel
+    from epas_megatron.model.specs import LOCAL
+
+    kernels = KernelAvailability(cuda=False, te_rope=False, apex_softmax=False, apex_gradient_accumulation=False)
+    config = make_transformer_config(BuildPlan.for_region(tiny_arch), kernels)
+    config.gradient_accumulation_fusion = True  # as for TE decoder layers
+    no_layers = TransformerBlockSubmodules(layer_specs=[], layer_norm=LOCAL.norm)  # (local layers would need apex)
+    model = EpasGPTModel(config, no_layers, tiny_arch.vocab_size, 32, output_layer_gradient_accumulation_fusion=False)
+    assert model.output_layer.gradient_accumulation_fusion is False
+    assert config.gradient_accumulation_fusion is True and model.config is config  # the rest keeps the shared config
+    with pytest.raises(RuntimeError, match="fused_weight_gradient_mlp_cuda"):
+        EpasGPTModel(config, no_layers, tiny_arch.vocab_size, 32)
+
+
+def test_the_jit_fuser_probe_runs_here():
+    """The probe behind ``jit_fuser_problem`` (detect() calls it on CUDA machines only): Megatron
+    0.19's fused functions are torch.compile'd, and without a GPU Triton has no device."""
+    import torch
+
+    from epas_megatron.model.fusions import _jit_fuser_problem
+
+    problem = _jit_fuser_problem()
+    if not torch.cuda.is_available():
+        assert problem == "torch.compile has no Triton for this GPU"
+    assert KernelAvailability.detect().jit_fuser_problem == (problem if torch.cuda.is_available() else None)
