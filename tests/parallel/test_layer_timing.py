@@ -33,3 +33,105 @@ def test_timer_counts_each_layer_kind(single_process):
     assert set(measured) == {"compute", "share", "output_layer"} and all(v > 0 for v in measured.values())
     costs = calibrated_costs(LayerCosts(10.0, 8.0, 0.0, 5.0), timer)
     assert costs.compute_layer == pytest.approx(measured["compute"]) and costs.share_layer == pytest.approx(measured["share"])
+
+
+# ---------------------------------------------------------------------------- the CUDA-event path
+class FakeDevice:
+    """A device clock (ms) that forwards advance, and how far the device has got through it."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.done_until = 0.0
+        self.created = 0
+        self.waits = 0
+
+
+class FakeEvent:
+    """torch.cuda.Event's timing interface over :class:`FakeDevice`."""
+
+    def __init__(self, device):
+        self.device, self.time = device, None
+        device.created += 1
+
+    def record(self):
+        self.time = self.device.now
+
+    def query(self):
+        return self.time <= self.device.done_until
+
+    def synchronize(self):
+        self.device.waits += 1
+        self.device.done_until = max(self.device.done_until, self.time)
+
+    def elapsed_time(self, end):
+        assert self.query() and end.query(), "elapsed_time of an event the device has not reached"
+        return end.time - self.time
+
+
+def fake_chunk(device, costs_ms):
+    """A chunk of 3 computing layers, 2 sharing layers and an LM head whose forwards take
+    ``costs_ms[kind]`` on the fake device."""
+    import torch
+
+    class Timed(torch.nn.Module):
+        def __init__(self, cost, mode=None):
+            super().__init__()
+            self.cost, self.epas_mode = cost, mode
+
+        def forward(self, x):
+            device.now += self.cost
+            return x
+
+    chunk = torch.nn.Module()
+    chunk.decoder = torch.nn.Module()
+    modes = ["compute", "compute", "share", "share", "source"]
+    chunk.decoder.layers = torch.nn.ModuleList(Timed(costs_ms["share" if m == "share" else "compute"], m) for m in modes)
+    chunk.output_layer = Timed(costs_ms["output_layer"])
+    chunk.post_process = True
+
+    def run():
+        for layer in chunk.decoder.layers:
+            layer(0)
+            device.now += 0.5  # host-side work between layers: not part of any layer's time
+        chunk.output_layer(0)
+
+    return chunk, run
+
+
+def test_event_clock_never_waits_in_the_hooks_and_reads_device_times(single_process):
+    from epas_megatron.parallel.layer_timing import EventClock
+
+    device = FakeDevice()
+    chunk, run = fake_chunk(device, {"compute": 3.0, "share": 2.0, "output_layer": 5.0})
+    timer = LayerTimer(EventClock(lambda: FakeEvent(device)))
+    timer.collect_every = 12  # two forwards' worth of records (6 each)
+    timer.attach([chunk])
+    for _ in range(3):
+        run()
+    assert device.waits == 0  # no hook waited for the device
+    assert sum(timer.counts.values()) == 0  # the device has finished nothing yet: nothing read
+    device.done_until = device.now  # the device catches up ...
+    run()  # ... and the next hooks read the finished records without waiting
+    assert device.waits == 0 and sum(timer.counts.values()) == 3 * 6
+    assert timer.counts == {"compute": 9, "share": 6, "output_layer": 3}
+    run()
+    timer.detach()
+    run()  # detached: not recorded
+    measured = timer.measured()  # reads the rest, waiting once
+    assert device.waits >= 1 and timer.counts == {"compute": 15, "share": 10, "output_layer": 5}
+    assert measured == pytest.approx({"compute": 3e-3, "share": 2e-3, "output_layer": 5e-3})
+    # events whose times were read are reused: another round creates none
+    created = device.created
+    timer.attach([chunk])
+    run()
+    timer.measured()
+    assert device.created == created and timer.counts["output_layer"] == 6
+
+
+def test_default_clock_is_perf_counter_on_cpu():
+    import torch
+
+    from epas_megatron.parallel.layer_timing import EventClock, PerfCounterClock
+
+    expected = EventClock if torch.cuda.is_available() else PerfCounterClock
+    assert isinstance(LayerTimer().clock, expected)
