@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -97,6 +98,7 @@ __all__ = [
     "layerwise_forward_flops",
     "lm_head_forward_flops",
     "mfu",
+    "peak_name_for_device",
     "peak_tflops",
     "tflops_per_device",
     "training_flops_per_sequence",
@@ -368,19 +370,54 @@ def flop_limit_ratio(
 # ---------------------------------------------------------------------------- peaks and MFU
 PEAK_TFLOPS: dict[str, float | None] = {
     "v100": 125.0,  # fp16 tensor cores, SXM2; V100 has no bf16 (the paper trained in fp16)
+    "v100-pcie": 112.0,  # fp16 tensor cores (V100 data sheet: PCIe 112, SXM2 125)
     "a10": 125.0,
-    "a100": 312.0,
+    "a100": 312.0,  # SXM4 and PCIe alike (A100 data sheet)
     "l4": 121.0,
+    "l40": 181.0,  # L40 data sheet: 362.1 with sparsity
     "l40s": 362.0,
-    "h100": 989.0,  # SXM
-    "h100-pcie": 756.0,
-    "h200": 989.0,
+    "h100": 989.0,  # SXM5 (H100 data sheet: 1,979 with sparsity)
+    "h100-pcie": 756.0,  # H100 data sheet: 1,513 with sparsity
+    "h100-nvl": 835.0,  # per GPU; H100 data sheet: 1,671 with sparsity
+    "h200": 989.0,  # SXM (H200 data sheet: 1,979 with sparsity)
+    "h200-nvl": 835.0,  # H200 data sheet: 1,671 with sparsity
+    "gh200": 989.0,  # the Hopper GPU of a Grace Hopper superchip (GH200 data sheet: 1,979 with sparsity)
     "b200": 2250.0,
     "mi300x": 1307.0,
     "cpu": None,  # no meaningful peak; callers print "n/a"
 }
 """Dense (no 2:4 sparsity) bf16 tensor-core peak per device in TFLOP/s, from vendor data
-sheets; ``None`` where no peak is meaningful."""
+sheets (which quote twice these "with sparsity"); ``None`` where no peak is meaningful."""
+
+# Device family (a word of the device name) -> (its key, {variant word: key}); the SXM part is the default.
+_DEVICE_FAMILIES: dict[str, tuple[str, dict[str, str]]] = {
+    "v100": ("v100", {"pcie": "v100-pcie"}),
+    "a10": ("a10", {}),
+    "a100": ("a100", {}),
+    "l4": ("l4", {}),
+    "l40": ("l40", {}),
+    "l40s": ("l40s", {}),
+    "h100": ("h100", {"pcie": "h100-pcie", "nvl": "h100-nvl"}),
+    "h200": ("h200", {"nvl": "h200-nvl"}),
+    "gh200": ("gh200", {}),
+    "b200": ("b200", {}),
+    "mi300x": ("mi300x", {}),
+}
+
+
+def peak_name_for_device(device_name: str) -> str:
+    """The :data:`PEAK_TFLOPS` key of a device as ``torch.cuda.get_device_name()`` or
+    ``nvidia-smi --query-gpu=name`` call it ("NVIDIA H100 PCIe", "NVIDIA H100 80GB HBM3",
+    "NVIDIA A100-SXM4-80GB", "Tesla V100-PCIE-32GB", "AMD Instinct MI300X"), ``"cpu"`` (no peak:
+    MFU n/a) for one not in the table. Names are matched word by word (split at spaces, dashes
+    and underscores), never by substring: "L40" is not an "L4", "A10G" not an "A10", and an
+    "H100 PCIe" or "H100 NVL" is not the SXM part."""
+    words = [w for w in re.split(r"[\s\-_/]+", device_name.strip().lower()) if w]
+    for word in words:
+        if word in _DEVICE_FAMILIES:
+            key, variants = _DEVICE_FAMILIES[word]
+            return next((variants[w] for w in words if w in variants), key)
+    return "cpu"
 
 
 def peak_tflops(peak_name: str) -> float | None:

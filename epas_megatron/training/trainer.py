@@ -550,11 +550,9 @@ class Trainer:
             return self.cfg.logging.peak_tflops
         if not torch.cuda.is_available():
             return "cpu"
-        name = torch.cuda.get_device_name().lower()
-        for key in ("h200", "h100", "a100", "l40s", "l4", "b200", "a10"):
-            if key in name:
-                return key
-        return "cpu"
+        from epas_megatron.metrics.flops import peak_name_for_device
+
+        return peak_name_for_device(torch.cuda.get_device_name())
 
     def evaluate(self, region: Optional[int] = None) -> float:
         """Validation loss over --eval-iters global batches, with the region in training or, given

@@ -16,6 +16,7 @@ from epas_megatron.metrics.flops import (
     layer_matmul_flops,
     lm_head_forward_flops,
     mfu,
+    peak_name_for_device,
     peak_tflops,
     tflops_per_device,
     training_flops_per_sequence,
@@ -302,6 +303,36 @@ def test_peaks_and_mfu():
     assert mfu(1.0, "cpu") is None
     with pytest.raises(ConfigError, match="known"):
         mfu(1.0, "tpu-v9")
+
+
+@pytest.mark.parametrize("device_name, key, peak", [
+    # as torch.cuda.get_device_name() / nvidia-smi --query-gpu=name report them
+    ("NVIDIA H100 80GB HBM3", "h100", 989),   # SXM5
+    ("NVIDIA H100 SXM5 80GB", "h100", 989),
+    ("NVIDIA H100 PCIe", "h100-pcie", 756),
+    ("NVIDIA H100 NVL", "h100-nvl", 835),
+    ("NVIDIA H200", "h200", 989),
+    ("NVIDIA H200 NVL", "h200-nvl", 835),
+    ("NVIDIA GH200 480GB", "gh200", 989),
+    ("NVIDIA A100-SXM4-80GB", "a100", 312),
+    ("NVIDIA A100-SXM4-40GB", "a100", 312),
+    ("NVIDIA A100-PCIE-40GB", "a100", 312),
+    ("NVIDIA A100 80GB PCIe", "a100", 312),
+    ("Tesla V100-SXM2-32GB", "v100", 125),
+    ("Tesla V100-PCIE-16GB", "v100-pcie", 112),
+    ("NVIDIA L4", "l4", 121),
+    ("NVIDIA L40", "l40", 181),     # not an L4
+    ("NVIDIA L40S", "l40s", 362),
+    ("NVIDIA A10", "a10", 125),
+    ("NVIDIA B200", "b200", 2250),
+    ("AMD Instinct MI300X", "mi300x", 1307),
+    ("NVIDIA A10G", "cpu", None),   # not an A10 (a different, slower part): no peak rather than a wrong one
+    ("NVIDIA GeForce RTX 4090", "cpu", None),
+    ("", "cpu", None),
+])
+def test_peak_name_for_device(device_name, key, peak):
+    assert peak_name_for_device(device_name) == key
+    assert peak_tflops(key) == peak
 
 
 def test_tflops_per_device():
