@@ -7,7 +7,7 @@ One prompt streams its continuation to the terminal as it is generated; several 
 ``--prompt`` each, or one per line of ``--prompt-file``) run as one left-padded batch and print
 when done. Greedy by default (``--temperature 0``). ``--json`` prints one ``GENERATE {json}``
 line with the token ids, texts and throughput. Runs in one process (TP = PP = 1), on the GPU
-when there is one.
+when there is one; there each decode step replays one captured CUDA graph (``--decode-step``).
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
                         "'reuse' takes the source's probabilities (exact for QK sharing, faster); auto = reuse for QK models")
     p.add_argument("--region-kernel", default="none", choices=["none", "torch", "triton"],
                    help="with reuse: P.V of the whole region's cache in one launch (torch batched matmul or the Triton kernel)")
+    p.add_argument("--decode-step", default="auto", choices=["auto", "eager", "static", "cuda-graph"],
+                   help="decode steps: 'cuda-graph' replays one captured fixed-shape step per token (CUDA), 'static' runs "
+                        "that step without a graph, 'eager' runs each step as it comes; auto = cuda-graph on a GPU")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="model precision ('auto': bf16 on a GPU, fp32 on CPU)")
     p.add_argument("--tokenizer-model", default=None, help="SentencePiece model (default: the checkpoint's)")
@@ -103,7 +106,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         generator = Generator.from_checkpoint(
             args.load, args.region, allow_untrained_region=args.allow_untrained_regions,
             decode_attention=args.decode_attention, region_kernel=None if args.region_kernel == "none" else args.region_kernel,
-            precision=args.precision, tokenizer_model=args.tokenizer_model)
+            precision=args.precision, tokenizer_model=args.tokenizer_model, decode_step=args.decode_step)
         generator.encode(prompts)  # bad prompts fail here, before any model work is printed
         print(f"checkpoint {generator.checkpoint} | region {generator.region} of {len(generator.engine.modes)} layers "
               f"(trained {generator.trained_region}) | decode attention {generator.engine.decode_attention}",

@@ -100,6 +100,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     decode.add_argument("--region-kernel", default="none", choices=["none", "torch", "triton"],
                         help="also measure reuse with the region's P.V in one launch")
     decode.add_argument("--seed", type=int, default=1234)
+    decode.add_argument("--decode-step", default="auto", choices=["auto", "eager", "static", "cuda-graph"],
+                        help="how every variant runs a decode step: auto = a replayed CUDA graph on CUDA, eager elsewhere")
     _quality_parser(commands)
     switch = commands.add_parser("switch", help="one EPAS switch: in memory vs through a checkpoint")
     switch.add_argument("--preset", default="tiny", help="model preset (tiny ... 350m on CPU)")
@@ -183,7 +185,8 @@ def _decode(args) -> int:
             raise ConfigError("epas-bench decode runs in one process; do not start it with torchrun")
         cfg = DecodeBenchConfig(args.preset, preset.num_layers // 2 if args.region is None else args.region, args.batch,
                                 args.context, args.new_tokens, args.blocks, args.warmup, args.share, args.kv_budget_mb,
-                                None if args.region_kernel == "none" else args.region_kernel, args.seed)
+                                None if args.region_kernel == "none" else args.region_kernel, args.seed,
+                                decode_step=args.decode_step)
         check_config(cfg, preset.num_layers)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -2,7 +2,7 @@
 
 Three variants of one model, built from the same seed (so the same weights, checked) and run by
 the same engine (:mod:`epas_megatron.inference.engine`) with the same preallocated, in-place KV
-cache and the same attention arithmetic (matmul attention, fp32 softmax):
+cache, the same attention arithmetic and the same kind of decode step:
 
 * ``baseline``: region 0 -- every layer computes and caches its own K and V;
 * ``qk``: the deepest ``--region`` layers share, V-only cache, ``softmax(Q Kᵀ)`` recomputed over
@@ -10,6 +10,34 @@ cache and the same attention arithmetic (matmul attention, fp32 softmax):
 * ``reuse``: the same model, the source's probabilities reused (``P · V_own`` only);
 * with ``--region-kernel torch|triton`` also ``reuse+kernel``: the region's cached ``P · V`` in
   one launch.
+
+What one timed decode step does, per variant (like with like: every cost below is paid by every
+variant that needs the work, and by none that does not):
+
+* every variant: rewind ``cache.length`` to ``--context`` (a Python int), then one step --
+  embedding of ``b`` tokens, the mask and RoPE's cos/sin once per step, per layer two norms,
+  the output projection, the MLP and the residual adds, the final norm, the LM head and the fp32
+  logits; no host synchronisation inside a step (the timer synchronises once per block);
+* a computing layer (every layer of ``baseline``; the non-sharing layers of the others): the
+  fused QKV projection, RoPE on Q and K, K and V written in place at the new slot, ``Q Kᵀ`` over
+  its cached K read in the model's dtype (bf16 on CUDA: ``torch.bmm`` to fp32 scores, no fp32 copy
+  of K), scale, mask and softmax in fp32 over the ``[b, g, q, T]`` scores, ``P`` cast once to the
+  model's dtype, ``P · V`` over its cached V;
+* a sharing layer on the Q/K path (``qk``): its V projection, V written in place, ``Q Kᵀ`` of the
+  source's Q over the source's cached K, the same fp32 softmax, ``P · V_own`` -- the same cache
+  bytes as a computing layer (the paper's inference saves cache memory, not reads);
+* a sharing layer with reuse (``reuse``): its V projection, V written in place, ``P_src · V_own``
+  -- no K read, no ``Q Kᵀ``, no softmax, no RoPE (the work EPAS removes, not a cost the baseline
+  pays extra); ``reuse+kernel``: the source computes every sharing layer's cached ``P · V`` in
+  one launch and each layer adds its new slot's term.
+
+The step is either eager (:meth:`DecodeEngine.forward`, attention over slots ``[:context + 1]``)
+or, with ``decode_step`` 'cuda-graph' (the default on CUDA) / 'static', the fixed-shape step
+(:mod:`epas_megatron.inference.decode_step`) -- for *every* variant, each captured over its own
+cache (which holds exactly ``context + 1`` slots, so the fixed shape reads what the eager step
+reads); such a step also copies the ``b`` tokens into its static buffer and fills the slot
+tensor (two tiny kernels, every variant). If any variant's capture fails, every variant runs the
+fixed-shape step without a graph. The caches' random contents are drawn in place on the device.
 
 Each variant's cache is filled with random keys and values up to ``--context`` positions (a
 decode step's cost does not depend on the cached values, and a real 2048-token prefill is not
@@ -26,6 +54,7 @@ EPAS, with tokens/s measured at those batches. Last line: ``BENCH {json}``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -42,30 +71,59 @@ class DecodeBenchConfig:
     """What ``epas-bench decode`` measures."""
 
     preset: str
+    """Model preset."""
+
     region: int
+    """Sharing layers of the EPAS variants (the deepest ones)."""
+
     batch: int = 8
+    """Sequences decoded together."""
+
     context: int = 2048
+    """Cached positions every timed step attends over."""
+
     new_tokens: int = 16
+    """Timed decode steps per block."""
+
     blocks: int = 4
+    """Alternating timed blocks per variant."""
+
     warmup: int = 1
+    """Untimed decode steps per variant first."""
+
     share: str = "qk"
+    """'qk' or 'kv'."""
+
     kv_budget_mb: Optional[float] = None
+    """KV-cache budget of the serving figure (None: the baseline's cache at ``batch``)."""
+
     region_kernel: Optional[str] = None
+    """Also time reuse with the region's cached ``P · V`` in one launch ('torch' or 'triton')."""
+
     seed: int = 1234
+    """Initialisation seed (every variant gets the same weights)."""
+
+    decode_step: str = "auto"
+    """'eager', 'static' or 'cuda-graph' for every variant; 'auto': 'cuda-graph' on CUDA, 'eager'
+    elsewhere (:mod:`epas_megatron.inference.decode_step`)."""
 
 
 @dataclass
 class _Variant:
-    engine: object
+    step: Callable
+    """One decode step: ``step(tokens [b, 1])`` at ``cache.length``."""
+
     cache: object
     tokens: torch.Tensor
     context: int
+    static: Optional[object] = None
+    """The :class:`StaticDecodeStep` behind ``step``, if any."""
 
 
 def _decode_block(variant: _Variant) -> None:
     """One timed unit: rewind to ``context`` and decode one step."""
     variant.cache.length = variant.context
-    variant.engine.forward(variant.tokens, variant.cache)
+    variant.step(variant.tokens)
 
 
 def check_config(cfg: DecodeBenchConfig, num_layers: int) -> None:
@@ -79,15 +137,32 @@ def check_config(cfg: DecodeBenchConfig, num_layers: int) -> None:
         raise ConfigError("--kv-budget-mb must be > 0")
 
 
-def _variant(model, attention, kernel, batch, cfg, vocab, generator):
+def _variant(model, attention, kernel, batch, cfg, vocab, mode, generator):
+    from epas_megatron.inference.decode_step import StaticDecodeStep
     from epas_megatron.inference.engine import DecodeEngine
 
     engine = DecodeEngine(model, attention, kernel)
     cache = engine.new_cache(batch, cfg.context + 1)
+    # random K and V drawn in place on the device (no host copy of the cache)
+    device_generator = torch.Generator(device=engine.device).manual_seed(int(torch.randint(2**31, (1,), generator=generator)))
     for buffer in (cache.computing_keys, cache.computing_values, cache.sharing_values):
-        buffer.copy_(torch.randn(buffer.shape, generator=generator).to(buffer.dtype))
+        buffer.normal_(generator=device_generator)
     tokens = torch.randint(0, vocab, (batch, 1), generator=generator).to(engine.device)
-    return _Variant(engine, cache, tokens, cfg.context)
+    cache.length = cfg.context
+    if mode == "eager":
+        return _Variant(lambda t: engine.forward(t, cache), cache, tokens, cfg.context)
+    static = StaticDecodeStep(engine, cache, graph=mode == "cuda-graph")
+    return _Variant(static, cache, tokens, cfg.context, static)
+
+
+def _same_step_everywhere(variants: dict, mode: str, log) -> str:
+    """If a capture failed for some variant, run every variant's fixed-shape step without a graph."""
+    if mode != "cuda-graph" or all(v.static.captured for v in variants.values()):
+        return mode
+    log("note: a CUDA graph capture failed; every variant runs the fixed-shape step without a graph")
+    for variant in variants.values():
+        variant.static.drop_graph()
+    return "static"
 
 
 def run_decode_bench(cfg: DecodeBenchConfig, log=print) -> dict:
@@ -95,6 +170,7 @@ def run_decode_bench(cfg: DecodeBenchConfig, log=print) -> dict:
     from epas_megatron.bench.common import alternating_throughput
     from epas_megatron.config.presets import get_preset
     from epas_megatron.inference.decode_cost import decode_bytes_per_step, max_batch_for_budget
+    from epas_megatron.inference.decode_step import resolve_decode_step
     from epas_megatron.inference.kv_cache import kv_bytes_per_token
     from epas_megatron.model.attention import split_qkv_rows
     from epas_megatron.model.build_plan import BuildPlan
@@ -108,6 +184,7 @@ def run_decode_bench(cfg: DecodeBenchConfig, log=print) -> dict:
                              preset.ffn_hidden_size, vocab, max(cfg.context + 1, preset.seq_length))
     cuda = torch.cuda.is_available()
     precision = "bf16" if cuda else "fp32"
+    mode = resolve_decode_step(cfg.decode_step, torch.device("cuda" if cuda else "cpu"))
     sharing = region_layers(arch.num_layers, cfg.region, flag="--region")
     models = {}
     for name, layers in (("baseline", ()), ("epas", sharing)):
@@ -130,13 +207,16 @@ def run_decode_bench(cfg: DecodeBenchConfig, log=print) -> dict:
             attentions.append(("reuse+kernel", models["epas"], "reuse", cfg.region_kernel))
     else:
         log("note: --share kv has no probability reuse (a KV-sharing layer has its own Q); reuse is not measured")
-    variants = {name: _variant(model, attention, kernel, cfg.batch, cfg, vocab, generator)
+    variants = {name: _variant(model, attention, kernel, cfg.batch, cfg, vocab, mode, generator)
                 for name, model, attention, kernel in attentions}
+    mode = _same_step_everywhere(variants, mode, log)
     element = 2 if cuda else 4
+    attention_text = ("matmul attention: Q K^T of bf16 operands to fp32 scores, fp32 softmax, P.V in bf16 with fp32 "
+                      "accumulation" if cuda else "matmul attention in fp32")
     log(f"decode bench: {cfg.preset} ({arch.num_layers} layers, h {arch.hidden_size}, {arch.num_attention_heads}/"
         f"{arch.num_query_groups} heads), region {cfg.region} {list(sharing)} ({cfg.share}), batch {cfg.batch}, context "
         f"{cfg.context}, {cfg.new_tokens} decode steps per block, {cfg.blocks} blocks; preallocated in-place KV cache, "
-        f"matmul attention with fp32 softmax, {precision} on {'CUDA' if cuda else 'CPU'}")
+        f"{attention_text}, {mode} decode step, {precision} on {'CUDA' if cuda else 'CPU'}")
     tps = alternating_throughput(variants, cfg.batch, iters=cfg.new_tokens * cfg.blocks, blocks=cfg.blocks,
                                  warmup=cfg.warmup, log=log, step=_decode_block)
 
@@ -157,9 +237,11 @@ def run_decode_bench(cfg: DecodeBenchConfig, log=print) -> dict:
     serving = {}
     if min(max_batch.values()) >= 1:
         serving_variants = {
-            "baseline": _variant(models["baseline"], "qk", None, max_batch["baseline"], cfg, vocab, generator),
-            "epas": _variant(models["epas"], "reuse" if cfg.share == "qk" else "qk", None, max_batch["epas"], cfg, vocab, generator),
+            "baseline": _variant(models["baseline"], "qk", None, max_batch["baseline"], cfg, vocab, mode, generator),
+            "epas": _variant(models["epas"], "reuse" if cfg.share == "qk" else "qk", None, max_batch["epas"], cfg, vocab, mode,
+                             generator),
         }
+        _same_step_everywhere(serving_variants, mode, log)
         log(f"fixed KV budget {budget / 2**20:.0f} MiB: baseline batch {max_batch['baseline']}, EPAS batch {max_batch['epas']}")
         steps_per_s = alternating_throughput(serving_variants, 1, iters=cfg.new_tokens * cfg.blocks, blocks=cfg.blocks,
                                              warmup=cfg.warmup, log=lambda *a: None, step=_decode_block)
@@ -169,7 +251,8 @@ def run_decode_bench(cfg: DecodeBenchConfig, log=print) -> dict:
     record = {
         "preset": cfg.preset, "region": cfg.region, "share": cfg.share, "batch": cfg.batch, "context": cfg.context,
         "new_tokens": cfg.new_tokens, "blocks": cfg.blocks, "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "precision": precision, "cache": "preallocated in-place", "attention": "matmul, fp32 softmax",
+        "precision": precision, "cache": "preallocated in-place", "decode_step": mode,
+        "attention": "matmul, fp32 scores and softmax" + (", bf16 operands" if cuda else ""),
         "baseline_tokens_per_s": tps["baseline"], "qk_tokens_per_s": tps["qk"], "reuse_tokens_per_s": tps.get("reuse"),
         "ratio_qk": tps["qk"] / tps["baseline"], "ratio_reuse": tps["reuse"] / tps["baseline"] if "reuse" in tps else None,
         "byte_limit_ratio": step_bytes["baseline"].total / step_bytes[best].total,

@@ -7,14 +7,32 @@ own V -- no K read, no ``Q Kᵀ``, no softmax -- and the result is exact, not an
 
 GQA without repeating K/V: the ``np = g · q`` query heads are grouped per KV group, so one
 batched matmul per group serves its ``q`` heads (Megatron orders query heads group-major).
-Scores and the softmax are computed in fp32; ``P`` is kept in fp32 and cast to V's dtype for the
-product.
+
+Precision (decided for the GPU, where a decode step is bound by reading the cache):
+
+* ``Q Kᵀ`` reads K **as it is cached** (the model's dtype). On CUDA with bf16/fp16 operands the
+  scores come out of one ``torch.bmm(..., out_dtype=torch.float32)``: cuBLAS multiplies the
+  half-precision operands, accumulates in fp32 and writes fp32 scores -- no fp32 copy of the
+  cache (an earlier version upcast Q and the whole K cache per layer per token, which reads and
+  writes three times the cache's bytes). Where that overload is missing (torch older than 2.8)
+  the scores are a half-precision matmul's output, rounded once, then upcast. On CPU (fp32 in
+  practice) half-precision operands are upcast first, which computes what the CUDA path computes.
+* The scale, the mask and the softmax run in fp32 over the small ``[b, g, q · n, T]`` scores.
+* ``P`` is cast to the model's dtype once, by the layer that computes it (sharing layers that
+  reuse it read that copy), and ``P · V`` is a half-precision matmul (fp32 accumulation inside
+  cuBLAS / the CPU kernels, output rounded once).
+
+Masks are *blocked* slots ``[b, 1, n, T]`` (True: may not attend), applied to the scores viewed
+as ``[b, g, q, n, T]`` by broadcasting, so no per-head copy of the mask is made.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+_BMM_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()
+"""``torch.bmm(a, b, out_dtype=torch.float32)`` for bf16/fp16 operands (CUDA kernels only)."""
 
 
 def group_queries(query: Tensor, num_query_groups: int) -> Tensor:
@@ -31,30 +49,50 @@ def ungroup_context(context: Tensor, num_heads: int, n: int) -> Tensor:
     return context.reshape(b, num_heads, n, head_dim).permute(2, 0, 1, 3).reshape(n, b, num_heads * head_dim)
 
 
-def attention_mask(pad: Tensor, start: int, n: int, queries_per_group: int) -> Tensor:
-    """Allowed (True) key slots ``[b, 1, q · n, start + n]`` for new tokens at slots
-    ``start .. start + n``: causal, and no left-padding slot -- except that a padding token sees
-    itself, so its (never used) row stays finite."""
-    device = pad.device
-    end = start + n
-    slots = torch.arange(end, device=device)  # key slots
-    new = torch.arange(start, end, device=device)  # query slots
-    # [n, T]: causal; [b, 1, T]: not padding
+def blocked_slots(pad: Tensor, new: Tensor, visible: int) -> Tensor:
+    """Key slots ``[b, 1, n, visible]`` the new tokens at slots ``new [n]`` may *not* attend to
+    (True): later slots, and left-padding slots -- except that a padding token sees itself, so
+    its (never used) row stays finite. ``new`` is a tensor, so a fixed-shape decode step can pass
+    its write slot without a Python-side shape change."""
+    slots = torch.arange(visible, device=pad.device)  # key slots
+    # [n, T]: causal; [b, 1, T]: not padding; [n, T]: the token's own slot
     causal = slots[None, :] <= new[:, None]
     real = slots[None, None, :] >= pad[:, None, None]
     itself = slots[None, :] == new[:, None]
     allowed = causal[None] & (real | itself[None])  # [b, n, T]
-    # [b, n, T] -> [b, 1, q * n, T] (query rows are head-major within a group: q blocks of n)
-    return allowed.unsqueeze(1).repeat(1, 1, queries_per_group, 1)
+    # [b, n, T] -> [b, 1, n, T]
+    return (~allowed).unsqueeze(1)
 
 
-def probabilities(grouped_query: Tensor, keys: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """``softmax(Q Kᵀ · scale)`` over allowed slots: ``[b, g, m, hn] x [b, g, T, hn] -> [b, g, m, T]``
-    (fp32)."""
-    # [b, g, m, hn] @ [b, g, hn, T] -> [b, g, m, T]
-    scores = torch.matmul(grouped_query.float(), keys.float().transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1)
+def fp32_scores(grouped_query: Tensor, keys: Tensor) -> Tensor:
+    """``Q Kᵀ`` in fp32 from operands in the model's dtype (see module doc):
+    ``[b, g, m, hn] x [b, g, T, hn] -> [b, g, m, T]``."""
+    if grouped_query.dtype == torch.float32:
+        # [b, g, m, hn] @ [b, g, hn, T] -> [b, g, m, T]
+        return torch.matmul(grouped_query, keys.transpose(-1, -2))
+    if grouped_query.is_cuda:
+        if _BMM_OUT_DTYPE:
+            b, g, m, head_dim = grouped_query.shape
+            # [b, g, m, hn] -> [b * g, m, hn]; [b, g, T, hn] -> [b * g, hn, T] (views of the cache, no copy)
+            scores = torch.bmm(grouped_query.reshape(b * g, m, head_dim), keys.flatten(0, 1).transpose(1, 2),
+                               out_dtype=torch.float32)
+            # [b * g, m, T] -> [b, g, m, T]
+            return scores.view(b, g, m, keys.size(2))
+        return torch.matmul(grouped_query, keys.transpose(-1, -2)).float()
+    return torch.matmul(grouped_query.float(), keys.float().transpose(-1, -2))
+
+
+def probabilities(grouped_query: Tensor, keys: Tensor, blocked: Tensor, scale: float,
+                  dtype: torch.dtype | None = None) -> Tensor:
+    """``softmax(Q Kᵀ · scale)`` over the slots not ``blocked``: ``[b, g, m, hn] x [b, g, T, hn]
+    -> [b, g, m, T]``, computed in fp32 and returned in ``dtype`` (default: the keys' dtype)."""
+    scores = fp32_scores(grouped_query, keys)
+    b, g, m, slots = scores.shape
+    n = blocked.size(2)
+    scores.mul_(scale)
+    # [b, g, q * n, T] viewed as [b, g, q, n, T]; blocked [b, 1, n, T] -> [b, 1, 1, n, T]
+    scores.view(b, g, m // n, n, slots).masked_fill_(blocked.unsqueeze(2), float("-inf"))
+    return torch.softmax(scores, dim=-1).to(keys.dtype if dtype is None else dtype)
 
 
 def attend(probs: Tensor, values: Tensor) -> Tensor:

@@ -12,7 +12,9 @@ step, with ``h`` hidden, ``np`` query heads, ``ng`` KV groups, ``hn`` head size,
 * KV cache: a computing layer reads its K and V, ``2·b·ng·c·hn``; a 'qk' sharing layer reads the
   source's K and its own V on the Q/K path (the same ``2·b·ng·c·hn``: the paper's inference saves
   cache *memory*, not cache *reads*), but only its own V with probability reuse, plus the
-  source's probabilities ``b·np·c`` in fp32; a 'kv' sharing layer reads the source's K and V.
+  source's probabilities ``b·np·c`` (handed over in the model's dtype, ``e`` bytes each: the
+  source casts its fp32 softmax once, see :mod:`epas_megatron.inference.attention`); a 'kv'
+  sharing layer reads the source's K and V.
 
 The byte-limit ratio (baseline bytes / EPAS bytes) is the speed-up a purely memory-bound step
 could reach; the decode benchmark reports measured / limit. Activations (``b·h`` per layer) are
@@ -57,7 +59,7 @@ def decode_bytes_per_step(arch, modes: Sequence[LayerMode | str], share: str, de
         if mode == LayerMode.SHARE:
             weights += own + rest
             if share == "qk" and decode_attention == "reuse":
-                cache += kv_layer // 2 + batch * heads * context * 4
+                cache += kv_layer // 2 + batch * heads * context * bytes_per_element
             else:
                 cache += kv_layer
         else:

@@ -16,25 +16,84 @@ Per layer mode:
   its new positions.
 * **sharing, 'kv'**: Q from ``linear_q`` (RoPE'd), the source's cached K and V; caches nothing.
 
+Two ways to run a step (see :mod:`epas_megatron.inference.decode_step` for when each is used):
+
+* :meth:`DecodeEngine.forward` (eager): ``n`` new tokens per row at the cache's next slots
+  (prefill chunks and decode steps); attention reads slots ``[:end]`` only.
+* :meth:`DecodeEngine.decode_step` (fixed shapes): one token per row at the slot held in a
+  device tensor; K/V written with ``index_copy_``, attention over all ``max_length`` slots with
+  the later ones masked. No Python value of the step depends on the position, so one CUDA graph
+  capture replays every step.
+
+Per-step work is kept to what the model needs: RoPE's cos/sin are computed once per step (not
+per layer), the mask once per step, no copy of the cache in another dtype (see
+:mod:`epas_megatron.inference.attention` for the precision of each product), no synchronisation
+with the host.
+
 Scope: one process, TP = PP = 1, local or Transformer Engine layers in inference (eval) mode.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+from megatron.core.models.common.embeddings.rope_utils import _rotate_half
 
 from epas_megatron.errors import ConfigError
 from epas_megatron.inference import attention as attn_ops
 from epas_megatron.inference.kv_cache import KVCache, source_layer
+from epas_megatron.kernels.region_pv import region_pv
 from epas_megatron.sharing.schedule import LayerMode
 
 DECODE_ATTENTION_CHOICES = ("qk", "reuse")
 REGION_KERNEL_CHOICES = (None, "torch", "triton")
+
+
+@dataclass(frozen=True)
+class _Slots:
+    """Where one forward writes and reads the cache."""
+
+    start: Optional[int]
+    """Eager forward: the first new slot (slots ``[:start]`` hold earlier tokens). None: the
+    fixed-shape step (the new slot is a tensor, ``new``)."""
+
+    new: Tensor
+    """``[n]`` slots of the new tokens."""
+
+    visible: int
+    """Attention reads slots ``[:visible]``."""
+
+    blocked: Tensor
+    """``[b, 1, n, visible]``: slots each new token may not attend to."""
+
+    is_new: Optional[Tensor] = None
+    """Fixed-shape step: ``[visible]``, True at the new token's slot."""
+
+    @property
+    def write_at(self) -> int | Tensor:
+        """What :meth:`KVCache.write` takes: the first slot, or the slots tensor."""
+        return self.new if self.start is None else self.start
+
+
+@dataclass(frozen=True)
+class _Rope:
+    """RoPE at each row's positions, cos and sin computed once per step: ``[n, b, 1, rot]``."""
+
+    cos: Tensor
+    sin: Tensor
+    interleaved: bool
+
+    def __call__(self, tensor: Tensor) -> Tensor:
+        # tensor [n, b, heads, hn]; the first ``rot`` head dimensions rotate (all of them for LLaMA).
+        rot = self.cos.size(-1)
+        if rot == tensor.size(-1):
+            return tensor * self.cos + _rotate_half(tensor, self.interleaved) * self.sin
+        head, tail = tensor[..., :rot], tensor[..., rot:]
+        return torch.cat((head * self.cos + _rotate_half(head, self.interleaved) * self.sin, tail), dim=-1)
 
 
 class DecodeEngine:
@@ -77,36 +136,47 @@ class DecodeEngine:
         return KVCache(self.modes, self.share, batch, max_length, self.num_groups, self.head_dim,
                        self.dtype, self.device)
 
-    def _rope(self, tensor: Tensor, freqs: Tensor) -> Tensor:
-        # tensor [n, b, heads, hn], freqs [n, b, 1, hn]: each row at its own positions.
-        return _apply_rotary_pos_emb_bshd(tensor, freqs, rotary_interleaved=self.rotary_interleaved)
-
-    def _freqs(self, positions: Tensor, max_length: int) -> Tensor:
+    def _rope(self, positions: Tensor, max_length: int) -> _Rope:
         if self._rope_table is None or self._rope_table.size(0) < max_length:
-            # [T, 1, 1, hn]
+            # [T, 1, 1, rot] (fp32); built before a CUDA graph capture by its warm-up steps
             self._rope_table = self.model.rotary_pos_emb(max_length)
-        # [b, n] -> [b, n, 1, 1, hn] -> [n, b, 1, hn]
-        return self._rope_table[positions].squeeze(2).transpose(0, 1)
+        # [b, n] -> [b, n, 1, 1, rot] -> [n, b, 1, rot]
+        freqs = self._rope_table[positions].squeeze(2).transpose(0, 1)
+        return _Rope(freqs.cos().to(self.dtype), freqs.sin().to(self.dtype), self.rotary_interleaved)
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, cache: KVCache, last_only: bool = True) -> Tensor:
         """Run ``tokens [b, n]`` at the cache's next ``n`` slots (prefill: the padded prompts;
         decode: ``n = 1``) and advance the cache. Returns fp32 logits ``[b, n or 1, vocab]``."""
-        b, n = tokens.shape
+        n = tokens.size(1)
         start, end = cache.length, cache.length + n
         if end > cache.max_length:
             raise ConfigError(f"sequence of {end} positions exceeds the cache's {cache.max_length}")
-        slots = torch.arange(start, end, device=tokens.device)
+        new = torch.arange(start, end, device=tokens.device)
+        logits = self._run(tokens, cache, _Slots(start, new, end, attn_ops.blocked_slots(cache.pad, new, end)), last_only)
+        cache.length = end
+        return logits
+
+    @torch.inference_mode()
+    def decode_step(self, tokens: Tensor, cache: KVCache, slot: Tensor) -> Tensor:
+        """One token per row, ``tokens [b, 1]``, written at ``slot`` (a ``[1]`` long tensor on
+        the device) with fixed shapes: attention over all ``cache.max_length`` slots, the later
+        ones masked. Leaves ``cache.length`` alone (the caller advances it). Returns fp32 logits
+        ``[b, 1, vocab]``."""
+        visible = cache.max_length
+        is_new = torch.arange(visible, device=slot.device) == slot
+        slots = _Slots(None, slot, visible, attn_ops.blocked_slots(cache.pad, slot, visible), is_new)
+        return self._run(tokens, cache, slots, last_only=True)
+
+    def _run(self, tokens: Tensor, cache: KVCache, slots: _Slots, last_only: bool) -> Tensor:
         # [b, n]: RoPE position of each new token, counted from the row's first real token.
-        positions = (slots[None, :] - cache.pad[:, None]).clamp(min=0)
-        freqs = self._freqs(positions, cache.max_length)
-        mask = attn_ops.attention_mask(cache.pad, start, n, self.num_heads // self.num_groups)
+        positions = (slots.new[None, :] - cache.pad[:, None]).clamp(min=0)
+        rope = self._rope(positions, cache.max_length)
         # [b, n] -> [n, b, h]
         hidden = self.model.embedding(input_ids=tokens, position_ids=positions)
         region = {}  # what the source hands the sharing layers
         for index, layer in enumerate(self.layers):
-            hidden = self._layer(index, layer, hidden, cache, start, end, freqs, mask, region)
-        cache.length = end
+            hidden = self._layer(index, layer, hidden, cache, slots, rope, region)
         hidden = self.model.decoder.final_layernorm(hidden)
         if last_only:
             hidden = hidden[-1:]
@@ -114,35 +184,33 @@ class DecodeEngine:
         logits, _ = self.model.output_layer(hidden)
         return logits.transpose(0, 1).float()
 
-    def _layer(self, index, layer, hidden, cache, start, end, freqs, mask, region):
+    def _layer(self, index, layer, hidden, cache, slots, rope, region):
         residual = hidden
         normed = layer.input_layernorm(hidden)
         if isinstance(normed, tuple):  # norms that also return the residual (as in model/layer.py)
             normed, residual = normed
-        context = self._attention(index, layer.self_attention, normed, cache, start, end, freqs, mask, region)
+        context = self._attention(index, layer.self_attention, normed, cache, slots, rope, region)
         # [n, b, np * hn] -> [n, b, h]
         output = layer.self_attention.linear_proj(context)
         hidden = layer.self_attn_bda(False, layer.config.bias_dropout_fusion)(output, residual, layer.hidden_dropout)
         return layer._forward_mlp(hidden)
 
-    def _attention(self, index, attention, normed, cache, start, end, freqs, mask, region) -> Tensor:
+    def _attention(self, index, attention, normed, cache, slots, rope, region) -> Tensor:
         mode = self.modes[index]
         n = normed.size(0)
+        visible = slots.visible
         if mode != LayerMode.SHARE:
             # [n, b, h] -> [n, b, np, hn], [n, b, g, hn], [n, b, g, hn]
             query, key, value = attention.get_query_key_value_tensors(normed)
-            query, key = self._rope(query, freqs), self._rope(key, freqs)
-            cache.write(index, start, key, value)
+            query, key = rope(query), rope(key)
+            cache.write(index, slots.write_at, key, value)
             grouped = attn_ops.group_queries(query, self.num_groups)
-            probs = attn_ops.probabilities(grouped, cache.keys(index)[:, :, :end], mask, self.scale)
+            probs = attn_ops.probabilities(grouped, cache.keys(index)[:, :, :visible], slots.blocked, self.scale)
             if mode == LayerMode.SOURCE:
                 region.update(query=grouped, probs=probs)
-                if self.region_kernel is not None and start > 0:
-                    from epas_megatron.kernels.region_pv import region_pv
-
-                    # Every sharing layer's P . V over the cached slots, in one launch.
-                    region["cached"] = region_pv(probs, cache.sharing_values, start, kernel=self.region_kernel)
-            context = attn_ops.attend(probs, cache.values(index)[:, :, :end])
+                if self.region_kernel is not None:
+                    self._region_cached(probs, cache, slots, region)
+            context = attn_ops.attend(probs, cache.values(index)[:, :, :visible])
             return attn_ops.ungroup_context(context, self.num_heads, n)
 
         own, _ = attention.own_projection(normed)
@@ -150,19 +218,30 @@ class DecodeEngine:
         # [n, b, heads * hn] -> [n, b, heads, hn]
         own = own.view(n, own.size(1), heads, self.head_dim)
         if self.share == "kv":
-            grouped = attn_ops.group_queries(self._rope(own, freqs), self.num_groups)
-            probs = attn_ops.probabilities(grouped, cache.keys(index)[:, :, :end], mask, self.scale)
+            grouped = attn_ops.group_queries(rope(own), self.num_groups)
+            probs = attn_ops.probabilities(grouped, cache.keys(index)[:, :, :visible], slots.blocked, self.scale)
         else:
-            cache.write(index, start, None, own)
+            cache.write(index, slots.write_at, None, own)
             if self.decode_attention == "reuse":
                 probs = region["probs"]
                 if "cached" in region:
-                    values = cache.values(index)
-                    # cached slots from the one launch, plus this layer's new slots
-                    context = region["cached"][cache.sharing_slot(index)].to(values.dtype)
-                    context = context + attn_ops.attend(probs[..., start:end], values[:, :, start:end])
+                    # the cached slots from the one launch, plus this layer's new slots:
+                    # [b, g, m, n] @ ([n, b, g, hn] -> [b, g, n, hn]) -> [b, g, m, hn]
+                    context = region["cached"][cache.sharing_slot(index)]
+                    context = context + attn_ops.attend(probs.index_select(-1, slots.new), own.permute(1, 2, 0, 3))
                     return attn_ops.ungroup_context(context, self.num_heads, n)
             else:
-                probs = attn_ops.probabilities(region["query"], cache.keys(index)[:, :, :end], mask, self.scale)
-        context = attn_ops.attend(probs, cache.values(index)[:, :, :end])
+                probs = attn_ops.probabilities(region["query"], cache.keys(index)[:, :, :visible], slots.blocked, self.scale)
+        context = attn_ops.attend(probs, cache.values(index)[:, :, :visible])
         return attn_ops.ungroup_context(context, self.num_heads, n)
+
+    def _region_cached(self, probs: Tensor, cache: KVCache, slots: _Slots, region: dict) -> None:
+        """Every sharing layer's ``P · V`` over the slots written before this step, in one launch
+        (the sharing layers have not written their new slots yet)."""
+        if slots.start is None:
+            # Fixed shapes: every slot, the new one's probability zeroed (its V is stale until
+            # the layer writes it; the later slots' probabilities are already zero).
+            region["cached"] = region_pv(probs.masked_fill(slots.is_new, 0.0), cache.sharing_values, slots.visible,
+                                         kernel=self.region_kernel)
+        elif slots.start > 0:
+            region["cached"] = region_pv(probs, cache.sharing_values, slots.start, kernel=self.region_kernel)

@@ -9,11 +9,15 @@ One checkpoint serves every region from 0 to the one it was trained with (larger
 ``allow_untrained_region``): the model is built with that region's layer specs and the
 checkpoint loaded into it, exactly as ``epas-eval`` does. Prompts of different lengths are
 left-padded into one batch (see :mod:`epas_megatron.inference.kv_cache`), prefilled in chunks,
-then decoded one token per step until every row has produced ``eos`` or ``max_new_tokens``.
+then decoded one token per step until every row has produced ``eos`` or ``max_new_tokens``. On
+a GPU the decode steps replay one CUDA graph of a fixed-shape step (``decode_step='auto'``; see
+:mod:`epas_megatron.inference.decode_step`); the cache is sized to the prompt plus
+``max_new_tokens``, which such a step reads whole.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +26,7 @@ from typing import Optional
 import torch
 
 from epas_megatron.errors import ConfigError
+from epas_megatron.inference.decode_step import StaticDecodeStep, resolve_decode_step
 from epas_megatron.inference.engine import DecodeEngine
 from epas_megatron.inference.sampling import SamplingParams, next_tokens
 
@@ -49,11 +54,15 @@ class GenerationResult:
 class Generator:
     """Greedy or sampled generation with a KV cache over a built, loaded model (TP = PP = 1)."""
 
-    def __init__(self, model, tokenizer=None, decode_attention: str = "auto", region_kernel: Optional[str] = None):
+    def __init__(self, model, tokenizer=None, decode_attention: str = "auto", region_kernel: Optional[str] = None,
+                 decode_step: str = "auto"):
         share = _share_of(model)
         if decode_attention == "auto":
             decode_attention = "reuse" if share == "qk" else "qk"
         self.engine = DecodeEngine(model, decode_attention, region_kernel)
+        resolve_decode_step(decode_step, self.engine.device)  # a bad choice fails here, not at generate()
+        self.decode_step = decode_step
+        """'auto', 'eager', 'static' or 'cuda-graph' (:mod:`epas_megatron.inference.decode_step`)."""
         self.tokenizer = tokenizer
         self.max_length = self.engine.model.max_sequence_length
         """Longest sequence (prompt + generated tokens): the trained context."""
@@ -68,7 +77,8 @@ class Generator:
     @classmethod
     def from_checkpoint(cls, load: str | Path, region: int | str | None = None, *, allow_untrained_region: bool = False,
                         decode_attention: str = "auto", region_kernel: Optional[str] = None,
-                        precision: str = "auto", tokenizer_model: Optional[str] = None) -> "Generator":
+                        precision: str = "auto", tokenizer_model: Optional[str] = None,
+                        decode_step: str = "auto") -> "Generator":
         """Build the model at ``region`` sharing layers (None / 'max': the trained region; the
         block ends where the checkpoint's regions end, see ``--epas-exclude-last``) and load
         ``load`` (a checkpoint root or an ``iter_*`` directory) into it. Starts a world of one
@@ -109,7 +119,7 @@ class Generator:
                                     exclude_last=exclude_last)
         chunks = build_model(plan, seed=0).chunks
         load_checkpoint(checkpoint, chunks, restore_rng=False)
-        generator = cls(chunks[0], tokenizer, decode_attention, region_kernel)
+        generator = cls(chunks[0], tokenizer, decode_attention, region_kernel, decode_step)
         generator.checkpoint, generator.trained_region = checkpoint, trained
         return generator
 
@@ -155,6 +165,12 @@ class Generator:
         tokens = tokens.to(device)
         for start in range(0, longest, PREFILL_CHUNK):
             logits = engine.forward(tokens[:, start:start + PREFILL_CHUNK], cache)
+        mode = resolve_decode_step(self.decode_step, device, decode_steps=max_new_tokens - 1)
+        if mode == "eager" or max_new_tokens == 1:
+            decode = functools.partial(engine.forward, cache=cache)
+        else:
+            # its logits live in the step's static buffer: sampled from before the next step
+            decode = StaticDecodeStep(engine, cache, graph=mode == "cuda-graph")
 
         generator = None if sampling.greedy else torch.Generator(device=device).manual_seed(sampling.seed)
         vocab = self.tokenizer.vocab_size if self.tokenizer is not None else None
@@ -176,7 +192,7 @@ class Generator:
                     done[row] = True
             if bool(done.all()) or step == max_new_tokens - 1:
                 break
-            logits = engine.forward(chosen[:, None], cache)
+            logits = decode(chosen[:, None])
         if self.tokenizer is not None:
             for result in results:
                 body = result.tokens[:-1] if result.finish_reason == "eos" else result.tokens

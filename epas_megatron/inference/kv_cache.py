@@ -19,6 +19,11 @@ region in one launch (:mod:`epas_megatron.kernels.region_pv`).
 Batched prompts are **left-padded**: every sequence's newest token sits at the same slot, so one
 write position serves the batch; ``pad[i]`` slots at the start of row ``i`` are masked out of
 attention and the row's RoPE positions start at 0 after its padding.
+
+Writes take the first slot as a Python int (eager forwards: a slice copy) or the slots as a
+device tensor (the fixed-shape decode step of :mod:`epas_megatron.inference.engine`, which a
+CUDA graph replays: ``index_copy_`` at a slot the graph reads from memory, so the same captured
+step serves every position).
 """
 
 from __future__ import annotations
@@ -99,12 +104,15 @@ class KVCache:
             return self.sharing_values[self._sharing_slot[layer]]
         return self.computing_values[self._computing_slot[self.source]]
 
-    def write(self, layer: int, start: int, key: Optional[Tensor], value: Optional[Tensor]) -> None:
-        """Store ``[n, b, g, hn]`` key/value of positions ``start .. start + n`` for ``layer``."""
-        if key is not None:
-            n = key.size(0)
+    def write(self, layer: int, slots: int | Tensor, key: Optional[Tensor], value: Optional[Tensor]) -> None:
+        """Store ``[n, b, g, hn]`` key/value of ``layer`` at slots ``slots .. slots + n`` (an int)
+        or at the slots of a ``[n]`` long tensor on the cache's device."""
+        for buffer, part in ((self.keys, key), (self.values, value)):
+            if part is None:
+                continue
             # [n, b, g, hn] -> [b, g, n, hn], copied in place
-            self.keys(layer)[:, :, start:start + n].copy_(key.permute(1, 2, 0, 3))
-        if value is not None:
-            n = value.size(0)
-            self.values(layer)[:, :, start:start + n].copy_(value.permute(1, 2, 0, 3))
+            part = part.permute(1, 2, 0, 3)
+            if isinstance(slots, Tensor):
+                buffer(layer).index_copy_(2, slots, part)
+            else:
+                buffer(layer)[:, :, slots:slots + part.size(2)].copy_(part)

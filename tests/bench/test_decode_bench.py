@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from epas_testing import REPO
 
 CMD = [sys.executable, "-m", "epas_megatron.bench.cli", "decode", "--preset", "tiny", "--region", "2", "--batch", "2",
@@ -25,6 +27,23 @@ def test_decode_bench_reports_ratios_cache_bytes_and_serving_batches():
     assert record["serving_tokens_per_s_baseline"] > 0 and record["serving_tokens_per_s_epas"] > 0
     assert 1.0 < record["byte_limit_ratio_qk"] < record["byte_limit_ratio"]
     assert "| EPAS, probability reuse |" in proc.stdout
+    assert record["decode_step"] == "eager" and record["precision"] == "fp32"  # CPU: eager steps, fp32
+
+
+@pytest.mark.usefixtures("single_process")
+def test_decode_bench_runs_every_variant_on_the_fixed_shape_step():
+    """``decode_step='static'`` (what CUDA graphs replay on a GPU) for every variant, the region
+    kernel included; the cache sizes do not depend on the step."""
+    from epas_megatron.bench.decode_bench import DecodeBenchConfig, run_decode_bench
+
+    lines = []
+    cfg = DecodeBenchConfig("tiny", 2, batch=2, context=24, new_tokens=2, blocks=2, warmup=1, kv_budget_mb=0.25,
+                            region_kernel="torch", decode_step="static")
+    record = run_decode_bench(cfg, log=lines.append)
+    assert record["decode_step"] == "static" and "static decode step" in lines[0]
+    assert record["reuse_kernel_tokens_per_s"] > 0 and record["reuse_tokens_per_s"] > 0 and record["qk_tokens_per_s"] > 0
+    assert (record["kv_bytes_per_token_baseline"], record["kv_bytes_per_token_epas"]) == (1024, 768)
+    assert (record["max_batch_baseline"], record["max_batch_epas"]) == (10, 14)
 
 
 def test_decode_bench_bad_region_is_one_error_line():

@@ -18,6 +18,9 @@ def test_bytes_per_step_by_hand(tiny_arch):
     assert (qk.weights, qk.kv_cache) == (189120 * 4, 4 * 5120)
     reuse = decode_bytes_per_step(tiny_arch, modes, "qk", "reuse", 2, 10, 4)
     assert (reuse.weights, reuse.kv_cache) == (189120 * 4, 2 * 5120 + 2 * (2560 + 320))
+    # bf16: every term at 2 B, the probabilities too (the source hands P over in the model's dtype)
+    reuse_bf16 = decode_bytes_per_step(tiny_arch, modes, "qk", "reuse", 2, 10, 2)
+    assert (reuse_bf16.weights, reuse_bf16.kv_cache) == (189120 * 2, 2 * 2560 + 2 * (1280 + 160))
     baseline = decode_bytes_per_step(tiny_arch, layer_modes(4, ()), "qk", "qk", 2, 10, 4)
     assert baseline.weights == (16576 + 4 * (8192 + 38016)) * 4 and baseline.kv_cache == 4 * 5120
     # 'kv' sharing layers read Q (64*4*16 = 4096) and the source's K and V

@@ -1,6 +1,9 @@
 """The region P·V kernel: the PyTorch path against a per-layer loop, the Triton kernel against
 the PyTorch path in Triton's interpreter (a subprocess: the interpreter must be chosen before
-Triton is imported), the dispatcher's errors, and the byte count by hand."""
+Triton is imported) -- every launch shape the interpreter can run: the one-row reduction, the
+upcast fp32 ``tl.dot``, the native-dtype ``tl.dot`` branch (fp32 tiles: the interpreter computes
+a bf16 ``tl.dot`` wrongly), positions split over programs with the partials summed -- the
+launch plan and the split heuristic by hand, the dispatcher's errors, and the byte count by hand."""
 
 import json
 import subprocess
@@ -10,7 +13,7 @@ import pytest
 import torch
 
 from epas_testing import REPO
-from epas_megatron.kernels.region_pv import region_pv, region_pv_bytes, region_pv_reference
+from epas_megatron.kernels.region_pv import launch_plan, position_splits, region_pv, region_pv_bytes, region_pv_reference
 
 SHAPES = [  # (L, b, g, m, T_max, length, d)
     (1, 1, 1, 1, 8, 5, 16),
@@ -59,6 +62,17 @@ probs, values, length = inputs(SHAPES[1], dtype=torch.bfloat16)
 ours = region_pv(probs, values, length, kernel="triton").float()
 ref = region_pv_reference(probs.float(), values.float(), length)
 errors["bf16"] = ((ours - ref).abs().max() / ref.abs().max()).item()
+# positions split over programs (block_t 16): (L, b, g, m, T, length, d) and the splits asked for
+for shape, splits in [((5, 2, 2, 4, 20, 17, 24), 2), ((3, 1, 3, 2, 70, 70, 8), 3), ((2, 1, 2, 1, 300, 290, 16), 5),
+                      ((2, 1, 2, 1, 300, 290, 16), 100), ((4, 2, 1, 3, 64, 64, 40), 4)]:
+    probs, values, length = inputs(shape, seed=7)
+    for upcast in (True, False):  # False: the native-dtype tl.dot branch, here on fp32 tiles
+        ours = region_pv_triton(probs, values, length, block_t=16, splits=splits, upcast=upcast)
+        errors[f"split {{shape}} {{splits}} {{upcast}}"] = (ours - region_pv_reference(probs, values, length)).abs().max().item()
+    probs, values, length = inputs(shape, dtype=torch.bfloat16, seed=7)
+    ours = region_pv_triton(probs, values, length, block_t=16, splits=splits).float()
+    ref = region_pv_reference(probs.float(), values.float(), length)
+    errors[f"split bf16 {{shape}} {{splits}}"] = ((ours - ref).abs().max() / ref.abs().max()).item()
 print("ERRORS " + json.dumps(errors))
 """
 
@@ -74,6 +88,10 @@ def test_triton_kernel_equals_the_reference_in_the_interpreter():
         assert errors[shape] < 1e-5, (shape, errors[shape])
     # bf16 inputs, fp32 accumulation: within bf16's rounding of the inputs and output
     assert errors["bf16"] < 2e-2
+    split = {key: error for key, error in errors.items() if key.startswith("split")}
+    assert len(split) == 15
+    for key, error in split.items():
+        assert error < (2e-2 if "bf16" in key else 1e-5), (key, error)
 
 
 def test_dispatcher_errors():
@@ -85,6 +103,39 @@ def test_dispatcher_errors():
             region_pv(probs, values, length, kernel="triton")
     with pytest.raises(ValueError, match="length 9 outside"):
         region_pv(probs, values, 9)
+
+
+def test_position_splits_by_hand():
+    # 125m at batch 1: b*g*(d-tiles) = 1*12*2 = 24 programs on 132 SMs -> ceil(264 / 24) = 11 splits,
+    # at most 2048 // 128 = 16 ranges of 128 positions; 512 positions allow only 4.
+    assert position_splits(24, 2048, 132) == 11
+    assert position_splits(24, 512, 132) == 4
+    assert position_splits(24, 100, 132) == 1  # too short to split
+    assert position_splits(192, 2048, 132) == 1  # batch 8: the grid fills the SMs already
+    assert position_splits(24, 2048, None) == 1  # not a GPU
+
+
+def test_launch_plan_by_hand():
+    # 125m decode at batch 1 (L 6 sharing layers, g 12, m 1 row, d 64) on an H100 (132 SMs):
+    # one-row reduction; 8 layer slots x 32 dims = 256 columns; 2 d-tiles; 11 splits of
+    # 32 * ceil(64 blocks / 11) = 192 positions -> ceil(2048 / 192) = 11 ranges.
+    plan = launch_plan(6, 1, 12, 1, 64, 2048, sm_count=132)
+    assert (plan.block_m, plan.block_l, plan.block_d, plan.d_tiles) == (1, 8, 32, 2) and plan.one_row
+    assert (plan.positions_per_split, plan.splits) == (192, 11)
+    # GQA rows (m 4 -> 16 for tl.dot), L 2 x d 128 fits in 256 columns: one d-tile. Batch 8: 96
+    # programs -> ceil(264 / 96) = 3 splits of 32 * ceil(64 / 3) = 704 positions; batch 16: 192
+    # programs fill the SMs, no split.
+    plan = launch_plan(2, 8, 12, 4, 128, 2048, sm_count=132)
+    assert (plan.block_m, plan.block_l, plan.block_d, plan.d_tiles) == (16, 2, 128, 1) and not plan.one_row
+    assert (plan.positions_per_split, plan.splits) == (704, 3)
+    plan = launch_plan(2, 16, 12, 4, 128, 2048, sm_count=132)
+    assert (plan.positions_per_split, plan.splits) == (2048, 1)
+    # A request beyond the number of 32-position blocks (70 positions: 3 blocks) gives 3 ranges.
+    plan = launch_plan(3, 1, 3, 2, 8, 70, splits=100)
+    assert (plan.positions_per_split, plan.splits) == (32, 3)
+    # 290 positions in 5 requested ranges of block 16: 19 blocks -> 4 blocks (64 positions) each -> 5 ranges.
+    plan = launch_plan(2, 1, 2, 1, 16, 290, block_t=16, splits=5)
+    assert (plan.positions_per_split, plan.splits) == (64, 5)
 
 
 def test_bytes_by_hand():
@@ -107,8 +158,11 @@ arch = LlamaArchitecture(num_layers=4, hidden_size=64, num_attention_heads=4, nu
 model = build(arch, (2, 3)).eval()
 batch = prompts(256, seed=2)
 qk_tokens, qk_logits, _ = cached_greedy(DecodeEngine(model, "qk"), batch)
-tri_tokens, tri_logits, _ = cached_greedy(DecodeEngine(model, "reuse", region_kernel="triton"), batch)
-print("ENGINE " + json.dumps({{"same_tokens": qk_tokens == tri_tokens, "max_error": (qk_logits - tri_logits).abs().max().item()}}))
+result = {{}}
+for static in (False, True):  # eager steps, and the fixed-shape step (P with the new slot zeroed, every slot)
+    tri_tokens, tri_logits, _ = cached_greedy(DecodeEngine(model, "reuse", region_kernel="triton"), batch, static=static, spare=2)
+    result[str(static)] = {{"same_tokens": qk_tokens == tri_tokens, "max_error": (qk_logits - tri_logits).abs().max().item()}}
+print("ENGINE " + json.dumps(result))
 """
 
 
@@ -118,4 +172,5 @@ def test_engine_with_the_triton_kernel_generates_the_qk_paths_tokens():
                           text=True, timeout=600, env={"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads([l for l in proc.stdout.splitlines() if l.startswith("ENGINE ")][-1][7:])
-    assert result["same_tokens"] and result["max_error"] < 1e-4, result
+    for static in ("False", "True"):
+        assert result[static]["same_tokens"] and result[static]["max_error"] < 1e-4, result
