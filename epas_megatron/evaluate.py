@@ -173,7 +173,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         from epas_megatron.checkpointing.checkpoint import exclude_last_of
         from epas_megatron.checkpointing.integrity import open_checkpoint
+        from epas_megatron.runtime.accelerator import check_accelerator
         from epas_megatron.runtime.distributed import world_size_from_env
+
+        check_accelerator()
 
         checkpoint, meta = open_checkpoint(args.load, "--load", needs_config=True)
         num_layers = meta["model"]["num_layers"]

@@ -96,6 +96,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         from epas_megatron.inference.generator import Generator
         from epas_megatron.inference.sampling import SamplingParams
+        from epas_megatron.runtime.accelerator import check_accelerator
+
+        check_accelerator()
 
         prompts = read_prompts(args)
         if args.greedy and args.temperature:

@@ -30,8 +30,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     quiet_library_noise()
     from epas_megatron.config.cli import parse_config
     from epas_megatron.config.validation import resolve_run
+    from epas_megatron.runtime.accelerator import check_accelerator
 
     try:
+        check_accelerator()  # before anything decides between CPU and GPU
         run = resolve_run(parse_config(argv))
     except ConfigError as error:
         exit_signal.restore()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create (or update) the project's virtual environment: Python 3.12, torch 2.14.1, megatron-core
-# 0.19, the package in editable mode. Idempotent: a second run only checks what is installed.
+# Create (or update) the project's virtual environment: Python 3.12, torch 2.14.1 (a working CUDA
+# torch already in the venv is kept), megatron-core 0.19, the package in editable mode.
+# Idempotent: a second run only checks what is installed.
 #   VENV=.venv  PYTHON=/path/to/python3.12  bash tools/setup_env.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,11 +32,29 @@ if [ ! -x "$VENV/bin/python" ] || ! is_py312 "$VENV/bin/python"; then
   rm -rf "$VENV"
   "$PY" -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check -r requirements.txt 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+# requirements.txt pins torch for CPU machines and CI. A torch already in the venv that is in the
+# supported range (epas_megatron/runtime/accelerator.py: SUPPORTED_TORCH) and sees CUDA -- a GPU
+# node's build for its driver -- is kept: the pin is left out and the kept version is a constraint.
+# Where torch is missing or sees no CUDA (every CPU machine) the pin installs as before.
+REQUIREMENTS=(-r requirements.txt)
+CONSTRAINTS=()
+if KEEP_TORCH=$(PYTHONPATH=. "$VENV/bin/python" -c 'import sys, torch
+from epas_megatron.runtime.accelerator import torch_version_problem
+sys.exit(0 if torch.cuda.is_available() and torch_version_problem(torch.__version__) is None else 1)
+' 2>/dev/null && "$VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null); then
+  KEEP_DIR=$(mktemp -d)
+  trap 'rm -rf "$KEEP_DIR"' EXIT
+  grep -v -E '^[[:space:]]*torch[[:space:]]*([=<>!~;[]|$)' requirements.txt > "$KEEP_DIR/requirements.txt"
+  echo "torch==$KEEP_TORCH" > "$KEEP_DIR/constraints.txt"
+  REQUIREMENTS=(-r "$KEEP_DIR/requirements.txt")
+  CONSTRAINTS=(-c "$KEEP_DIR/constraints.txt")
+  echo "setup: keeping this venv's torch $KEEP_TORCH (CUDA works, in the supported range) instead of requirements.txt's pin"
+fi
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check "${REQUIREMENTS[@]}" "${CONSTRAINTS[@]}" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e . 2>&1 | grep -v "is ignored" || true
 # DeepSpeed (optional: its FLOPs profiler cross-checks the FLOPs model in the tests), CPU-only:
 # no ops compiled. A node where it does not install still trains; those tests then skip.
-if ! DS_BUILD_OPS=0 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-build-isolation "deepspeed==0.19.8" >/dev/null 2>&1; then
+if ! DS_BUILD_OPS=0 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-build-isolation "${CONSTRAINTS[@]}" "deepspeed==0.19.8" >/dev/null 2>&1; then
   echo "setup: deepspeed not installed (optional; DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.19.8 shows why)"
 fi
 "$VENV/bin/python" -c "import torch, megatron.core, epas_megatron; print(f'setup: torch {torch.__version__}, megatron-core {megatron.core.__version__}, epas-megatron {epas_megatron.__version__}')" 2>&1 | grep "^setup:"

@@ -121,6 +121,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     memory.add_argument("--tp", type=int, default=1, help="tensor parallel size: run under torchrun with this many processes")
     memory.add_argument("--sequence-parallel", action="store_true")
     args = parser.parse_args(argv)
+    from epas_megatron.runtime.accelerator import check_accelerator
+
+    try:
+        check_accelerator()  # a benchmark silently timed on the CPU of a GPU node would mislead
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return ConfigError.exit_code
     if args.command == "decode":
         return _decode(args)
     if args.command == "switch":
