@@ -1,150 +1,468 @@
 #!/usr/bin/env bash
-# Prove the GPU paths on a (possibly bare, offline) GPU node: set up, run the GPU suite and a short
-# benchmark at the 125m shape, and print what ran, on what, with pass/fail/skip and reasons.
+# Prove the GPU paths on a bare, offline GPU node in one command, in under 10 minutes: check the
+# node's own CUDA torch (never replaced), install what the node lacks from a folder of wheels, run
+# the GPU suite (pytest -m gpu tests/gpu) and a short benchmark at the 125m shape, and print a row
+# for the README's GPU ledger (device, driver, CUDA, torch, megatron-core, TE, pass/fail/skip with
+# reasons), ready to paste.
 #
-#   tools/gpu_check.sh                       # set up .venv-gpu, run everything
-#   WHEELS=/shared/wheels tools/gpu_check.sh # offline: install only from a directory of wheels
-#   tools/gpu_check.sh --dry-run             # print what would be installed and run; exit 0
+# On the GPU node, with the checkout and the wheel folder side by side (epas-megatron/, gpu_wheels/):
+#
+#   cd epas-megatron && tools/gpu_check.sh
+#
+# The wheel folder is made on any machine with PyPI access (Linux x86-64 / CPython 3.12 wheels of
+# megatron-core, numpy, pytest, ...; never torch, triton or nvidia-*; about 22 MiB):
+#
+#   tools/gpu_wheels.sh ../gpu_wheels      # then copy epas-megatron/ and gpu_wheels/ to the node
+#
+# Modes:
+#   tools/gpu_check.sh --dry-run        print the plan (checks, installs, commands); exit 0; any machine
+#   tools/gpu_check.sh --setup-only     check torch, install what is missing, import-check; no GPU needed
+#   tools/gpu_check.sh --report DIR     print the ledger row of an earlier run's OUT directory again
+#   tools/gpu_check.sh --requirements   print what the check installs where missing (gpu_wheels.sh reads it)
 #
 # Environment:
-#   PYTHON   interpreter with (ideally) the node's own CUDA torch; default: python3.12, then python3
-#   VENV     virtual environment to create, with the node's site-packages visible (so the node's
-#            torch, Triton and CUDA libraries are used as they are); VENV=system installs into
-#            PYTHON's own environment instead. Default: .venv-gpu
-#   WHEELS   directory of wheels (megatron-core 0.19.x and anything the node lacks): pip runs with
-#            --no-index --find-links WHEELS, no network needed
-#   OUT      report directory (default: gpu_check_out): junit XML, logs, gpu_check.json
-#   BENCH    0 skips the benchmark (default 1); BENCH_ITERS timed iterations (default 20)
+#   PYTHON        the node's python, with its CUDA torch (default: the first of python3.12, python3,
+#                 python that imports torch)
+#   WHEELS        folder made by tools/gpu_wheels.sh (default: ../gpu_wheels beside the checkout, where
+#                 it exists). Only its wheels are installed (pip --no-index --no-deps), and only those
+#                 that fill a gap: each requirement is checked against what the node has. A node with
+#                 network access makes the folder itself: tools/gpu_wheels.sh ../gpu_wheels
+#   VENV          where missing packages go (default: .venv-gpu): a virtual environment that sees
+#                 PYTHON's packages (torch, Triton, CUDA libraries are used as they are, also when PYTHON
+#                 is itself a venv). VENV=system installs into PYTHON's own environment instead.
+#   OUT           report directory (default: gpu_check_out): environment.json, gpu_suite.xml and .log,
+#                 bench.log, ledger_row.md, gpu_check.json
+#   TIME_LIMIT    seconds for the whole check (default 570); the suite gets what set-up and the benchmark
+#                 leave, and is stopped (its results so far kept) when that is spent
+#   TEST_TIMEOUT  seconds per test (default 240; pytest-timeout, which the wheel folder brings)
+#   BENCH         0 skips the benchmark (default 1); BENCH_ITERS timed iterations (default 20);
+#                 BENCH_TIMEOUT seconds (default 120)
 #
-# The node needs a CUDA build of torch (any recent one: the package is installed with --no-deps and
-# does not pin the node's torch). Transformer Engine is used when it imports; its tests skip
-# otherwise. Exit status: 0 when nothing failed (skips are reported, not failures).
+# Exit status: 0 when nothing failed (skips are reported with their reasons); 1 when a test or the
+# benchmark failed or ran out of time; 2 when this node cannot run the check (no CUDA torch, torch
+# outside the supported range, no usable GPU, packages missing and no wheel folder).
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO"
 
-DRY_RUN=0
-for arg in "$@"; do
-    case "$arg" in
+# What the GPU suite and the benchmark import besides the node's torch (and what torch brings:
+# Triton, the CUDA libraries). tools/gpu_wheels.sh downloads these and their dependencies.
+REQUIREMENTS=(
+    "megatron-core>=0.19.2,<0.20"
+    "numpy>=1.26"
+    "packaging>=24.2"
+    "pyyaml>=6.0"
+    "sentencepiece>=0.2"
+    "psutil>=5.9"
+    "pytest>=8.0"
+    "pytest-timeout>=2.3"
+)
+
+MODE=run DRY_RUN=0 REPORT_DIR=
+while [[ $# -gt 0 ]]; do
+    case "$1" in
         --dry-run) DRY_RUN=1 ;;
-        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
-        *) echo "error: unknown argument $arg (only --dry-run)" >&2; exit 2 ;;
+        --setup-only) MODE=setup ;;
+        --report) MODE=report; REPORT_DIR=${2:?"error: --report needs the OUT directory of a run"}; shift ;;
+        --requirements) MODE=requirements ;;
+        -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
+        *) echo "error: unknown argument $1 (--dry-run, --setup-only, --report DIR, --requirements, --help)" >&2; exit 2 ;;
     esac
+    shift
 done
-VENV=${VENV:-.venv-gpu}
+if [[ $MODE == requirements ]]; then printf '%s\n' "${REQUIREMENTS[@]}"; exit 0; fi
+
 OUT=${OUT:-gpu_check_out}
+VENV=${VENV:-.venv-gpu}
+TIME_LIMIT=${TIME_LIMIT:-570}
+TEST_TIMEOUT=${TEST_TIMEOUT:-240}
 BENCH=${BENCH:-1}
 BENCH_ITERS=${BENCH_ITERS:-20}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-120}
+[[ $BENCH == 0 || $BENCH == 1 ]] || { echo "error: BENCH=$BENCH: 1 runs the benchmark, 0 skips it" >&2; exit 2; }
+for knob in TIME_LIMIT TEST_TIMEOUT BENCH_ITERS BENCH_TIMEOUT; do
+    [[ ${!knob} =~ ^[0-9]+$ ]] || { echo "error: $knob=${!knob} is not a whole number of seconds/iterations" >&2; exit 2; }
+done
 
 say() { printf '%s\n' "$*"; }
+quote() {  # the words of a command line, shell-quoted where they need it (copy-pasteable)
+    local word line=
+    for word in "$@"; do
+        if [[ "$word" =~ ^[A-Za-z0-9_./=:,+@%-]+$ ]]; then line+="$word "; else line+="'${word//\'/\'\\\'\'}' "; fi
+    done
+    printf '%s' "${line% }"
+}
 run() {  # print (copy-pasteable), then run unless --dry-run
-    say "+ $(printf '%q ' "$@")"
+    say "+ $(quote "$@")"
     if [[ $DRY_RUN == 0 ]]; then "$@"; fi
 }
+# A check that stops a real run; under --dry-run it is reported and the plan goes on.
+stop() {
+    if [[ $DRY_RUN == 1 ]]; then say "note: a real run would stop here: $*"; return 0; fi
+    say "error: $*" >&2; exit 2
+}
 
-# ---- interpreter
+# ---- the ledger row (also --report DIR): stdlib only, reads what a run left in OUT
+ledger_report() {  # $1: python, $2: OUT directory
+    "$1" - "$2" <<'EOF'
+import json, re, sys, xml.etree.ElementTree as ET
+from collections import Counter
+from pathlib import Path
+
+out = Path(sys.argv[1])
+
+def cell(text):
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+def read(name, default=""):
+    path = out / name
+    return path.read_text() if path.exists() else default
+
+env = json.loads(read("environment.json", "{}"))
+suite_status = read("gpu_suite.status").strip()
+passed, failed, skipped = [], [], []
+try:
+    root = ET.parse(out / "gpu_suite.xml").getroot()
+except (OSError, ET.ParseError) as error:
+    root = None
+    suite_problem = f"no suite report ({type(error).__name__})"
+for case in (root.iter("testcase") if root is not None else ()):
+    if not case.get("name"):
+        continue  # the test running when the suite was stopped
+    name = f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}"
+    if case.find("failure") is not None or case.find("error") is not None:
+        node = case.find("failure") if case.find("failure") is not None else case.find("error")
+        failed.append((name, (node.get("message") or "").splitlines()[0][:160] if node.get("message") else ""))
+    elif case.find("skipped") is not None:
+        skipped.append((name, case.find("skipped").get("message", "").removeprefix("Skipped: ")))
+    else:
+        passed.append(name)
+
+parts = []
+if root is None:
+    parts.append(suite_problem)
+else:
+    parts.append(f"GPU suite: {len(passed)} passed, {len(failed)} failed, {len(skipped)} skipped")
+if suite_status == "124":
+    running = ""
+    for line in read("gpu_suite.log").splitlines():
+        match = re.match(r"^(tests/gpu/\S+::\S+)\s*$", line)
+        running = match.group(1) if match else running
+    parts.append(f"stopped at its time limit{f' in {running}' if running else ''}")
+if skipped:
+    reasons = Counter(reason for _, reason in skipped)
+    parts.append("skipped: " + "; ".join(f"{reason} (x{n})" for reason, n in reasons.most_common()))
+if failed:
+    parts.append("failed: " + "; ".join(name for name, _ in failed))
+bench_status = read("bench.status").strip()
+bench = None
+for line in read("bench.log").splitlines():
+    if line.startswith("BENCH "):
+        bench = json.loads(line[len("BENCH "):])
+if bench is not None:
+    parts.append(f"bench train {bench.get('preset')} seq {bench.get('seq_length')} ({bench.get('precision')}, {bench.get('backend')}): "
+                 f"EPAS/baseline {bench.get('ratio', float('nan')):.3f} (FLOP limit {bench.get('flop_limit_ratio', float('nan')):.3f}), "
+                 f"baseline {bench.get('baseline_tokens_per_s', 0):,.0f} tok/s")
+elif bench_status == "skipped":
+    parts.append("bench not run (BENCH=0)")
+elif bench_status:
+    parts.append("bench " + ("stopped at its time limit" if bench_status == "124" else f"failed (exit {bench_status})"))
+
+device = env.get("device", "unknown device")
+row = (f"| {env.get('date', '?')} | {cell(device)} x{env.get('device_count', '?')} (driver {cell(env.get('driver', '?'))}) "
+       f"| {cell(env.get('torch', '?'))} (CUDA {cell(env.get('cuda', '?'))}) | {cell(env.get('megatron_core', '?'))} "
+       f"| {cell(env.get('transformer_engine', '?'))} | {cell('; '.join(parts))} |")
+ok = root is not None and not failed and suite_status in ("0", "") and bench_status in ("0", "skipped", "")
+print(f"GPU suite: {len(passed)} passed, {len(failed)} failed, {len(skipped)} skipped")
+for name, message in failed:
+    print(f"  failed: {name}: {message}")
+for name, reason in skipped:
+    print(f"  skipped: {name}: {reason}")
+print()
+print("GPU ledger row (README.md, section 'GPU ledger'):")
+print(row)
+(out / "ledger_row.md").write_text(row + "\n")
+json.dump({"environment": env, "passed": passed, "failed": failed, "skipped": skipped, "suite_status": suite_status,
+           "bench": bench, "bench_status": bench_status, "ledger_row": row, "ok": ok}, open(out / "gpu_check.json", "w"), indent=1)
+print(f"report: {out}/gpu_check.json")
+sys.exit(0 if ok else 1)
+EOF
+}
+
+if [[ $MODE == report ]]; then
+    [[ -d "$REPORT_DIR" ]] || { echo "error: --report $REPORT_DIR is not a directory (the OUT of a gpu_check.sh run)" >&2; exit 2; }
+    ledger_report "${PYTHON:-python3}" "$REPORT_DIR"
+    exit $?
+fi
+
+[[ $DRY_RUN == 1 ]] && say "gpu_check.sh --dry-run: the plan (nothing is installed or run)"
+
+# ---- 1. the node's python and its torch, checked before anything else
 if [[ -z "${PYTHON:-}" ]]; then
-    for candidate in python3.12 python3; do
-        if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+    for candidate in python3.12 python3 python; do
+        if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import sys, torch; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; then
             PYTHON=$(command -v "$candidate"); break
         fi
     done
 fi
+PYTHON_FOUND=1
 if [[ -z "${PYTHON:-}" ]]; then
-    if [[ $DRY_RUN == 1 ]]; then PYTHON=python3.12; say "note: no Python >= 3.12 here; showing the plan for python3.12"
-    else say "error: Python >= 3.12 not found (megatron-core 0.17+ needs it); set PYTHON=/path/to/python3.12" >&2; exit 2; fi
+    PYTHON=python3.12 PYTHON_FOUND=0
+    stop "no python >= 3.12 with torch found (tried python3.12, python3, python); set PYTHON=/path/to/the/node's/python (the one whose torch is a CUDA build)"
+fi
+say "python: $PYTHON"
+NEED_GPU=1
+[[ $MODE == setup ]] && NEED_GPU=0
+# Prints the torch version on success; else one line saying why and exits 2.
+torch_check() {
+    PYTHONPATH="$REPO" "$PYTHON" - "$NEED_GPU" <<'EOF'
+import sys
+need_gpu = sys.argv[1] == "1"
+if sys.version_info < (3, 12):
+    print(f"PYTHON is Python {sys.version.split()[0]}; megatron-core 0.17+ needs >= 3.12: set PYTHON=/path/to/python3.12 (the one with the node's CUDA torch)")
+    sys.exit(2)
+try:
+    import torch
+except Exception as error:
+    print(f"PYTHON={sys.executable} cannot import torch ({type(error).__name__}: {error}); gpu_check.sh uses the node's own "
+          f"CUDA torch and never installs one: set PYTHON to the python that has it")
+    sys.exit(2)
+from epas_megatron.runtime.accelerator import accelerator_problem, detect, torch_version_problem
+facts = detect()
+if not facts.torch_cuda:
+    print(f"{facts.torch_build} at {torch.__file__}: the GPU check needs a CUDA build of torch; set PYTHON to the node's python "
+          f"with its CUDA torch (gpu_check.sh never installs torch)")
+    sys.exit(2)
+problem = torch_version_problem(facts.torch_version) or accelerator_problem(facts)
+if problem:
+    print(problem)
+    sys.exit(2)
+if need_gpu and not facts.cuda_available:
+    hidden = f" (CUDA_VISIBLE_DEVICES={facts.cuda_visible_devices!r})" if facts.cuda_visible_devices is not None else ""
+    print(f"no usable CUDA device: torch.cuda.is_available() is False{hidden}; run gpu_check.sh on a GPU node "
+          f"(--dry-run and --setup-only work anywhere)")
+    sys.exit(2)
+print(facts.torch_version)
+EOF
+}
+if [[ $PYTHON_FOUND == 0 ]]; then
+    TORCH_VERSION=
+elif TORCH_OUT=$(torch_check 2>&1); then
+    TORCH_VERSION=$(tail -n 1 <<<"$TORCH_OUT")
+    say "torch: $TORCH_VERSION (a CUDA build in the supported range; used as it is, never replaced)"
+else
+    TORCH_VERSION=
+    stop "$(tail -n 1 <<<"$TORCH_OUT")"
 fi
 
-# ---- environment
-PIP_SOURCE=()
-if [[ -n "${WHEELS:-}" ]]; then
-    [[ $DRY_RUN == 1 || -d "$WHEELS" ]] || { say "error: WHEELS=$WHEELS is not a directory" >&2; exit 2; }
-    PIP_SOURCE=(--no-index --find-links "$WHEELS")
+# ---- 2. what the node lacks, installed from the wheel folder only (torch is never touched)
+# The plan is made here, not by pip's resolver: pip would re-resolve the node's whole torch tree
+# (vendor builds such as NGC's 2.6.0a0 do not even satisfy megatron-core's torch>=2.6.0), so each
+# requirement (and, recursively, each requirement of what is installed or chosen) is checked
+# against the environment, and only the wheels that fill a gap are installed, with --no-deps.
+install_plan() {  # $1: python of the target environment, $2: wheel folder (may be empty or absent)
+    "$1" - "$2" "${REQUIREMENTS[@]}" <<'EOF'
+import email.parser, re, sys, zipfile
+from importlib import metadata
+from pathlib import Path
+try:
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name, parse_wheel_filename
+    from packaging.version import Version
+except ImportError:  # pip always carries a copy
+    from pip._vendor.packaging.requirements import Requirement
+    from pip._vendor.packaging.utils import canonicalize_name, parse_wheel_filename
+    from pip._vendor.packaging.version import Version
+
+folder = Path(sys.argv[1]) if sys.argv[1] else None
+wheels = {}
+for path in (folder.glob("*.whl") if folder and folder.is_dir() else ()):
+    name, version, _, _ = parse_wheel_filename(path.name)
+    wheels.setdefault(name, []).append((version, path))
+
+
+def node_owned(name):  # the node's torch and what comes with it: checked before, never installed
+    return name in ("torch", "triton") or name.startswith(("nvidia-", "cuda-"))
+
+
+def applicable(lines, extras):
+    result = []
+    for line in lines or []:
+        req = Requirement(line)
+        if req.marker is None or any(req.marker.evaluate({"extra": extra}) for extra in {"", *extras}):
+            result.append(req)
+    return result
+
+
+def wheel_requires(path):
+    with zipfile.ZipFile(path) as archive:
+        meta = next(n for n in archive.namelist() if re.fullmatch(r"[^/]+\.dist-info/METADATA", n))
+        return email.parser.Parser().parsestr(archive.read(meta).decode()).get_all("Requires-Dist")
+
+
+def installed(name):
+    try:
+        return Version(metadata.version(name))
+    except metadata.PackageNotFoundError:
+        return None
+
+
+plan, missing, seen = {}, [], set()
+queue = [(Requirement(spec), "tools/gpu_check.sh") for spec in sys.argv[2:]]
+while queue:
+    req, parent = queue.pop(0)
+    name = canonicalize_name(req.name)
+    key = (name, str(req.specifier), tuple(sorted(req.extras)))
+    if key in seen or node_owned(name):
+        continue
+    seen.add(key)
+    have = plan[name][0] if name in plan else installed(name)
+    if have is not None and req.specifier.contains(have, prereleases=True):
+        lines = wheel_requires(plan[name][1]) if name in plan else metadata.requires(name)
+    else:
+        fits = sorted((v, p) for v, p in wheels.get(name, []) if req.specifier.contains(v, prereleases=True))
+        if not fits:
+            missing.append(f"{req} (for {parent}; {f'{have} here' if have else 'not here'}, no wheel of it in {folder or 'no wheel folder'})")
+            continue
+        plan[name] = fits[-1]
+        lines = wheel_requires(fits[-1][1])
+    queue.extend((dep, name) for dep in applicable(lines, req.extras))
+for text in missing:
+    print(f"missing {text}")
+for name in sorted(plan):
+    print(f"install {plan[name][1]}")
+EOF
+}
+link_node_packages() {  # VENV sees PYTHON's packages. A .pth file, not --system-site-packages: where PYTHON
+    # is itself a venv (as on many GPU images), --system-site-packages would show its base python's instead.
+    local site_dirs pth
+    site_dirs=$("$PYTHON" -c 'import os, sys; print("\n".join(p for p in sys.path if os.path.basename(p.rstrip("/")) in ("site-packages", "dist-packages") and os.path.isdir(p)))')
+    pth=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_gpu_check_node_packages.pth
+    say "+ # $pth: site.addsitedir() of PYTHON's $(tr '\n' ' ' <<<"$site_dirs")"
+    while IFS= read -r dir; do
+        [[ -n "$dir" ]] && printf 'import site; site.addsitedir(%s)\n' "$("$PYTHON" -c 'import sys; print(repr(sys.argv[1]))' "$dir")"
+    done <<<"$site_dirs" >"$pth"
+}
+
+if [[ -z "${WHEELS:-}" && -d "$REPO/../gpu_wheels" ]]; then WHEELS=$(cd "$REPO/../gpu_wheels" && pwd); fi
+if [[ -n "${WHEELS:-}" && ! -d "$WHEELS" ]]; then
+    stop "WHEELS=$WHEELS is not a directory: set WHEELS to the folder tools/gpu_wheels.sh made"
 fi
-if [[ "$VENV" == system ]]; then
-    PY=$PYTHON
-else
+say "wheels: ${WHEELS:-none (no WHEELS, no ../gpu_wheels beside the checkout)}"
+PY=$PYTHON
+if [[ $VENV != system ]]; then
+    if [[ $DRY_RUN == 1 || ! -x "$VENV/bin/python" ]]; then
+        run "$PYTHON" -m venv "$VENV" || stop "$PYTHON -m venv $VENV failed (no ensurepip? e.g. apt-get install python3.12-venv); or set VENV=system to install into PYTHON's own environment"
+    fi
+    if [[ $DRY_RUN == 1 ]]; then say "+ # $VENV/lib/python3.12/site-packages/_gpu_check_node_packages.pth: site.addsitedir() of PYTHON's site-packages"
+    else link_node_packages; fi
     PY=$VENV/bin/python
-    if [[ $DRY_RUN == 1 || ! -x "$PY" ]]; then
-        run "$PYTHON" -m venv --system-site-packages "$VENV"
+fi
+PLAN_PY=$PY  # under --dry-run the venv does not exist: what PYTHON has is what it would see
+[[ -x "$PLAN_PY" ]] || PLAN_PY=$PYTHON
+PLAN=() MISSING=() INSTALL=() KNOWN=0
+if [[ $PYTHON_FOUND == 1 ]] && "$PLAN_PY" -c '' >/dev/null 2>&1; then
+    PLAN_OUT=$(install_plan "$PLAN_PY" "${WHEELS:-}") || stop "could not plan the install with $PLAN_PY (its error is above)"
+    [[ -z "$PLAN_OUT" ]] || mapfile -t PLAN <<<"$PLAN_OUT"
+    KNOWN=1
+fi
+for line in ${PLAN[@]+"${PLAN[@]}"}; do
+    case "$line" in missing\ *) MISSING+=("${line#missing }") ;; install\ *) INSTALL+=("${line#install }") ;; esac
+done
+if [[ $KNOWN == 0 ]]; then  # --dry-run without the node's python
+    say "packages: (not known here) what the node lacks of: ${REQUIREMENTS[*]}, from ${WHEELS:-../gpu_wheels}"
+    INSTALL=("${WHEELS:-../gpu_wheels}/<the wheels the node lacks>.whl")
+elif [[ ${#MISSING[@]} -gt 0 ]]; then
+    say "packages missing here, with no fitting wheel:"; printf '  %s\n' "${MISSING[@]}"
+    if [[ -z "${WHEELS:-}" ]]; then
+        stop "this node lacks ${#MISSING[@]} package(s) (listed above) and there is no wheel folder: on a machine with PyPI access run tools/gpu_wheels.sh ../gpu_wheels, copy gpu_wheels/ beside this checkout (or set WHEELS=/path/to/it), and run again"
+    else
+        stop "WHEELS=$WHEELS lacks what this node needs (listed above): remake it with tools/gpu_wheels.sh (from this checkout) on a machine with PyPI access"
     fi
 fi
-have() { command -v "$PY" >/dev/null 2>&1 && "$PY" -c "import $1" >/dev/null 2>&1; }
-
-if ! have torch; then
-    run "$PY" -m pip install -q "${PIP_SOURCE[@]}" torch
+if [[ ${#INSTALL[@]} == 0 ]]; then
+    say "packages: everything the check imports is here; nothing to install"
+else
+    say "packages to install from ${WHEELS:-../gpu_wheels} (only what this node lacks; --no-deps, the plan checked every requirement):"
+    run "$PY" -m pip --isolated install -q --disable-pip-version-check --no-index --no-deps "${INSTALL[@]}"
+    if [[ $DRY_RUN == 0 ]]; then
+        STILL=$(install_plan "$PY" "") || stop "could not check the install with $PY (its error is above)"
+        [[ -z "$STILL" ]] || stop "after the install, still: $(tr '\n' ';' <<<"$STILL")"
+    fi
 fi
-if ! have megatron.core; then
-    run "$PY" -m pip install -q --no-deps "${PIP_SOURCE[@]}" "megatron-core>=0.19.2,<0.20"
-fi
-# What the package needs at run time besides torch and megatron-core; the node usually has most.
-for pair in numpy:numpy packaging:packaging yaml:pyyaml sentencepiece:sentencepiece psutil:psutil \
-            tensorboard:tensorboard transformers:transformers safetensors:safetensors pytest:pytest; do
-    module=${pair%%:*} dist=${pair##*:}
-    have "$module" || run "$PY" -m pip install -q "${PIP_SOURCE[@]}" "$dist"
-done
-run "$PY" -m pip install -q --no-deps --no-build-isolation -e .
 
-# ---- what this node is
+# ---- 3. import check: what the suite and the benchmark load
+say "+ export PYTHONPATH=$REPO\${PYTHONPATH:+:\$PYTHONPATH}"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+run "$PY" -c "import numpy, yaml, sentencepiece, psutil, pytest, pytest_timeout, megatron.core, epas_megatron.train, epas_megatron.bench.cli, epas_megatron.generate"
+if [[ $MODE == setup ]]; then
+    run "$PY" -m pytest --collect-only -q -m gpu tests/gpu -p no:cacheprovider
+    say "set-up complete ($PY); the check itself: tools/gpu_check.sh"
+    exit 0
+fi
+
+# ---- 4. what this node is
 run mkdir -p "$OUT"
+say "+ $PY - $OUT  # environment.json: device, driver, CUDA, torch, megatron-core, TE, fused kernels"
 if [[ $DRY_RUN == 0 ]]; then
-    "$PY" - <<'EOF' | tee "$OUT/environment.txt"
-import importlib, platform, subprocess
+    rm -f "$OUT"/gpu_suite.* "$OUT"/bench.*
+    "$PY" - "$OUT" <<'EOF'
+import datetime, importlib, json, platform, sys
 import torch
+from epas_megatron.runtime.accelerator import detect
+from epas_megatron.model.fusions import KernelAvailability, describe, fusion_settings, transformer_engine_importable
+
 def version(name):
     try:
-        module = importlib.import_module(name)
-        return getattr(module, "__version__", "installed")
+        return getattr(importlib.import_module(name), "__version__", "installed")
     except Exception as error:
         return f"not available ({type(error).__name__})"
-gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "NO CUDA DEVICE"
-try:
-    driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                            capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
-except Exception:
-    driver = "unknown"
-print(f"device: {gpu} x {torch.cuda.device_count()} | driver {driver} | CUDA {torch.version.cuda}")
-print(f"python {platform.python_version()} | torch {torch.__version__} | megatron-core {version('megatron.core')}")
-print(f"transformer_engine {version('transformer_engine')} | apex {version('apex')} | flash_attn {version('flash_attn')} | triton {version('triton')}")
-from epas_megatron.model.fusions import KernelAvailability, describe, fusion_settings
-print(describe(fusion_settings(KernelAvailability.detect())))
+
+facts = detect()
+te = transformer_engine_importable()
+env = {
+    "date": datetime.date.today().isoformat(),
+    "device": torch.cuda.get_device_name(), "device_count": torch.cuda.device_count(),
+    "capability": ".".join(map(str, torch.cuda.get_device_capability())),
+    "driver": facts.driver_version or "unknown", "cuda": torch.version.cuda, "torch": torch.__version__,
+    "python": platform.python_version(), "megatron_core": version("megatron.core"),
+    "transformer_engine": f"yes ({version('transformer_engine')})" if te else "no",
+    "triton": version("triton"), "apex": version("apex"), "flash_attn": version("flash_attn"),
+    "fusions": describe(fusion_settings(KernelAvailability.detect())),
+}
+json.dump(env, open(f"{sys.argv[1]}/environment.json", "w"), indent=1)
+for key, value in env.items():
+    print(f"{key}: {value}")
 EOF
 fi
 
-# ---- the GPU suite
-status=0
-run "$PY" -m pytest -m gpu tests/gpu -rA -q -p no:cacheprovider --junitxml "$OUT/gpu_suite.xml" || status=$?
-
-# ---- a short benchmark at the 125m shape, seq 2048
-if [[ $BENCH == 1 ]]; then
-    run "$PY" -m epas_megatron.bench.cli train --preset 125m --seq-length 2048 --micro-batch-size 4 \
-        --iters "$BENCH_ITERS" --blocks 4 --warmup 3 || status=$?
-fi
-
-# ---- report
+# ---- 5. the GPU suite, within what the time limit leaves (stopped with SIGINT: results so far are kept)
+SUITE_LIMIT=$(( TIME_LIMIT - SECONDS - (BENCH == 1 ? BENCH_TIMEOUT : 0) - 30 ))
+(( SUITE_LIMIT >= 60 )) || SUITE_LIMIT=60
+SUITE=(timeout --signal=INT --kill-after=30 "$SUITE_LIMIT" "$PY" -m pytest -m gpu tests/gpu -v -rA -p no:cacheprovider
+       --timeout "$TEST_TIMEOUT" --junitxml "$OUT/gpu_suite.xml")
+say "+ $(quote "${SUITE[@]}") 2>&1 | tee $OUT/gpu_suite.log"
 if [[ $DRY_RUN == 0 ]]; then
-    "$PY" - "$OUT" <<'EOF'
-import json, sys, xml.etree.ElementTree as ET
-out = sys.argv[1]
-try:
-    root = ET.parse(f"{out}/gpu_suite.xml").getroot()
-except Exception as error:
-    print(f"no suite report: {error}"); sys.exit(0)
-rows = {"passed": [], "failed": [], "skipped": []}
-for case in root.iter("testcase"):
-    name = f"{case.get('classname')}::{case.get('name')}"
-    if case.find("failure") is not None or case.find("error") is not None:
-        rows["failed"].append(name)
-    elif case.find("skipped") is not None:
-        rows["skipped"].append(f"{name} ({case.find('skipped').get('message', '')})")
-    else:
-        rows["passed"].append(name)
-print(f"GPU suite: {len(rows['passed'])} passed, {len(rows['failed'])} failed, {len(rows['skipped'])} skipped")
-for kind in ("failed", "skipped"):
-    for row in rows[kind]:
-        print(f"  {kind}: {row}")
-env = open(f"{out}/environment.txt").read().splitlines()
-json.dump({"environment": env, **rows}, open(f"{out}/gpu_check.json", "w"), indent=1)
-print(f"report: {out}/gpu_check.json")
-EOF
+    set +e; "${SUITE[@]}" 2>&1 | tee "$OUT/gpu_suite.log"; echo "${PIPESTATUS[0]}" >"$OUT/gpu_suite.status"; set -e
 fi
-exit $status
+
+# ---- 6. a short benchmark at the 125m shape, seq 2048
+if [[ $BENCH == 1 ]]; then
+    BENCH_CMD=(timeout --signal=INT --kill-after=15 "$BENCH_TIMEOUT" "$PY" -m epas_megatron.bench.cli train --preset 125m
+               --seq-length 2048 --micro-batch-size 4 --iters "$BENCH_ITERS" --blocks 4 --warmup 3)
+    say "+ $(quote "${BENCH_CMD[@]}") 2>&1 | tee $OUT/bench.log"
+    if [[ $DRY_RUN == 0 ]]; then
+        set +e; "${BENCH_CMD[@]}" 2>&1 | tee "$OUT/bench.log"; echo "${PIPESTATUS[0]}" >"$OUT/bench.status"; set -e
+    fi
+elif [[ $DRY_RUN == 0 ]]; then
+    echo skipped >"$OUT/bench.status"
+fi
+
+# ---- 7. the report and the ledger row
+say "+ tools/gpu_check.sh --report $OUT"
+if [[ $DRY_RUN == 1 ]]; then
+    say "time limit: ${TIME_LIMIT}s in all (TIME_LIMIT); per test ${TEST_TIMEOUT}s (TEST_TIMEOUT); benchmark ${BENCH_TIMEOUT}s (BENCH_TIMEOUT)"
+    exit 0
+fi
+say "gpu_check.sh took ${SECONDS}s"
+ledger_report "$PY" "$OUT"
