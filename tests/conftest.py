@@ -5,6 +5,30 @@ import os
 
 import pytest
 
+CPU_ONLY_REASON = (
+    "asserts the behaviour of a machine without CUDA (CPU stand-ins, gloo, fp32 defaults); on a GPU node the CPU "
+    "suite runs with the GPUs hidden: CUDA_VISIBLE_DEVICES= pytest tests"
+)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", f"cpu_only: skipped where torch sees a CUDA device ({CPU_ONLY_REASON})")
+
+
+def pytest_collection_modifyitems(config, items):
+    """``cpu_only`` tests skip where CUDA is usable, so the suite runs on a GPU node too; so do the
+    CPU suite's ``distributed`` tests (two gloo ranks per launch; on a GPU node the trainer would
+    take NCCL and one GPU per rank)."""
+    marked = [item for item in items if item.get_closest_marker("cpu_only")
+              or (item.get_closest_marker("distributed") and not item.get_closest_marker("gpu"))]
+    if not marked:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        for item in marked:
+            item.add_marker(pytest.mark.skip(reason=CPU_ONLY_REASON))
+
 
 @pytest.fixture(scope="session", autouse=True)
 def epas_cache_dir(tmp_path_factory):

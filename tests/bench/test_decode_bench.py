@@ -13,6 +13,7 @@ CMD = [sys.executable, "-m", "epas_megatron.bench.cli", "decode", "--preset", "t
 ENV = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
 
 
+@pytest.mark.cpu_only  # fp32 eager steps: the CPU defaults
 def test_decode_bench_reports_ratios_cache_bytes_and_serving_batches():
     proc = subprocess.run([*CMD, "--kv-budget-mb", "0.25"], cwd=REPO, capture_output=True, text=True, timeout=600, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -173,9 +173,11 @@ def no_gpus_here(fake_bin):
 
 
 def run_script(args, env_extra, timeout=120):
-    """launch/run_train.sh with a clean launcher environment (no Slurm, no launcher knobs)."""
+    """launch/run_train.sh with a clean launcher environment (no Slurm, no launcher knobs). GPUs
+    are hidden (``CUDA_VISIBLE_DEVICES=``): these tests take the CPU launch path on any machine,
+    a GPU node included (the GPU path is planned above with a fake nvidia-smi)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NPROC", "NNODES", "NODE_RANK", "RDZV_", "CONFIG", "DRY_RUN", "LAUNCH_"))}
-    env.update(PYTHON=sys.executable, **env_extra)
+    env.update(PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="", **env_extra)
     env.setdefault("PATH", os.environ["PATH"])
     return subprocess.run(["bash", str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -265,7 +267,7 @@ def test_usr1_to_the_launcher_saves_and_exits_cleanly(tmp_path, fake_bin, when):
     installs its handler), it is repeated until it takes effect."""
     out = tmp_path / "run"
     env = {**os.environ, "PYTHON": sys.executable, "CONFIG": "tiny", "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1", "LAUNCH_VALIDATE": "0",
-           "PATH": f"{fake_bin}:{os.environ['PATH']}"}
+           "PATH": f"{fake_bin}:{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": ""}  # two CPU workers on any machine
     for key in [k for k in env if k.startswith("SLURM_")]:
         env.pop(key)
     iters = 3000

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from epas_testing import read_metrics, run_trainer  # noqa: E402
 from local_slurm import wait_until  # noqa: E402
 
-pytestmark = [pytest.mark.slurm, pytest.mark.distributed]
+pytestmark = [pytest.mark.slurm, pytest.mark.distributed, pytest.mark.cpu_only]  # CPU, gloo: bit-exact references
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "launch" / "configs" / "tiny.yaml"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slurm, pytest.mark.distributed]
+pytestmark = [pytest.mark.slurm, pytest.mark.distributed, pytest.mark.cpu_only]  # the CPU cluster of test_slurm_pretrain
 
 REPO = Path(__file__).resolve().parents[2]
 REGIONS = {"0": 0, "1": 1, "0.5": 2}  # region as given -> sharing layers of the 4-layer tiny model

@@ -8,6 +8,8 @@ import torch
 
 from epas_megatron.runtime import cpu_compat
 
+pytestmark = pytest.mark.cpu_only  # the stand-ins are active only without CUDA
+
 
 @pytest.fixture(scope="module", autouse=True)
 def active():

@@ -13,6 +13,7 @@ from epas_testing import REPO, json_lines, run_script
 SCRIPT = REPO / "tests" / "runtime" / "scripts" / "device_guard_check.py"
 
 
+@pytest.mark.cpu_only  # the guard stands in for a GPU; device_guard.activate() refuses where there is one
 def test_trainer_schedule_and_evaluation_keep_batches_on_the_model_device():
     proc = subprocess.run([sys.executable, str(SCRIPT), "trainer"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -24,6 +25,7 @@ def test_trainer_schedule_and_evaluation_keep_batches_on_the_model_device():
 
 
 @pytest.mark.distributed
+@pytest.mark.cpu_only
 def test_pipeline_stages_and_benchmark_inputs_keep_tensors_on_the_model_device():
     proc = run_script(SCRIPT, ["pipeline"], nproc=2, timeout=600)
     results = sorted(json_lines(proc.stdout, "GUARD"), key=lambda r: r["rank"])

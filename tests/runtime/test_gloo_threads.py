@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from epas_testing import REPO
 
 SCRIPT = REPO / "tests" / "runtime" / "scripts" / "gloo_omp_check.py"
@@ -21,6 +23,7 @@ def run(mode):
     return json.loads([l for l in proc.stdout.splitlines() if l.startswith("GLOO ")][-1][5:])
 
 
+@pytest.mark.cpu_only  # the script's process group is gloo only without CUDA (NCCL otherwise)
 def test_gloo_collectives_add_no_openmp_threads():
     fixed, control = run("on"), run("off")
     assert fixed["new_threads"] == 0, fixed

@@ -43,6 +43,7 @@ def test_tensorboard_and_wandb_offline(tmp_path):
     assert offline and list(offline[0].glob("*.wandb"))
 
 
+@pytest.mark.distributed
 def test_ranks_agree_on_the_signal_number_when_only_one_received_it():
     """Slurm's signal can reach rank 1 an iteration before rank 0: both stop together and both
     report the signal's number (not a placeholder on the rank that did not see it)."""

@@ -20,7 +20,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.distributed) if nproc > 1 else name
+                                  for name, (_, nproc) in CASES.items()])
 def test_memory_and_checkpoint_switches_are_bit_identical(name, tmp_path):
     extra, nproc = CASES[name]
     memory = run_trainer([*ARGS, *extra], tmp_path / "memory", nproc=nproc)
