@@ -1,14 +1,8 @@
 """Which tokens a Random-LTD layer keeps, and the gather/scatter around the layer.
 
-**Selection.** Each Random-LTD layer keeps ``r`` tokens of every sequence, drawn uniformly
-without replacement and sorted by position (DeepSpeed's ``gpt_sample_tokens``: multinomial over
-uniform weights, then ``token_sort_``); layers draw independently. The draw is keyed, not taken
-from a global generator: the tokens of (sample, layer) are the ``r`` smallest of ``s`` uniform
-keys drawn from a generator seeded with ``(seed, sample id, layer)``, where the sample id is the
-sample's position in the training stream. So every TP rank, pipeline stage and data-parallel
-split of the same global batch keeps the same tokens (runs are layout-independent), activation
-recompute replays them, and a resume draws what the uninterrupted run drew. The draw itself:
-:mod:`epas_megatron.random_ltd.keyed_draw`.
+**Selection.** Each Random-LTD layer keeps ``r`` tokens of every sequence, uniformly without
+replacement and sorted by position, drawn per (sample, layer) by a keyed generator so that every
+layout and every resume keeps the same tokens (:mod:`epas_megatron.random_ltd.keyed_draw`).
 
 **Causal mask and positions.** Sorted kept tokens attend causally among themselves: token ``i``
 of the kept sequence sees kept tokens ``j <= i``, i.e. exactly the kept tokens at earlier

@@ -17,3 +17,13 @@ def pytest_collection_modifyitems(config, items):
         if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(skip)
 
+
+
+@pytest.fixture(scope="module")
+def world():
+    """A one-process world (NCCL on the GPU) with Megatron's TP=1/PP=1 groups, for a module."""
+    from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
+
+    dims = init_distributed(1, 1, None, seed=0)
+    yield dims
+    destroy_distributed()

@@ -17,15 +17,6 @@ from handoff_check import architecture, check_handoff
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def world():
-    from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
-
-    dims = init_distributed(1, 1, None, seed=0)
-    yield dims
-    destroy_distributed()
-
-
 def _model(backend, sharing, share, core_attention="sdpa", seed=5):
     from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import build_model

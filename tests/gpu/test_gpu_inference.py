@@ -46,15 +46,6 @@ def ieee_fp32():
     torch.backends.cuda.matmul.allow_tf32 = previous
 
 
-@pytest.fixture(scope="module")
-def world():
-    from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
-
-    dims = init_distributed(1, 1, None, seed=0)
-    yield dims
-    destroy_distributed()
-
-
 def count_syncs(fn):
     """How many synchronizing CUDA operations ``fn()`` runs (PyTorch's sync-debug warnings)."""
     previous = torch.cuda.get_sync_debug_mode()

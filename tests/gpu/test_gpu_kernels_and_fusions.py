@@ -17,15 +17,6 @@ pytestmark = pytest.mark.gpu
 SYNC = "synchronizing CUDA operation"  # PyTorch's sync-debug message (warn and error modes)
 
 
-@pytest.fixture(scope="module")
-def world():
-    from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
-
-    dims = init_distributed(1, 1, None, seed=0)
-    yield dims
-    destroy_distributed()
-
-
 @contextmanager
 def sync_debug(mode):
     previous = torch.cuda.get_sync_debug_mode()

@@ -29,15 +29,6 @@ ARGS = [*TINY, "--train-iters", "9", "--global-batch-size", "8", "--micro-batch-
         "--lr", "3e-3", "--lr-warmup-iters", "3", *DETERMINISTIC]
 
 
-@pytest.fixture(scope="module")
-def world():
-    from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
-
-    dims = init_distributed(1, 1, None, seed=0)
-    yield dims
-    destroy_distributed()
-
-
 def _setup(sharing):
     from epas_megatron.metrics.memory_model import LayerShape, RankMemorySettings
     from epas_megatron.model.build_plan import BuildPlan

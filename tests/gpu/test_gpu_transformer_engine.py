@@ -16,15 +16,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def world():
-    from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
-
-    dims = init_distributed(1, 1, None, seed=0)
-    yield dims
-    destroy_distributed()
-
-
 def _arch():
     from epas_megatron.model.builder import LlamaArchitecture
 
