@@ -392,9 +392,13 @@ else
 fi
 
 # ---- 3. import check: what the suite and the benchmark load
-say "+ export PYTHONPATH=$REPO\${PYTHONPATH:+:\$PYTHONPATH}"
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-run "$PY" -c "import numpy, yaml, sentencepiece, psutil, pytest, pytest_timeout, megatron.core, epas_megatron.train, epas_megatron.bench.cli, epas_megatron.generate"
+# The checkout is used in place (no install): the folder kernels/ is the package epas_kernels
+# (pyproject's package-dir), which a path entry alone cannot rename -- a link named epas_kernels does.
+KERNELS_PATH=$(mktemp -d)
+run ln -s "$REPO/kernels" "$KERNELS_PATH/epas_kernels"
+say "+ export PYTHONPATH=$REPO:$KERNELS_PATH\${PYTHONPATH:+:\$PYTHONPATH}"
+export PYTHONPATH="$REPO:$KERNELS_PATH${PYTHONPATH:+:$PYTHONPATH}"
+run "$PY" -c "import numpy, yaml, sentencepiece, psutil, pytest, pytest_timeout, megatron.core, epas_megatron.train, epas_megatron.bench.cli, epas_megatron.generate, epas_megatron.inference.engine, epas_kernels.region_pv"
 if [[ $MODE == setup ]]; then
     run "$PY" -m pytest --collect-only -q -m gpu tests/gpu -p no:cacheprovider
     say "set-up complete ($PY); the check itself: tools/gpu_check.sh"

@@ -12,7 +12,7 @@ Per layer mode:
   inference): ``softmax(Q_src K_srcᵀ)`` recomputed over the source's cached K, then ``· V_own``.
   ``'reuse'``: the source's ``P · V_own`` -- the same numbers without K or the softmax.
   With ``region_kernel`` set, the cached part of ``P · V`` is computed for every sharing layer
-  in one launch at the source (:mod:`epas_megatron.kernels.region_pv`), and each layer adds only
+  in one launch at the source (:mod:`epas_kernels.region_pv`), and each layer adds only
   its new positions.
 * **sharing, 'kv'**: Q from ``linear_q`` (RoPE'd), the source's cached K and V; caches nothing.
 
@@ -43,10 +43,10 @@ from torch import Tensor
 
 from megatron.core.models.common.embeddings.rope_utils import _rotate_half
 
+from epas_kernels.region_pv import region_pv
 from epas_megatron.errors import ConfigError
 from epas_megatron.inference import attention as attn_ops
 from epas_megatron.inference.kv_cache import KVCache, source_layer
-from epas_megatron.kernels.region_pv import region_pv
 from epas_megatron.sharing.schedule import LayerMode
 
 DECODE_ATTENTION_CHOICES = ("qk", "reuse")
@@ -100,7 +100,7 @@ class DecodeEngine:
     """Cached forward passes of one model chunk (the whole model: PP = 1)."""
 
     def __init__(self, model, decode_attention: str = "reuse", region_kernel: Optional[str] = None):
-        from epas_megatron.model.wrapping import unwrap_model
+        from epas_megatron.runtime.wrapping import unwrap_model
 
         model = unwrap_model(model)
         if not (model.pre_process and model.post_process):

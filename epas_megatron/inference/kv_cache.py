@@ -14,7 +14,7 @@ sharing, ``share='kv'``        nothing      the source's K and V
 Buffers are allocated once for ``max_length`` positions and written in place at every step (no
 ``torch.cat``). Computing layers' K and V live in two ``[Lc, b, g, T, hn]`` tensors and the
 sharing layers' V in one ``[Ls, b, g, T, hn]`` tensor, so a kernel can read the V of the whole
-region in one launch (:mod:`epas_megatron.kernels.region_pv`).
+region in one launch (:mod:`epas_kernels.region_pv`).
 
 Batched prompts are **left-padded**: every sequence's newest token sits at the same slot, so one
 write position serves the batch; ``pad[i]`` slots at the start of row ``i`` are masked out of

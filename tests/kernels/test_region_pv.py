@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
+from epas_kernels.region_pv import launch_plan, position_splits, region_pv, region_pv_bytes, region_pv_reference
 from epas_testing import REPO
-from epas_megatron.kernels.region_pv import launch_plan, position_splits, region_pv, region_pv_bytes, region_pv_reference
 
 SHAPES = [  # (L, b, g, m, T_max, length, d)
     (1, 1, 1, 1, 8, 5, 16),
@@ -39,10 +39,12 @@ def test_reference_equals_a_per_layer_loop(shape):
 
 
 _INTERPRETED = """
-import json, sys, torch
+import json, runpy, sys, torch
 sys.path.insert(0, {tests!r})
-from kernels.test_region_pv import SHAPES, inputs
-from epas_megatron.kernels.region_pv import region_pv, region_pv_reference, region_pv_triton
+# this file by its path: the name `kernels` is the repository's kernels/ folder (epas_kernels) too
+_this = runpy.run_path({this!r})
+SHAPES, inputs = _this["SHAPES"], _this["inputs"]
+from epas_kernels.region_pv import region_pv, region_pv_reference, region_pv_triton
 errors = {{}}
 for shape in SHAPES:
     probs, values, length = inputs(shape)
@@ -79,7 +81,7 @@ print("ERRORS " + json.dumps(errors))
 
 def test_triton_kernel_equals_the_reference_in_the_interpreter():
     pytest.importorskip("triton")
-    code = _INTERPRETED.format(tests=str(REPO / "tests"))
+    code = _INTERPRETED.format(tests=str(REPO / "tests"), this=__file__)
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -149,7 +151,7 @@ import json, sys, torch
 sys.path.insert(0, {tests!r})
 from epas_testing import build
 from epas_megatron.runtime.distributed import init_distributed
-from epas_megatron.model.builder import LlamaArchitecture
+from epas_megatron.model.architecture import LlamaArchitecture
 from epas_megatron.inference.engine import DecodeEngine
 from inference.test_engine import cached_greedy, prompts
 init_distributed(1, 1, None, seed=1)

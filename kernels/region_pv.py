@@ -118,7 +118,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @dataclass(frozen=True)
-class LaunchPlan:
+class LaunchConfig:
     """Tiles and grid of one :func:`region_pv_triton` launch."""
 
     block_m: int
@@ -145,7 +145,7 @@ class LaunchPlan:
 
 
 def launch_plan(layers: int, batch: int, groups: int, m: int, d: int, length: int, block_t: int = 32,
-                max_columns: int = 256, splits: Optional[int] = None, sm_count: Optional[int] = None) -> LaunchPlan:
+                max_columns: int = 256, splits: Optional[int] = None, sm_count: Optional[int] = None) -> LaunchConfig:
     """The launch for these shapes (``length >= 1``): ``splits`` None picks
     :func:`position_splits` for ``sm_count`` SMs; any request is cut to the number of
     ``block_t`` blocks and to ranges that are not empty."""
@@ -157,7 +157,7 @@ def launch_plan(layers: int, batch: int, groups: int, m: int, d: int, length: in
         splits = position_splits(batch * groups * d_tiles, length, sm_count)
     blocks = _cdiv(length, block_t)
     positions_per_split = block_t * _cdiv(blocks, max(1, min(splits, blocks)))
-    return LaunchPlan(block_m, block_l, block_d, d_tiles, positions_per_split, _cdiv(length, positions_per_split))
+    return LaunchConfig(block_m, block_l, block_d, d_tiles, positions_per_split, _cdiv(length, positions_per_split))
 
 
 def _sm_count(device: torch.device) -> int:
