@@ -89,7 +89,7 @@ class _Streamer:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from epas_megatron.runtime.quiet import quiet_library_noise
+    from epas_megatron.compat.quiet import quiet_library_noise
 
     quiet_library_noise()
     args = _parser().parse_args(argv)

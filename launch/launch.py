@@ -95,7 +95,7 @@ class Rendezvous:
 
 
 @dataclass
-class LaunchPlan:
+class LaunchSpec:
     """Everything the launcher decided; :func:`torchrun_command` turns it into argv."""
 
     nnodes: int
@@ -181,7 +181,8 @@ def slurm_hostnames(nodelist: str, env: Mapping[str, str]) -> list[str]:
     """``scontrol show hostnames NODELIST`` (expands ``node[1-3,7]``)."""
     scontrol = shutil.which("scontrol", path=env.get("PATH"))
     if scontrol is None:
-        raise LaunchError(f"SLURM_JOB_NODELIST={nodelist} is set but scontrol is not on PATH; cannot find the rendezvous host (set RDZV_HOST)")
+        raise LaunchError(f"SLURM_JOB_NODELIST={nodelist} is set but scontrol is not on PATH; "
+                          "cannot find the rendezvous host (set RDZV_HOST)")
     out = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True, timeout=60, env=dict(env))
     hosts = out.stdout.split()
     if out.returncode != 0 or not hosts:
@@ -200,7 +201,8 @@ def resolve_config(value: Optional[str], cwd: Path) -> Optional[Path]:
         if path.is_file():
             return path.resolve()
     available = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))) or "none"
-    raise LaunchError(f"CONFIG={value}: no such config file (looked in {', '.join(str(c) for c in dict.fromkeys(candidates))}); the configs under launch/configs/ are: {available}")
+    raise LaunchError(f"CONFIG={value}: no such config file (looked in {', '.join(str(c) for c in dict.fromkeys(candidates))}); "
+                      f"the configs under launch/configs/ are: {available}")
 
 
 def environment_defaults(env: Mapping[str, str], gpus: int, nproc_per_node: int) -> dict[str, str]:
@@ -239,7 +241,7 @@ def _torchrun_prefix(env: Mapping[str, str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run"]
 
 
-def make_plan(argv: Sequence[str], env: Mapping[str, str], cwd: Optional[Path] = None) -> LaunchPlan:
+def make_launch_spec(argv: Sequence[str], env: Mapping[str, str], cwd: Optional[Path] = None) -> LaunchSpec:
     """Decide nodes, processes, rendezvous and environment from ``env`` (no side effects but
     running ``nvidia-smi`` and ``scontrol``)."""
     cwd = Path.cwd() if cwd is None else cwd
@@ -272,16 +274,19 @@ def make_plan(argv: Sequence[str], env: Mapping[str, str], cwd: Optional[Path] =
     if nnodes > 1:
         if in_slurm:
             if not in_step:
-                raise LaunchError(f"the Slurm allocation has {nnodes} nodes but this launcher does not run in a job step; start it with 'srun --ntasks-per-node=1 launch/run_train.sh ...' so that every node runs one launcher")
+                raise LaunchError(f"the Slurm allocation has {nnodes} nodes but this launcher does not run in a job step; "
+                                  "start it with 'srun --ntasks-per-node=1 launch/run_train.sh ...' so that every node runs one launcher")
             tasks = _int_env(env, "SLURM_STEP_NUM_TASKS", 1) or _int_env(env, "SLURM_NTASKS", 1)
             if tasks is not None and tasks != nnodes:
-                raise LaunchError(f"the job step runs {tasks} tasks on {nnodes} nodes; the launcher needs exactly one task per node (srun --ntasks-per-node=1), torchrun starts the processes")
+                raise LaunchError(f"the job step runs {tasks} tasks on {nnodes} nodes; the launcher needs exactly one task per node "
+                                  "(srun --ntasks-per-node=1), torchrun starts the processes")
             node_rank = _int_env(env, "SLURM_NODEID", 0) or 0
             host = env.get("RDZV_HOST") or slurm_hostnames(nodelist, env)[0]
         else:
             node_rank_env = _int_env(env, "NODE_RANK", 0)
             if node_rank_env is None or not env.get("RDZV_HOST"):
-                raise LaunchError(f"NNODES={nnodes} outside a Slurm job step needs NODE_RANK (0..{nnodes - 1}) and RDZV_HOST (the node-rank-0 host) on every node")
+                raise LaunchError(f"NNODES={nnodes} outside a Slurm job step needs NODE_RANK (0..{nnodes - 1}) "
+                                  "and RDZV_HOST (the node-rank-0 host) on every node")
             node_rank, host = node_rank_env, env["RDZV_HOST"]
         if node_rank >= nnodes:
             raise LaunchError(f"node rank {node_rank} is out of range for {nnodes} nodes")
@@ -295,7 +300,7 @@ def make_plan(argv: Sequence[str], env: Mapping[str, str], cwd: Optional[Path] =
             raise LaunchError(f"RDZV_PORT={port} is not a TCP port")
         rendezvous = Rendezvous(backend=backend, host=host, port=port, run_id=job_id or "epas")
 
-    return LaunchPlan(
+    return LaunchSpec(
         nnodes=nnodes,
         nproc_per_node=nproc,
         node_rank=node_rank,
@@ -310,29 +315,29 @@ def make_plan(argv: Sequence[str], env: Mapping[str, str], cwd: Optional[Path] =
     )
 
 
-def torchrun_command(plan: LaunchPlan) -> list[str]:
+def torchrun_command(spec: LaunchSpec) -> list[str]:
     """The exact argv that runs the trainer."""
-    cmd = list(plan.torchrun)
-    if plan.rendezvous is None:
+    cmd = list(spec.torchrun)
+    if spec.rendezvous is None:
         cmd += ["--standalone", "--nnodes", "1"]
     else:
-        r = plan.rendezvous
-        cmd += ["--nnodes", str(plan.nnodes)]
+        r = spec.rendezvous
+        cmd += ["--nnodes", str(spec.nnodes)]
         if r.backend == "c10d":
             cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{r.host}:{r.port}", "--rdzv-id", r.run_id]
         else:
-            cmd += ["--node-rank", str(plan.node_rank), "--master-addr", r.host, "--master-port", str(r.port)]
-    cmd += ["--nproc-per-node", str(plan.nproc_per_node), "--max-restarts", "0"]
-    cmd += plan.extra_torchrun_args
+            cmd += ["--node-rank", str(spec.node_rank), "--master-addr", r.host, "--master-port", str(r.port)]
+    cmd += ["--nproc-per-node", str(spec.nproc_per_node), "--max-restarts", "0"]
+    cmd += spec.extra_torchrun_args
     cmd += ["-m", TRAINER_MODULE]
-    if plan.config is not None:
-        cmd += ["--config", str(plan.config)]
-    cmd += plan.trainer_args
+    if spec.config is not None:
+        cmd += ["--config", str(spec.config)]
+    cmd += spec.trainer_args
     return cmd
 
 
 # ---------------------------------------------------------------------------------- checks
-def will_it_fit(plan: LaunchPlan) -> list[str]:
+def will_it_fit(spec: LaunchSpec) -> list[str]:
     """``epas-plan``'s report for this launch (FLOPs, layouts per switch, memory per GPU), for
     ``DRY_RUN=1``; the GPU's memory is read where GPUs are."""
     from epas_megatron.config.cli import parse_config
@@ -341,24 +346,24 @@ def will_it_fit(plan: LaunchPlan) -> list[str]:
     from epas_megatron.plan import report
 
     gpu_gb = None
-    if plan.gpus:
+    if spec.gpus:
         import torch
 
         gpu_gb = torch.cuda.get_device_properties(0).total_memory / 2**30
     try:
-        run = resolve_run(parse_config(trainer_args(plan)), world_size=plan.world_size, cuda=bool(plan.gpus))
+        run = resolve_run(parse_config(trainer_args(spec)), world_size=spec.world_size, cuda=bool(spec.gpus))
         lines, _ = report(run, gpu_gb)
     except ConfigError as e:
         raise LaunchError(f"the trainer rejects the run config: {e}") from None
     return lines
 
 
-def trainer_args(plan: LaunchPlan) -> list[str]:
+def trainer_args(spec: LaunchSpec) -> list[str]:
     """The arguments the trainer will parse (config first, then the pass-through flags)."""
-    return (["--config", str(plan.config)] if plan.config is not None else []) + plan.trainer_args
+    return (["--config", str(spec.config)] if spec.config is not None else []) + spec.trainer_args
 
 
-def check_parallel_fit(plan: LaunchPlan, *, full: bool = True) -> None:
+def check_parallel_fit(spec: LaunchSpec, *, full: bool = True) -> None:
     """Parse the run config like the trainer does and check it against the world size.
 
     The TP x PP check is done here with the launcher's own wording (it names nodes and
@@ -370,12 +375,12 @@ def check_parallel_fit(plan: LaunchPlan, *, full: bool = True) -> None:
     from epas_megatron.errors import ConfigError
 
     try:
-        cfg = parse_config(trainer_args(plan))
+        cfg = parse_config(trainer_args(spec))
     except ConfigError as e:
         raise LaunchError(f"the trainer rejects the run config: {e}") from None
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
-    where = f"{plan.nnodes} node(s) x {plan.nproc_per_node} process(es) per node = {plan.world_size} processes"
-    if tp < 1 or pp < 1 or plan.world_size % (tp * pp):
+    where = f"{spec.nnodes} node(s) x {spec.nproc_per_node} process(es) per node = {spec.world_size} processes"
+    if tp < 1 or pp < 1 or spec.world_size % (tp * pp):
         preset = f"preset {cfg.model.preset} with " if cfg.model.preset else ""
         raise LaunchError(
             f"{preset}--tp {tp} x --pp {pp} = {tp * pp} does not divide the world of {where}; "
@@ -386,7 +391,7 @@ def check_parallel_fit(plan: LaunchPlan, *, full: bool = True) -> None:
     from epas_megatron.config.validation import resolve_run
 
     try:
-        resolve_run(cfg, world_size=plan.world_size, cuda=True if plan.gpus else None)
+        resolve_run(cfg, world_size=spec.world_size, cuda=True if spec.gpus else None)
     except ConfigError as e:
         raise LaunchError(f"the run config does not fit {where}: {e}") from None
 
@@ -403,20 +408,23 @@ def _local_addresses_can_bind(addresses: list[str]) -> bool:
     return False
 
 
-def check_rendezvous(plan: LaunchPlan, env: Mapping[str, str]) -> None:
+def check_rendezvous(spec: LaunchSpec, env: Mapping[str, str]) -> None:
     """Multi-node: the host must resolve; node rank 0 must be that host; the other nodes
     must reach HOST:PORT within RDZV_CHECK_TIMEOUT seconds (node 0's torchrun opens it)."""
-    r = plan.rendezvous
+    r = spec.rendezvous
     if r is None:
         return
     try:
         infos = socket.getaddrinfo(r.host, r.port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
-        raise LaunchError(f"rendezvous host {r.host!r} does not resolve ({e.strerror}); check the node name, /etc/hosts/DNS, or set RDZV_HOST") from None
+        raise LaunchError(f"rendezvous host {r.host!r} does not resolve ({e.strerror}); "
+                          "check the node name, /etc/hosts/DNS, or set RDZV_HOST") from None
     addresses = list(dict.fromkeys(info[4][0] for info in infos))
-    if plan.node_rank == 0:
+    if spec.node_rank == 0:
         if not _local_addresses_can_bind(addresses):
-            raise LaunchError(f"this is node rank 0 ({plan.node_name}) but the rendezvous host {r.host} ({', '.join(addresses)}) is not an address of this machine; torchrun would wait for a store nobody hosts (set RDZV_HOST to this node)")
+            raise LaunchError(f"this is node rank 0 ({spec.node_name}) but the rendezvous host {r.host} ({', '.join(addresses)}) "
+                              "is not an address of this machine; torchrun would wait for a store nobody hosts "
+                              "(set RDZV_HOST to this node)")
         return
     timeout = float(env.get("RDZV_CHECK_TIMEOUT", "120"))
     deadline = time.monotonic() + timeout
@@ -431,7 +439,7 @@ def check_rendezvous(plan: LaunchPlan, env: Mapping[str, str]) -> None:
                 last_error = "connection timed out"
         if time.monotonic() >= deadline:
             raise LaunchError(
-                f"rendezvous host {r.host}:{r.port} is not reachable from {plan.node_name} (node rank {plan.node_rank}) "
+                f"rendezvous host {r.host}:{r.port} is not reachable from {spec.node_name} (node rank {spec.node_rank}) "
                 f"after {timeout:g}s ({last_error}); is node rank 0 running, and is the port open between nodes? "
                 f"(RDZV_PORT, RDZV_HOST, RDZV_CHECK_TIMEOUT)"
             )
@@ -517,35 +525,35 @@ def main(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]] 
     forwarder = SignalForwarder()
     forwarder.install()
     try:
-        plan = make_plan(argv, env)
-        prefix = f"[launch {plan.node_name}]" if plan.nnodes > 1 else "[launch]"
+        spec = make_launch_spec(argv, env)
+        prefix = f"[launch {spec.node_name}]" if spec.nnodes > 1 else "[launch]"
 
         def log(message: str) -> None:
             print(f"{prefix} {message}", flush=True)
 
         if env.get("LAUNCH_VALIDATE", "1") != "0":
-            check_parallel_fit(plan, full=True)
+            check_parallel_fit(spec, full=True)
         else:
-            check_parallel_fit(plan, full=False)
-        command = torchrun_command(plan)
-        where = "single node" if plan.rendezvous is None else (
-            f"node {plan.node_rank} of {plan.nnodes}, {plan.rendezvous.backend} rendezvous at {plan.rendezvous.host}:{plan.rendezvous.port}"
+            check_parallel_fit(spec, full=False)
+        command = torchrun_command(spec)
+        where = "single node" if spec.rendezvous is None else (
+            f"node {spec.node_rank} of {spec.nnodes}, {spec.rendezvous.backend} rendezvous at {spec.rendezvous.host}:{spec.rendezvous.port}"
         )
-        log(f"{where}; {plan.nproc_per_node} process(es) per node; {plan.gpus} GPU(s) -> {'nccl' if plan.gpus else 'gloo'}")
-        if plan.env_defaults:
-            log("environment defaults (export to override): " + " ".join(f"{k}={v}" for k, v in plan.env_defaults.items()))
+        log(f"{where}; {spec.nproc_per_node} process(es) per node; {spec.gpus} GPU(s) -> {'nccl' if spec.gpus else 'gloo'}")
+        if spec.env_defaults:
+            log("environment defaults (export to override): " + " ".join(f"{k}={v}" for k, v in spec.env_defaults.items()))
         log("command: " + shlex.join(command))
         if env.get("DRY_RUN", "0") not in ("", "0"):
             if env.get("LAUNCH_VALIDATE", "1") != "0":
-                for line in will_it_fit(plan):
+                for line in will_it_fit(spec):
                     log(line)
             return 0
-        check_rendezvous(plan, env)
+        check_rendezvous(spec, env)
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return LaunchError.exit_code
 
-    child_env = {**env, **plan.env_defaults}
+    child_env = {**env, **spec.env_defaults}
     process = subprocess.Popen(command, env=child_env, preexec_fn=_ignore_usr1)
     forwarder.process = process
     code = forwarder.wait()

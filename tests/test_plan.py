@@ -5,9 +5,8 @@ import os
 import subprocess
 import sys
 
-from epas_testing import REPO
-
 from epas_megatron.metrics.flops import Convention, ModelShape, flops_per_iteration
+from epas_testing import REPO
 
 
 def plan(*args, env=None):

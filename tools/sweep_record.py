@@ -76,7 +76,8 @@ def region_flags(preset: str, region: str, extra: Optional[list[str]] = None) ->
     layers, _ = region_layers(preset, region, extra)
     if layers == 0:
         return ["--epas-target-layers", "0"]
-    return ["--epas-target-layers", str(layers), "--epas-first-switch", str(FIRST_SWITCH), "--epas-interval", "1", "--epas-growth", str(layers)]
+    return ["--epas-target-layers", str(layers), "--epas-first-switch", str(FIRST_SWITCH), "--epas-interval", "1",
+            "--epas-growth", str(layers)]
 
 
 def timed_throughput(metrics: Path, warmup: int, sharing_layers: Optional[int] = None) -> tuple[Optional[float], int]:
@@ -97,7 +98,8 @@ def timed_throughput(metrics: Path, warmup: int, sharing_layers: Optional[int] =
         if "kind" in record or not isinstance(record.get("iteration"), int) or record["iteration"] <= warmup:
             continue
         if sharing_layers is not None and len(record.get("sharing_layers", [])) != sharing_layers:
-            raise ValueError(f"iteration {record['iteration']} ran with {len(record.get('sharing_layers', []))} sharing layers, expected {sharing_layers}")
+            raise ValueError(f"iteration {record['iteration']} ran with {len(record.get('sharing_layers', []))} sharing layers, "
+                             f"expected {sharing_layers}")
         tokens += float(record["tokens_per_s"]) * float(record["iteration_time_s"])
         seconds += float(record["iteration_time_s"])
         count += 1
@@ -148,7 +150,8 @@ def git_commit(repo: Path = REPO_ROOT) -> str:
         head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=30)
         if head.returncode != 0:
             return ""
-        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=30)
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                               timeout=30)
         return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.TimeoutExpired):
         return ""
@@ -158,7 +161,8 @@ def make_row(args, summary: Optional[dict], error: str, status_code: int) -> dic
     """One CSV row for a sweep point (throughput from ``args.metrics`` after ``args.warmup``)."""
     config = None
     try:
-        config = _model_config(args.preset, ["--tp", str(args.tp), "--pp", str(args.pp), "--micro-batch-size", str(args.mbs), *args.trainer_args])
+        config = _model_config(args.preset, ["--tp", str(args.tp), "--pp", str(args.pp), "--micro-batch-size", str(args.mbs),
+                                             *args.trainer_args])
     except Exception:  # the row is still worth writing
         pass
     sharing, num_layers = "", ""
@@ -265,7 +269,8 @@ def main(argv=None) -> int:
     summary, error = read_summary(args.log)
     row = make_row(args, summary, error, args.status)
     append_row(args.csv, row)
-    print(f"sweep row -> {args.csv}: " + json.dumps({k: row[k] for k in ('job_id', 'preset', 'region', 'tp', 'pp', 'mbs', 'tokens_per_s', 'status')}))
+    print(f"sweep row -> {args.csv}: "
+          + json.dumps({k: row[k] for k in ('job_id', 'preset', 'region', 'tp', 'pp', 'mbs', 'tokens_per_s', 'status')}))
     return 0
 
 

@@ -91,7 +91,8 @@ def summarise(rows: list[dict]) -> tuple[list[PointStats], list[dict]]:
                 baseline=medians.get((key, 0)),
             )
         )
-    stats.sort(key=lambda s: (s.key.preset, _int(s.key.world_size, 0), _int(s.key.tp, 0), _int(s.key.pp, 0), _int(s.key.mbs, 0), s.sharing_layers))
+    stats.sort(key=lambda s: (s.key.preset, _int(s.key.world_size, 0), _int(s.key.tp, 0), _int(s.key.pp, 0), _int(s.key.mbs, 0),
+                              s.sharing_layers))
     return stats, failed
 
 
@@ -106,11 +107,13 @@ def markdown(stats: list[PointStats], failed: list[dict], source: str) -> str:
         layers = f"{s.sharing_layers}/{s.num_layers}" if s.num_layers else str(s.sharing_layers)
         ratio = "baseline" if s.sharing_layers == 0 else (f"{s.ratio:.3f}x" if s.ratio is not None else "no baseline")
         k = s.key
-        lines.append(f"| {k.preset} | {k.world_size} | {k.tp} | {k.pp} | {k.mbs} | {k.gbs} | {k.seq_length} | {s.region} | {layers} | {s.tokens_per_s:,.0f} | {s.repeats} | {ratio} |")
+        lines.append(f"| {k.preset} | {k.world_size} | {k.tp} | {k.pp} | {k.mbs} | {k.gbs} | {k.seq_length} | {s.region} | {layers} "
+                     f"| {s.tokens_per_s:,.0f} | {s.repeats} | {ratio} |")
     if failed:
         lines += ["", f"Failed points ({len(failed)}):", ""]
         for row in failed:
-            lines.append(f"- job {row.get('job_id', '?')}: {row.get('preset')} region {row.get('region')} tp{row.get('tp')} pp{row.get('pp')} mbs{row.get('mbs')}: {row.get('error') or 'no result'}")
+            lines.append(f"- job {row.get('job_id', '?')}: {row.get('preset')} region {row.get('region')} "
+                         f"tp{row.get('tp')} pp{row.get('pp')} mbs{row.get('mbs')}: {row.get('error') or 'no result'}")
     return "\n".join(lines) + "\n"
 
 
@@ -148,7 +151,8 @@ def plot(stats: list[PointStats], out_dir: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for key in keys:
-        points = sorted((s.sharing_layers / s.num_layers if s.num_layers else s.sharing_layers, s.ratio) for s in stats if s.key == key and s.ratio is not None)
+        points = sorted((s.sharing_layers / s.num_layers if s.num_layers else s.sharing_layers, s.ratio)
+                        for s in stats if s.key == key and s.ratio is not None)
         if points:
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=key.label())
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")

@@ -15,7 +15,7 @@ with and without probability reuse (see :mod:`epas_megatron.bench.decode_bench`)
 stage rebalancing, plus a model-predicted table for 7B on PP=4/8 (see
 :mod:`epas_megatron.bench.pipeline_bench`). ``quality``: the paper's quality claims -- baseline vs
 EPAS from scratch, continual pretraining evaluated at every region, an ablation -- as a recipe
-of training runs with tables and plots (see :mod:`epas_megatron.bench.quality`). ``switch``: the
+of training runs with tables and plots (see :mod:`epas_megatron.experiments.quality`). ``switch``: the
 cost of one EPAS switch in each --epas-switch-mode, measured on the trainer, and predicted for
 7B (see :mod:`epas_megatron.bench.switch_bench`). ``memory``: activation bytes of computing and
 sharing layers, measured and modelled (see :mod:`epas_megatron.bench.memory_bench`).
@@ -68,7 +68,7 @@ def _methods(args, seq_length: int) -> tuple[str, ...]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from epas_megatron.runtime.quiet import quiet_library_noise
+    from epas_megatron.compat.quiet import quiet_library_noise
 
     quiet_library_noise()
     parser = argparse.ArgumentParser(prog="epas-bench", description=__doc__.split("\n\n")[0])
@@ -270,7 +270,7 @@ def _switch(args) -> int:
 
 
 def _quality_parser(commands) -> None:
-    from epas_megatron.bench.quality import SCALES
+    from epas_megatron.experiments.quality import SCALES
 
     quality = commands.add_parser("quality", help="the paper's quality claims: loss gap, continual pretraining, ablation")
     quality.add_argument("--scale", default="cpu", choices=list(SCALES),
@@ -290,7 +290,7 @@ def _quality_parser(commands) -> None:
 def _quality(args) -> int:
     from pathlib import Path
 
-    from epas_megatron.bench.quality import SCALES, QualityRecipe
+    from epas_megatron.experiments.quality import SCALES, QualityRecipe
 
     try:
         parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
@@ -299,7 +299,8 @@ def _quality(args) -> int:
             raise ConfigError(f"--parts {args.parts!r}: choose among scratch, continual, ablation, random_ltd")
         scale = SCALES[args.scale]
         if scale.continual_only and args.base_checkpoint is None:
-            raise ConfigError(f"--scale {args.scale} is continual pretraining only: give --base-checkpoint (e.g. an epas-convert hf-import)")
+            raise ConfigError(f"--scale {args.scale} is continual pretraining only: "
+                              "give --base-checkpoint (e.g. an epas-convert hf-import)")
         if scale.continual_only and args.data is None:
             raise ConfigError(f"--scale {args.scale}: give --data and --tokenizer-model (the embedded corpus is a CPU demo)")
         if args.data is not None and args.tokenizer_model is None:

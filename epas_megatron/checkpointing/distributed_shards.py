@@ -20,17 +20,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from epas_megatron.checkpointing.in_memory import (
+from epas_megatron.checkpointing.exchange import (
     ExchangeStats,
     HeldState,
-    _built_shards,
-    _ids,
-    _model_identities,
-    _send_and_receive,
+    built_shards,
+    model_identities,
+    send_and_receive,
+    shard_id_functions,
 )
 
 
-def _distributed_parts(optimizer) -> list:
+def distributed_parts(optimizer) -> list:
     """The optimizer's ``DistributedOptimizer`` parts (all of them, or none)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -50,7 +50,7 @@ def _owned_ranges(part):
 
 
 @dataclass
-class _Shard:
+class OptimizerShard:
     """Elements [start, end) of a flattened parameter's fp32 main weights and Adam moments."""
 
     numel: int
@@ -61,8 +61,8 @@ class _Shard:
 
 def hold_distributed_shards(held: HeldState, model_chunks, optimizer) -> None:
     """Record the distributed optimizer's own shards by parameter identity (no gather)."""
-    identities = _model_identities(model_chunks)
-    for part in _distributed_parts(optimizer):
+    identities = model_identities(model_chunks)
+    for part in distributed_parts(optimizer):
         for param, owned in _owned_ranges(part):
             identity = identities.get(id(param))
             if identity is None:
@@ -70,7 +70,7 @@ def hold_distributed_shards(held: HeldState, model_chunks, optimizer) -> None:
                                    "--epas-switch-mode checkpoint works for any parameter")
             tensors = {k: v.detach().view(-1) for k, v in part._get_main_param_and_optimizer_states(param).items()
                        if torch.is_tensor(v) and v.dim() > 0}
-            held.dist_shards[identity] = _Shard(param.numel(), owned.start, owned.end, tensors)
+            held.dist_shards[identity] = OptimizerShard(param.numel(), owned.start, owned.end, tensors)
     held.optimizer_common = optimizer.state_dict()  # param groups, step, loss scaler: no parameter state
 
 
@@ -124,7 +124,7 @@ def _run_range_transfers(transfers, me: int, source_of, target_of, keys, stats: 
                 ops.append(dist.P2POp(dist.irecv, target_of(identity, key, lo, hi), src))
             stats.bytes_received += 4 * len(keys) * (hi - lo)
             stats.tensors_received += 1
-    _send_and_receive(ops)
+    send_and_receive(ops)
 
 
 @torch.no_grad()
@@ -134,11 +134,11 @@ def restore_distributed_shards(held: HeldState, model_chunks, optimizer, stats: 
     pipeline stage's ranks for a layer that moved). A parameter that changed -- a switching
     layer's ``linear_v``, the V rows of its old fused QKV -- is assembled whole on one rank that
     held part of it, split there by the fused tensor's own factory, and served from there."""
-    tensor_id, _ = _ids()
+    tensor_id, _ = shard_id_functions()
     optimizer.load_state_dict(held.optimizer_common)  # param groups, step, scaler; shards allocated
-    identities = _model_identities(model_chunks)
+    identities = model_identities(model_chunks)
     needs: dict[tuple, tuple[int, int, int, dict]] = {}
-    for part in _distributed_parts(optimizer):
+    for part in distributed_parts(optimizer):
         for param, owned in _owned_ranges(part):
             tensors = {k: v.view(-1) for k, v in part._get_main_param_and_optimizer_states(param).items()
                        if torch.is_tensor(v) and v.dim() > 0}
@@ -177,7 +177,8 @@ def restore_distributed_shards(held: HeldState, model_chunks, optimizer, stats: 
     wants = [(rank, i, n[1], n[2]) for rank, g in enumerate(gathered) for i, n in g["needs"].items() if i not in changed]
     numel_of = {i: h[0] for g in gathered for i, h in g["holds"].items()}
     wants += [(rank, factory, 0, numel_of[factory]) for factory, rank in assembler.items()]
-    assembled = {factory: {k: torch.empty(numel_of[factory], dtype=torch.float32, device=next(iter(held.dist_shards[factory].tensors.values())).device)
+    assembled = {factory: {k: torch.empty(numel_of[factory], dtype=torch.float32,
+                                          device=next(iter(held.dist_shards[factory].tensors.values())).device)
                            for k in keys}
                  for factory, rank in assembler.items() if rank == me}
 
@@ -202,7 +203,7 @@ def restore_distributed_shards(held: HeldState, model_chunks, optimizer, stats: 
         template = held.templates[factory[1]]
         for key, flat in full.items():
             built = template.build_fn(template.key, flat.view(template.data.shape), template.replica_id, template.flattened_range)
-            for st in _built_shards(built):
+            for st in built_shards(built):
                 pieces.setdefault(("tensor", tensor_id(st)), {})[key] = st.data.reshape(-1)
     served = [{i: (p[keys[0]].numel(), 0, p[keys[0]].numel()) for i, p in pieces.items()} if rank == me else {}
               for rank in range(world)]

@@ -37,83 +37,43 @@ Cheaper than a checkpoint load in time and memory, with the same result:
 - *The distributed optimizer's shards are never gathered*: they move by element range
   (:mod:`epas_megatron.checkpointing.distributed_shards`).
 
+What both exchanges share (the held state, parameter identities, the statistics, the
+point-to-point round) is in :mod:`epas_megatron.checkpointing.exchange`.
+
 Use: :func:`hold_state` before the old objects are released (it keeps only their tensors),
 build the new objects, :func:`restore_state`, then drop the :class:`HeldState`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from epas_megatron.checkpointing.checkpoint import (
-    _grad_scalers,
-    _scaler_states,
     apply_loaded_state,
+    grad_scalers,
     optimizer_has_state,
+    scaler_states,
     sharded_state,
 )
-from epas_megatron.model.wrapping import unwrap_model
-
-
-ShardId = tuple
-"""Megatron's shard id of a tensor or object: (key, global offset, flattened range or shape)."""
-
-Signature = tuple
-"""What a factory produces: its key, data shape and dtype, and the id, shape and dtype of every
-shard it builds. Two factories with one signature split and fuse the same rows of the same
-global tensor."""
-
-
-def _ids():
-    from megatron.core.dist_checkpointing.utils import _sharded_object_id, _sharded_tensor_shard_id
-
-    return _sharded_tensor_shard_id, _sharded_object_id
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def _built_shards(built) -> list:
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    return [item for item in nested_values(built) if isinstance(item, ShardedTensor)]
-
-
-def factory_signature(factory) -> Optional[Signature]:
-    """The factory's :data:`Signature`, from a build on the meta device (no data touched);
-    None if the factory cannot build on meta."""
-    tensor_id, _ = _ids()
-    try:
-        built = factory.build_fn(factory.key, factory.data.detach().to("meta"), factory.replica_id, factory.flattened_range)
-    except Exception:  # a factory that needs real data: it takes the general path
-        return None
-    shards = sorted((repr(tensor_id(st)), tuple(st.local_shape), str(st.dtype)) for st in _built_shards(built))
-    return (factory.key, tuple(factory.data.shape), str(factory.data.dtype), tuple(shards))
-
-
-def _model_identities(model_chunks) -> dict[int, tuple]:
-    """id(parameter) -> what identifies it in any region: its shard id, or its factory's
-    signature (so a parameter of an unchanged layer has the same identity before and after)."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-
-    tensor_id, _ = _ids()
-    identities = {}
-    for chunk in model_chunks:
-        for item in nested_values(unwrap_model(chunk).sharded_state_dict()):
-            if isinstance(item, ShardedTensorFactory):
-                signature = factory_signature(item)
-                if signature is not None:
-                    identities[id(item.data)] = ("factory", signature)
-            elif isinstance(item, ShardedTensor) and item.flattened_range is None:
-                identities[id(item.data)] = ("tensor", tensor_id(item))
-    return identities
+from epas_megatron.checkpointing.distributed_shards import (
+    distributed_parts,
+    hold_distributed_shards,
+    restore_distributed_shards,
+)
+from epas_megatron.checkpointing.exchange import (
+    ExchangeStats,
+    HeldState,
+    ShardId,
+    built_shards,
+    factory_signature,
+    model_identities,
+    nbytes,
+    send_and_receive,
+    shard_id_functions,
+)
 
 
 def _torch_optimizers(optimizer) -> list:
@@ -130,103 +90,6 @@ def _state_on_model_params(optimizer) -> bool:
     return all(type(part) is FP32Optimizer for part in parts)
 
 
-@dataclass
-class HeldState:
-    """The data of a saving sharded state on one rank, detached from the objects that made it."""
-
-    tensors: dict[ShardId, torch.Tensor] = field(default_factory=dict)
-    """Tensor shards this rank holds (main replica or not); factories' shards once split."""
-
-    factories: dict[Signature, Any] = field(default_factory=dict)
-    """Factories (fused QKV, SwiGLU FC1 and their optimizer states) with detached data, unsplit."""
-
-    factory_of: dict[ShardId, Signature] = field(default_factory=dict)
-    """Which held factory produces a shard (split on first use)."""
-
-    main: dict[ShardId, tuple] = field(default_factory=dict)
-    """Shape and dtype of the shards whose main replica is on this rank (the ones it sends)."""
-
-    objects: dict[ShardId, Any] = field(default_factory=dict)
-    """Sharded objects (e.g. Transformer Engine's extra state) this rank holds."""
-
-    main_objects: set = field(default_factory=set)
-    """Sharded objects whose main replica is on this rank."""
-
-    optimizer_states: dict[tuple, dict] = field(default_factory=dict)
-    """Model-parameter identity -> the old optimizer's state of that parameter (adoptable)."""
-
-    common: dict = field(default_factory=dict)
-    """The non-sharded part (scheduler, optimizer param groups, train state)."""
-
-    with_optimizer: bool = False
-    """Whether optimizer state exists (none before the first step)."""
-
-    templates: dict[Signature, Any] = field(default_factory=dict)
-    """Every held factory without its data (a meta tensor of its shape): how to split a fused
-    tensor's optimizer state that is assembled later."""
-
-    dist_shards: dict[tuple, Any] = field(default_factory=dict)
-    """Distributed optimizer: parameter identity -> this rank's shard of its fp32 main weights
-    and moments (``distributed_shards._Shard``), taken without any gather."""
-
-    optimizer_common: Any = None
-    """Distributed optimizer: its state dict without parameter state (groups, step, scaler)."""
-
-    scheduler_state: Any = None
-    """Distributed optimizer: the LR schedule's state."""
-
-    def tensor(self, shard: ShardId) -> Optional[torch.Tensor]:
-        """The held data of ``shard``, splitting its factory on first use."""
-        if shard not in self.tensors and shard in self.factory_of:
-            tensor_id, _ = _ids()
-            factory = self.factories[self.factory_of[shard]]
-            with torch.no_grad():
-                for st in _built_shards(factory.build()):
-                    self.tensors[tensor_id(st)] = st.data
-        return self.tensors.get(shard)
-
-    def holds(self, shard: ShardId) -> bool:
-        return shard in self.tensors or shard in self.factory_of
-
-    def release(self, keep: Callable[[str], bool]) -> None:
-        """Drop everything whose key ``keep`` rejects (its tensors are freed if nothing else
-        refers to them)."""
-        self.tensors = {s: t for s, t in self.tensors.items() if keep(s[0])}
-        self.factories = {sig: f for sig, f in self.factories.items() if keep(sig[0])}
-        self.factory_of = {s: sig for s, sig in self.factory_of.items() if sig in self.factories}
-        self.main = {s: m for s, m in self.main.items() if keep(s[0])}
-
-
-@dataclass
-class ExchangeStats:
-    """What one in-memory exchange moved, on this rank."""
-
-    tensors_local: int = 0
-    """Shards (or whole unchanged factories) copied from a tensor this rank held."""
-
-    bytes_local: int = 0
-    """Bytes of those."""
-
-    tensors_adopted: int = 0
-    """Tensors the new objects took over without a copy (weights with storage of their own,
-    optimizer states kept on the model's parameters)."""
-
-    tensors_received: int = 0
-    """Shards received from another rank (layers that changed pipeline stage)."""
-
-    bytes_received: int = 0
-    """Bytes of those."""
-
-    bytes_sent: int = 0
-    """Bytes this rank sent to others."""
-
-    objects_received: int = 0
-    """Sharded objects received from another rank."""
-
-    def as_dict(self) -> dict:
-        return dict(vars(self))
-
-
 def _is_optimizer_key(key: str) -> bool:
     return key.startswith("optimizer.")
 
@@ -241,19 +104,18 @@ def hold_state(model_chunks, optimizer, scheduler, train_state: dict) -> HeldSta
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory, is_main_replica
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
-    tensor_id, object_id = _ids()
+    tensor_id, object_id = shard_id_functions()
     with_optimizer = optimizer_has_state(optimizer)
-    if not with_optimizer and _grad_scalers(optimizer):
-        train_state = {**train_state, "grad_scalers": _scaler_states(optimizer)}
-    from epas_megatron.checkpointing.distributed_shards import _distributed_parts, hold_distributed_shards
+    if not with_optimizer and grad_scalers(optimizer):
+        train_state = {**train_state, "grad_scalers": scaler_states(optimizer)}
 
     held = HeldState(with_optimizer=with_optimizer)
-    lean_distributed = with_optimizer and bool(_distributed_parts(optimizer))
+    lean_distributed = with_optimizer and bool(distributed_parts(optimizer))
     if lean_distributed:  # its own shards, by parameter: no gather over data parallelism
         hold_distributed_shards(held, model_chunks, optimizer)
         held.scheduler_state = scheduler.state_dict()
     elif with_optimizer and _state_on_model_params(optimizer):
-        identities = _model_identities(model_chunks)
+        identities = model_identities(model_chunks)
         for torch_optimizer in _torch_optimizers(optimizer):
             for param, param_state in torch_optimizer.state.items():
                 if id(param) in identities and param_state:
@@ -266,11 +128,11 @@ def hold_state(model_chunks, optimizer, scheduler, train_state: dict) -> HeldSta
         factory = replace(factory, data=factory.data.detach())  # not the Parameter (its .main_grad keeps DDP's buffer)
         signature = factory_signature(factory)
         if signature is None:
-            unsigned.extend(_built_shards(factory.build()))
+            unsigned.extend(built_shards(factory.build()))
             continue
         held.factories[signature] = factory
         held.templates[signature] = replace(factory, data=factory.data.to("meta"))
-        for st in _built_shards(factory.build_fn(factory.key, factory.data.to("meta"), factory.replica_id, factory.flattened_range)):
+        for st in built_shards(factory.build_fn(factory.key, factory.data.to("meta"), factory.replica_id, factory.flattened_range)):
             held.factory_of[tensor_id(st)] = signature
             if is_main_replica(st.replica_id):
                 held.main[tensor_id(st)] = (tuple(st.local_shape), str(st.dtype))
@@ -333,19 +195,8 @@ def _plan_transfers(gathered: list[dict]) -> list[tuple[int, int, ShardId]]:
     return transfers
 
 
-def _send_and_receive(ops: list) -> None:
-    if not ops:
-        return
-    if dist.get_backend() == "nccl":
-        works = dist.batch_isend_irecv(ops)
-    else:  # gloo: plain non-blocking pairs, matched in the order both sides posted them
-        works = [dist.isend(op.tensor, op.peer) if op.op is dist.isend else dist.irecv(op.tensor, op.peer) for op in ops]
-    for work in works:
-        work.wait()
-
-
 def _whole_storage(tensor: torch.Tensor) -> bool:
-    return tensor.is_contiguous() and tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == _nbytes(tensor)
+    return tensor.is_contiguous() and tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == nbytes(tensor)
 
 
 def _copy_into(target: torch.Tensor, source: torch.Tensor, what: str, stats: ExchangeStats) -> None:
@@ -363,7 +214,7 @@ def _copy_into(target: torch.Tensor, source: torch.Tensor, what: str, stats: Exc
         return
     target.copy_(source)
     stats.tensors_local += 1
-    stats.bytes_local += _nbytes(source)
+    stats.bytes_local += nbytes(source)
 
 
 @torch.no_grad()
@@ -388,19 +239,19 @@ def _fill_tensors(needs: dict[ShardId, list], held: HeldState, stats: ExchangeSt
         if src == me:
             tensor = held.tensor(shard).contiguous()
             ops.append(dist.P2POp(dist.isend, tensor, dst))
-            stats.bytes_sent += _nbytes(tensor)
+            stats.bytes_sent += nbytes(tensor)
         elif dst == me:
             target = needs[shard][0].data
             buffer = target if target.is_contiguous() else torch.empty_like(target, memory_format=torch.contiguous_format)
             ops.append(dist.P2POp(dist.irecv, buffer, src))
             received.append((shard, buffer))
-    _send_and_receive(ops)
+    send_and_receive(ops)
     for shard, buffer in received:
         for target in needs[shard]:
             if target.data is not buffer:
                 target.data.copy_(buffer)
         stats.tensors_received += 1
-        stats.bytes_received += _nbytes(buffer)
+        stats.bytes_received += nbytes(buffer)
 
 
 def _fill_objects(needs: dict[ShardId, list], held: HeldState, stats: ExchangeStats) -> None:
@@ -446,7 +297,7 @@ def _exchange(state: dict, held: HeldState, common: dict, stats: ExchangeStats) 
     from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
     from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
-    tensor_id, object_id = _ids()
+    tensor_id, object_id = shard_id_functions()
     unchanged: dict[ShardId, torch.Tensor] = {}
 
     def unchanged_factory(item):
@@ -484,7 +335,7 @@ def _adopt_optimizer_states(held: HeldState, model_chunks, optimizer, stats: Exc
     (before the optimizer allocates its own: Megatron only initialises empty states)."""
     if not held.optimizer_states or not _state_on_model_params(optimizer):
         return
-    identities = _model_identities(model_chunks)
+    identities = model_identities(model_chunks)
     for torch_optimizer in _torch_optimizers(optimizer):
         for group in torch_optimizer.param_groups:
             for param in group["params"]:
@@ -517,8 +368,6 @@ def restore_state(held: HeldState, model_chunks, optimizer, scheduler) -> Exchan
     # 2. The optimizer and LR schedule (or, before the first step, the fp16 loss scale).
     rest = {k: v for k, v in common.items() if k not in model_keys}
     if held.dist_shards or held.optimizer_common is not None:
-        from epas_megatron.checkpointing.distributed_shards import restore_distributed_shards
-
         restore_distributed_shards(held, model_chunks, optimizer, stats)
         scheduler.load_state_dict(held.scheduler_state)
         return stats

@@ -26,7 +26,7 @@ PyTorch are not slowed down or changed.
 ``stand_in="meta"`` maps it to PyTorch's ``meta`` device instead: every tensor Megatron would put
 on the GPU (parameters, buffers, masks, counters) lands on ``meta``, so a CPU tensor that reaches
 the model without being moved to the model's device fails just as it would against a CUDA model
-(see :mod:`epas_megatron.runtime.device_guard`). Meta tensors hold no data, so only shapes flow:
+(see :mod:`epas_megatron.compat.device_guard`). Meta tensors hold no data, so only shapes flow:
 a meta process can run forward and backward passes, not optimizer steps.
 
 What does not run on CPU even with these patches: CUDA kernels (fused bias/dropout/RoPE/

@@ -5,7 +5,7 @@ creating a benchmark input with no ``device=``) goes unnoticed until the first G
 *device-guard* process closes that gap:
 
 1. :func:`activate` installs the CPU stand-ins with the ``meta`` device in the GPU's place
-   (:mod:`epas_megatron.runtime.cpu_compat`): parameters, buffers and everything Megatron-Core
+   (:mod:`epas_megatron.compat.cpu_compat`): parameters, buffers and everything Megatron-Core
    creates on "the current CUDA device" live on ``meta``;
 2. :class:`MixedDeviceCheck` (a ``TorchFunctionMode``) raises :class:`DevicePlacementError` when an
    operation combines a ``meta`` tensor with a CPU tensor of one or more dimensions -- the rule
@@ -25,7 +25,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from epas_megatron.runtime import cpu_compat
+from epas_megatron.compat import cpu_compat
 
 GUARD_DEVICE = torch.device("meta")
 

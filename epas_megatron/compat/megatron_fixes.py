@@ -1,6 +1,6 @@
 """Fixes for megatron-core 0.19 bugs this project runs into, on every device.
 
-Unlike :mod:`epas_megatron.runtime.cpu_compat` (CPU stand-ins for CUDA calls), these are
+Unlike :mod:`epas_megatron.compat.cpu_compat` (CPU stand-ins for CUDA calls), these are
 library bugs that a GPU run hits just the same. Each fix is narrow, idempotent, and named
 after the code it wraps; :func:`apply` installs them once per process.
 

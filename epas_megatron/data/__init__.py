@@ -5,6 +5,10 @@ Text flows one way: documents (:mod:`.corpus`) -> token ids (:mod:`.tokenizer`) 
 the resumable micro-batch iterator (:mod:`.datasets`). Each module's docstring records its
 decisions (document format, EOD handling, determinism).
 
+Layering: beside config at the bottom (config -> model/sharing -> parallel/checkpointing ->
+training -> entry points): it imports only the runtime and Megatron-Core's dataset classes;
+training, evaluation and inference (the tokenizer) read from it, ``epas-preprocess`` is its CLI.
+
 Names are exported lazily (PEP 562): ``import epas_megatron.data.preprocess`` (the CLI, and its
 spawned tokenizer workers) then loads neither torch nor Megatron-Core until they are needed, and
 ``python -m epas_megatron.data.preprocess`` does not import its own module twice.

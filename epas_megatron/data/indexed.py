@@ -23,8 +23,8 @@ from __future__ import annotations
 import hashlib
 import struct
 import warnings
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy

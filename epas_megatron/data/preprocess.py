@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TextIO
 
 from epas_megatron.data.corpus import TXT_DOCUMENT_MODES, check_input_files, iter_documents
-from epas_megatron.data.indexed import IndexedStats, IndexedDatasetWriter, normalize_prefix
+from epas_megatron.data.indexed import IndexedDatasetWriter, IndexedStats, normalize_prefix
 from epas_megatron.data.tokenizer import SentencePieceTokenizer, load_tokenizer
 from epas_megatron.errors import ConfigError
 

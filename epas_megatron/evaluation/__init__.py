@@ -1,2 +1,12 @@
-"""Quality evaluation: which sharing regions to evaluate, validation at several regions during
-training, and the bridge to EleutherAI's lm-evaluation-harness."""
+"""Quality of a trained model at its sharing regions.
+
+``validation_loss`` (``epas-eval``: a checkpoint rebuilt at each requested region, validation
+loss and perplexity on any TP x PP x DP world), ``region_eval`` (during training: the weights in
+training evaluated at other regions in memory, ``--eval-regions``) and ``lm_eval_model`` (the
+bridge to EleutherAI's lm-evaluation-harness). The region grammar they share is
+:mod:`epas_megatron.sharing.regions`.
+
+Layering: above the assembly, training components and inference (it builds models through
+:mod:`epas_megatron.assembly` and runs them with the training step functions or the decode
+engine); below the ``epas-eval`` command (:mod:`epas_megatron.evaluate`).
+"""

@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 
-
 @dataclass(frozen=True)
 class QualityScale:
     """One size of the recipe: the model, the token budget and the EPAS schedule of every arm."""
@@ -306,8 +305,8 @@ class QualityRecipe:
 
     def run(self) -> dict:
         """Every arm, then the report; returns the report's numbers."""
-        from epas_megatron.bench import quality_report as report
         from epas_megatron.checkpointing.integrity import open_checkpoint
+        from epas_megatron.experiments import quality_report as report
 
         self.out.mkdir(parents=True, exist_ok=True)
         if self.base_checkpoint is not None:
@@ -345,7 +344,8 @@ class QualityRecipe:
             numbers["random_ltd"] = rows
             sections.append(f"### Random-LTD, EPAS and both, from scratch at equal tokens (seed {scale.seeds[0]})\n\n"
                             + report.methods_table(rows))
-            report.plot_curves([arm(name) for name in ("scratch_baseline", "scratch_epas", "scratch_random_ltd", "scratch_epas_random_ltd")],
+            report.plot_curves([arm(name) for name in ("scratch_baseline", "scratch_epas", "scratch_random_ltd",
+                                                       "scratch_epas_random_ltd")],
                                str(self.out / "random_ltd_loss_vs_tokens.png"), str(self.out / "random_ltd_loss_vs_time.png"),
                                scale.seq_length * scale.global_batch_size)
             plots += ["random_ltd_loss_vs_tokens.png", "random_ltd_loss_vs_time.png"]

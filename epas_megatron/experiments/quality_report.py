@@ -168,10 +168,12 @@ def scratch_table(result: dict) -> str:
     """Markdown: one row per arm (baseline, EPAS) of the from-scratch comparison."""
     r = result
     lines = [
-        "| arm | final val loss | gap vs baseline | tokens/s (run) | tokens/s (full region) | training time | time to baseline's final loss |",
+        "| arm | final val loss | gap vs baseline | tokens/s (run) | tokens/s (full region) | training time "
+        "| time to baseline's final loss |",
         "|---|---|---|---|---|---|---|",
         f"| baseline | {_num(r['baseline_final_valid_loss'])} | | {_num(r['baseline_tokens_per_s'], '.0f')} | "
-        f"{_num(r['baseline_steady_tokens_per_s'], '.0f')} | {_time(r['baseline_train_time_s'])} | {_time(r['baseline_time_to_target_s'])} |",
+        f"{_num(r['baseline_steady_tokens_per_s'], '.0f')} | {_time(r['baseline_train_time_s'])} | "
+        f"{_time(r['baseline_time_to_target_s'])} |",
         f"| EPAS | {_num(r['epas_final_valid_loss'])} | {r['gap']:+.4f} | {_num(r['epas_tokens_per_s'], '.0f')} "
         f"({_num(r['tokens_per_s_ratio'], '.3f')}x) | {_num(r['epas_steady_tokens_per_s'], '.0f')} "
         f"({_num(r['steady_tokens_per_s_ratio'], '.3f')}x) | {_time(r['epas_train_time_s'])} "

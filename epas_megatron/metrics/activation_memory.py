@@ -46,7 +46,7 @@ def measure_saved_bytes(model: torch.nn.Module, *inputs, **kwargs) -> SavedBytes
     result = SavedBytes()
     current: list = [None]
     handles = []
-    from epas_megatron.model.wrapping import unwrap_model
+    from epas_megatron.runtime.wrapping import unwrap_model
 
     for layer in unwrap_model(model).decoder.layers:
         index = layer.layer_number - 1

@@ -42,7 +42,6 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.typed_torch import apply_module
 
-
 SHARE_MODES = ("qk", "kv")
 
 # Per KV group, the fused QKV weight holds [q_1 .. q_{np/ng}, k, v] head blocks of hn rows.
@@ -106,7 +105,8 @@ def _part_rows_per_group(queries_per_group: int) -> dict[str, int]:
     return {"q": queries_per_group, "k": 1, "v": 1}
 
 
-def split_qkv_rows(rows_tensor: Tensor, order: tuple[str, ...], num_groups: int, queries_per_group: int, head_dim: int) -> dict[str, Tensor]:
+def split_qkv_rows(rows_tensor: Tensor, order: tuple[str, ...], num_groups: int, queries_per_group: int,
+                   head_dim: int) -> dict[str, Tensor]:
     """Rows holding, per KV group, the parts in ``order`` (a sub-sequence of q, k, v) -> one
     contiguous tensor per part: q ``[groups*np/ng*hn, h]``, k and v ``[groups*hn, h]``."""
     rows = _part_rows_per_group(queries_per_group)

@@ -28,7 +28,7 @@ import torch
 
 from megatron.core import parallel_state
 
-from epas_megatron.model.attention import SharedAttention, split_qkv_rows, fuse_qkv_rows
+from epas_megatron.model.attention import SharedAttention, fuse_qkv_rows, split_qkv_rows
 
 _SCALED = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Optional, Sequence
 
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -28,7 +29,6 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
-from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from epas_megatron.model.attention import (
     _OWN_PART,

@@ -1,7 +1,7 @@
-"""Pipeline-stage planner: where each decoder layer lives, re-planned at every EPAS switch.
+"""Pipeline-stage balancer: where each decoder layer lives, chosen again at every EPAS switch.
 
 All chunks of one pipeline rank run on the same GPU, so a rank's time per microbatch is the sum
-of its chunks' costs, and the pipeline runs at the pace of its slowest rank. :func:`plan_layout`
+of its chunks' costs, and the pipeline runs at the pace of its slowest rank. :func:`balance_layout`
 picks the split of the decoder layers into virtual stages (a
 :class:`~epas_megatron.parallel.layout.StageLayout`) that minimises that slowest rank's cost, the
 *bottleneck*, priced by the cost model (:mod:`epas_megatron.parallel.cost_model`):
@@ -14,13 +14,13 @@ picks the split of the decoder layers into virtual stages (a
   A layout avoids that only by keeping the source and the whole sharing region in one virtual
   stage (the last one when the region includes the last layer; with ``--epas-exclude-last`` a
   boundary after the region, before the computing layers that follow it, carries no hand-off).
-  :func:`plan_layout` plans both ways (region kept together, or crossing and paying at every
+  :func:`balance_layout` prices both ways (region kept together, or crossing and paying at every
   boundary) and takes the faster; on a tie the one without hand-off traffic.
 
 The search is :func:`epas_megatron.parallel.partition.best_split` (exact, ties toward Megatron's
-even split; see there). :func:`plan_region` plans for a sharing region from
+even split; see there). :func:`balance_region` balances a sharing region from
 :class:`~epas_megatron.parallel.cost_model.LayerCosts`; reports and speed-up predictions are in
-:mod:`epas_megatron.parallel.plan_report`.
+:mod:`epas_megatron.parallel.layout_report`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from epas_megatron.parallel.layout import StageLayout
 from epas_megatron.parallel.partition import REL_TOL, best_split
 from epas_megatron.sharing.schedule import LayerMode, layer_modes
 
-__all__ = ["StageLayout", "crosses_region", "plan_layout", "plan_region", "priced_layout"]
+__all__ = ["StageLayout", "crosses_region", "balance_layout", "balance_region", "priced_layout"]
 
 
 def crosses_region(stage_sizes: Sequence[int], modes: Sequence[LayerMode] | None) -> bool:
@@ -75,7 +75,7 @@ def priced_layout(
     )
 
 
-def plan_layout(
+def balance_layout(
     costs: Sequence[float],
     pipeline_parallel_size: int,
     virtual_pipeline_parallel_size: int = 1,
@@ -98,7 +98,7 @@ def plan_layout(
         handoff_cost: charged to both virtual stages at every boundary of a layout that has such
             a boundary (``LayerCosts.handoff_p2p``).
         fits: ``fits(rank, starts, ends)``: only layouts whose every rank passes it (a memory
-            budget, :class:`~epas_megatron.parallel.memory_plan.MemoryLimit`); a
+            budget, :class:`~epas_megatron.parallel.memory_budget.MemoryLimit`); a
             ``ConfigError`` when none does.
 
     Every virtual stage holds at least one layer. Ties (bottlenecks within 1e-9 of the total
@@ -113,9 +113,9 @@ def plan_layout(
     named = [*(f"layer {i}" for i in range(n)), "embedding", "output", "hand-off"]
     for what, cost in zip(named, [*costs, embedding_cost, output_cost, handoff_cost]):
         if not math.isfinite(cost) or cost < 0:
-            raise ValueError(f"plan_layout: cost of {what} must be finite and >= 0, got {cost!r}")
+            raise ValueError(f"balance_layout: cost of {what} must be finite and >= 0, got {cost!r}")
     if modes is not None and len(modes) != n:
-        raise ValueError(f"plan_layout: {len(modes)} layer modes for {n} layer costs")
+        raise ValueError(f"balance_layout: {len(modes)} layer modes for {n} layer costs")
 
     prefix = [0.0, *itertools.accumulate(costs)]
     offsets = [0.0] * (p * v)
@@ -158,7 +158,7 @@ def plan_layout(
     return dataclasses.replace(best, optimal=optimal)
 
 
-def plan_region(
+def balance_region(
     layer_costs: LayerCosts,
     num_layers: int,
     sharing_layers: Iterable[int],
@@ -168,11 +168,11 @@ def plan_region(
     exclude_last: int = 0,
     memory=None,
 ) -> StageLayout:
-    """The planned layout while ``sharing_layers`` (a deep block ending ``exclude_last`` layers
+    """The balanced layout while ``sharing_layers`` (a deep block ending ``exclude_last`` layers
     before the end, see :func:`~epas_megatron.sharing.schedule.layer_modes`) share Q/K;
-    ``memory``: a :class:`~epas_megatron.parallel.memory_plan.MemoryLimit` every rank must fit."""
+    ``memory``: a :class:`~epas_megatron.parallel.memory_budget.MemoryLimit` every rank must fit."""
     modes = layer_modes(num_layers, sharing_layers, exclude_last=exclude_last)
-    return plan_layout(
+    return balance_layout(
         costs_for_modes(layer_costs, modes),
         pipeline_parallel_size,
         virtual_pipeline_parallel_size,

@@ -1,4 +1,4 @@
-"""Per-layer cost model for pipeline-stage planning.
+"""Per-layer cost model for pipeline-stage balancing.
 
 A pipeline stage's time per microbatch is (to first order) the sum of the costs of what it holds:
 its decoder layers, plus the embedding on the first stage and the output layer and loss on the
@@ -14,7 +14,7 @@ Q/K have to travel), the hand-off rides in the p2p tensor as ``r`` extra rows ne
 rows of hidden states (about ``2 s`` for MHA; :func:`epas_megatron.sharing.handoff.extra_p2p_rows`),
 and since Megatron's schedules use one p2p shape, *every* boundary then sends ``s + r`` rows
 (:func:`epas_megatron.model.builder.pipeline_handoff_rows`). :attr:`LayerCosts.handoff_p2p` prices
-those extra rows per boundary; the planner charges it to both ranks at every boundary of a layout
+those extra rows per boundary; the balancer charges it to both ranks at every boundary of a layout
 that crosses the region, and nothing otherwise. Assumptions: p2p transfers are not overlapped
 with compute (Megatron's default 1F1B), each of the two ranks at a boundary is busy for the whole
 transfer, and the sender's copy packing the buffer (at memory speed, some 30x the link speed) is
@@ -22,7 +22,7 @@ neglected. The hidden states' own ``s`` rows are the same for every layout and a
 
 The costs are relative numbers in any one unit: analytic FLOPs (from the FLOPs module; no
 formulas live here) or measured seconds (see :func:`calibrate`). Only their ratios matter to the
-planner.
+balancer.
 """
 
 from __future__ import annotations

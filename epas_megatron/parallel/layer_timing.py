@@ -1,11 +1,11 @@
-"""Measured layer costs for the stage planner (``--epas-cost-model measured``).
+"""Measured layer costs for the stage balancer (``--epas-cost-model measured``).
 
 The FLOPs model misses what is not a matmul (memory-bound elementwise work, attention kernels,
-the loss), so the planner can instead use forward times measured in the running model: a
+the loss), so the balancer can instead use forward times measured in the running model: a
 :class:`LayerTimer` hooks the decoder layers and the LM head of this rank's chunks for a few
 iterations after each (re)build and records their forward time per kind -- ``compute``
 (computing and source layers), ``share`` and ``output_layer``. :meth:`LayerTimer.measured`
-averages over all ranks (an all-reduce), so every rank plans the same layout; kinds not measured
+averages over all ranks (an all-reduce), so every rank picks the same layout; kinds not measured
 yet (e.g. sharing layers before the first switch) keep their FLOPs cost, scaled into seconds by
 :func:`epas_megatron.parallel.cost_model.calibrate`. Backward costs about twice the forward for
 every kind, so forward times give the right ratios.
@@ -136,7 +136,7 @@ class LayerTimer:
 
     def attach(self, model_chunks) -> None:
         """Hook every decoder layer and the LM head of (unwrapped or DDP-wrapped) chunks."""
-        from epas_megatron.model.wrapping import unwrap_model
+        from epas_megatron.runtime.wrapping import unwrap_model
 
         self.detach()
         for chunk in model_chunks:

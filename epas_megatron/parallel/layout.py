@@ -48,7 +48,7 @@ class StageLayout:
     """Predicted cost per pipeline rank (physical stage): the sum of its virtual stages."""
 
     optimal: bool = True
-    """False only when the planner ran out of its work budget before proving the bottleneck
+    """False only when the balancer ran out of its work budget before proving the bottleneck
     minimal (see :mod:`epas_megatron.parallel.partition`); the layout is valid either way."""
 
     def __post_init__(self):
@@ -82,8 +82,8 @@ class StageLayout:
     ) -> StageLayout:
         """A layout with the given per-virtual-stage sizes, priced when ``costs`` (one per
         decoder layer) are given. ``boundary_cost`` is charged to both virtual stages at every
-        boundary between consecutive virtual stages (the planner passes the Q/K hand-off's p2p
-        cost here when the layout needs it; see :mod:`epas_megatron.parallel.planner`)."""
+        boundary between consecutive virtual stages (the balancer passes the Q/K hand-off's p2p
+        cost here when the layout needs it; see :mod:`epas_megatron.parallel.balancer`)."""
         sizes = tuple(int(size) for size in stage_sizes)
         p, v = pipeline_parallel_size, virtual_pipeline_parallel_size
         if costs is None:

@@ -1,4 +1,4 @@
-"""Reports on planned pipeline layouts: the plan table printed at start, and the predicted
+"""Reports on balanced pipeline layouts: the layout table printed at start, and the predicted
 throughput gain of EPAS under pipeline parallelism (used by ``epas-bench pipeline``)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from epas_megatron.parallel.balancer import balance_region, crosses_region, priced_layout
 from epas_megatron.parallel.cost_model import LayerCosts, costs_for_modes
 from epas_megatron.parallel.layout import StageLayout
-from epas_megatron.parallel.planner import crosses_region, plan_region, priced_layout
 from epas_megatron.sharing.schedule import layer_modes, region_layers
 
 
@@ -37,44 +37,44 @@ def even_layout(
     )
 
 
-def format_plan(
+def format_layouts(
     layer_costs: LayerCosts,
     num_layers: int,
     pipeline_parallel_size: int,
     virtual_pipeline_parallel_size: int = 1,
     sharing_sets: Sequence[tuple[int, Iterable[int]]] = (),
-    plan: Sequence[tuple[int, StageLayout]] | None = None,
+    layouts: Sequence[tuple[int, StageLayout]] | None = None,
     *,
     exclude_last: int = 0,
 ) -> str:
     """A readable table of a schedule's layouts.
 
     ``sharing_sets`` lists ``(iteration, sharing layers)``, each the complete region from that
-    iteration on (ending ``exclude_last`` layers before the end); ``plan`` the
-    ``(iteration, layout)`` for each (default: :func:`plan_region`).
+    iteration on (ending ``exclude_last`` layers before the end); ``layouts`` the
+    ``(iteration, layout)`` for each (default: :func:`balance_region`).
     Per switch: the layers each rank holds (``a-b`` per chunk, chunks separated by commas), its
-    predicted cost under the planned layout and under the fixed even split, the bottlenecks, and
+    predicted cost under the balanced layout and under the fixed even split, the bottlenecks, and
     the speedups over the baseline (no sharing, even split): ``fixed`` keeps the even split,
-    ``rebal`` switches to the planned layout. Speedup = baseline bottleneck / bottleneck (see
+    ``rebal`` switches to the balanced layout. Speedup = baseline bottleneck / bottleneck (see
     :func:`predict_pipeline_speedup`).
     """
     p, v = pipeline_parallel_size, virtual_pipeline_parallel_size
     sharing_sets = [(iteration, sorted(set(sharing))) for iteration, sharing in sharing_sets]
-    if plan is None:
-        plan = [
-            (iteration, plan_region(layer_costs, num_layers, sharing, p, v, exclude_last=exclude_last))
+    if layouts is None:
+        layouts = [
+            (iteration, balance_region(layer_costs, num_layers, sharing, p, v, exclude_last=exclude_last))
             for iteration, sharing in sharing_sets
         ]
-    if len(plan) != len(sharing_sets):
-        raise ValueError("format_plan: plan and sharing_sets differ in length")
+    if len(layouts) != len(sharing_sets):
+        raise ValueError("format_layouts: layouts and sharing_sets differ in length")
     baseline = even_layout(layer_costs, num_layers, (), p, v).bottleneck
     lines = [
         f"pipeline plan: {num_layers} layers, --pp {p} --vpp {v}; baseline (no sharing, even "
         f"split) bottleneck {baseline:.4g}"
     ]
-    for (iteration, sharing), (plan_iteration, layout) in zip(sharing_sets, plan):
-        if iteration != plan_iteration:
-            raise ValueError("format_plan: plan and sharing_sets differ in iterations")
+    for (iteration, sharing), (layout_iteration, layout) in zip(sharing_sets, layouts):
+        if iteration != layout_iteration:
+            raise ValueError("format_layouts: layouts and sharing_sets differ in iterations")
         fixed = even_layout(layer_costs, num_layers, sharing, p, v, exclude_last=exclude_last)
         crossing = crosses_region(layout.stage_sizes, layer_modes(num_layers, sharing, exclude_last=exclude_last))
         notes = "; Q/K cross a stage boundary" if crossing else ""
@@ -140,13 +140,13 @@ class PipelineSpeedup:
     """No sharing, Megatron's even split (what runs without EPAS)."""
 
     baseline_rebalanced_bottleneck: float
-    """No sharing, planned split (rebalancing alone, e.g. for embedding/output costs)."""
+    """No sharing, balanced split (rebalancing alone, e.g. for embedding/output costs)."""
 
     fixed_bottleneck: float
     """Sharing region on, even split kept."""
 
     rebalanced_bottleneck: float
-    """Sharing region on, planned split."""
+    """Sharing region on, balanced split."""
 
     ideal_speedup: float
     """Total-cost ratio (no sharing / sharing), without p2p: the speedup if both pipelines
@@ -189,8 +189,8 @@ def predict_pipeline_speedup(
 
     return PipelineSpeedup(
         baseline_bottleneck=even_layout(layer_costs, num_layers, (), p, v).bottleneck,
-        baseline_rebalanced_bottleneck=plan_region(layer_costs, num_layers, (), p, v).bottleneck,
+        baseline_rebalanced_bottleneck=balance_region(layer_costs, num_layers, (), p, v).bottleneck,
         fixed_bottleneck=even_layout(layer_costs, num_layers, sharing, p, v, exclude_last=exclude_last).bottleneck,
-        rebalanced_bottleneck=plan_region(layer_costs, num_layers, sharing, p, v, exclude_last=exclude_last).bottleneck,
+        rebalanced_bottleneck=balance_region(layer_costs, num_layers, sharing, p, v, exclude_last=exclude_last).bottleneck,
         ideal_speedup=total(()) / total(sharing),
     )

@@ -1,4 +1,4 @@
-"""A per-rank memory budget for the stage planner (``--epas-memory-budget-gb``).
+"""A per-rank memory budget for the stage balancer (``--epas-memory-budget-gb``).
 
 Rebalancing moves layers toward the first pipeline stages as the sharing region grows at the
 deep end -- and under 1F1B the first stage keeps the most micro-batches in flight (``pp``
@@ -6,8 +6,8 @@ against the last stage's one), so a FLOP-balanced layout can need more memory th
 even split did. :class:`MemoryLimit` prices a rank with :mod:`epas_megatron.metrics.memory_model`
 (its layers' weights, gradients and Adam state; their activations times the rank's in-flight
 micro-batches; the embedding on the first rank, the LM head on the last, a received hand-off)
-and tells the planner's search which ranks fit; among the layouts whose every rank fits, the
-planner still minimises the slowest rank. :func:`plan_with_budget` also reports when the
+and tells the balancer's search which ranks fit; among the layouts whose every rank fits, the
+balancer still minimises the slowest rank. :func:`layout_within_budget` also reports when the
 FLOP-optimal layout would not have fitted.
 """
 
@@ -42,13 +42,13 @@ class MemoryLimit:
     """The most one rank may hold."""
 
     failure: str = field(default="", init=False)
-    """Why no layout fits (set by :meth:`for_modes`, read by the planner)."""
+    """Why no layout fits (set by :meth:`for_modes`, read by the balancer)."""
 
     def rank_bytes(self, pp_rank: int, roles_by_chunk: Sequence[Sequence[str]]) -> dict[str, float]:
         return rank_memory_bytes(self.shape, [list(r) for r in roles_by_chunk], pp_rank, self.pp, self.vpp, self.settings)
 
     def for_modes(self, modes: Sequence[LayerMode]):
-        """``fits(rank, starts, ends)`` for the planner, at the region ``modes``."""
+        """``fits(rank, starts, ends)`` for the balancer, at the region ``modes``."""
         roles = ["share" if m == LayerMode.SHARE else "compute" for m in modes]
         per_layer = {role: layer_memory(self.shape, role, self.settings) for role in ("compute", "share")}
         smallest = min(per_layer[r][0] + per_layer[r][1] for r in set(roles))
@@ -60,7 +60,7 @@ class MemoryLimit:
             chunks = [roles[a:b] for a, b in zip(starts, ends)]
             return self.rank_bytes(pp_rank, chunks)["total"] <= self.budget_bytes
 
-        fits.failure = self.failure  # the planner's error when nothing fits
+        fits.failure = self.failure  # the balancer's error when nothing fits
         return fits
 
     def layout_bytes(self, layout, modes: Sequence[LayerMode]) -> list[dict[str, float]]:
@@ -73,18 +73,18 @@ class MemoryLimit:
         return out
 
 
-def plan_with_budget(plan_unconstrained, plan_constrained, limit: Optional[MemoryLimit], modes) -> tuple[object, Optional[str]]:
+def layout_within_budget(unconstrained, constrained, limit: Optional[MemoryLimit], modes) -> tuple[object, Optional[str]]:
     """(the layout to use, a notice or None): the FLOP-optimal layout when every rank fits (or
     there is no budget), else the best one that fits, with a notice naming the rank and bytes
     the FLOP-optimal one would have needed."""
-    best = plan_unconstrained()
+    best = unconstrained()
     if limit is None:
         return best, None
     need = limit.layout_bytes(best, modes)
     worst = max(range(limit.pp), key=lambda r: need[r]["total"])
     if need[worst]["total"] <= limit.budget_bytes:
         return best, None
-    chosen = plan_constrained()
+    chosen = constrained()
     have = limit.layout_bytes(chosen, modes)
     return chosen, (f"the FLOP-optimal layout {best.to_layout_string()} would need {need[worst]['total'] / GIB:.4g} GiB on "
                     f"pipeline rank {worst} (budget {limit.budget_bytes / GIB:g} GiB); using {chosen.to_layout_string()} "

@@ -1,4 +1,4 @@
-"""The search behind :func:`~epas_megatron.parallel.planner.plan_layout`: the split of the
+"""The search behind :func:`~epas_megatron.parallel.balancer.balance_layout`: the split of the
 decoder layers into virtual pipeline stages whose slowest pipeline rank is cheapest.
 
 The problem in the terms used here: layers ``0 .. n-1``, ``prefix[i]`` the cost of layers
@@ -29,7 +29,7 @@ takes well under a second for ``v <= 2`` and for ``p = 8`` up to ``v = 4``, but 
 ``v >= 3`` can take several seconds. So each pass stops after :data:`WORK_BUDGET` counted
 steps, trying round ends nearest the even split's first, and returns the best split found
 (``proven`` False; on 7B-like shapes with ``p = 4, v = 4`` within 0.5% of the optimum). The
-count is plain arithmetic on the inputs, never a clock: every rank planning the same inputs gets
+count is plain arithmetic on the inputs, never a clock: every rank searching the same inputs gets
 the same split.
 """
 

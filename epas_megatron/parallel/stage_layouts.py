@@ -1,25 +1,29 @@
-"""Pipeline layouts for a run: FLOP-based layer costs -> planner -> Megatron layout string.
+"""Pipeline layouts for a run: FLOP-based layer costs -> balancer -> Megatron layout string.
 
 With PP > 1 the EPAS region grows from the deep end, so without rebalancing the last stages get
 cheaper while the first keep computing everything, and the pipeline runs at the pace of its
-slowest stage. At every switch the trainer asks :func:`plan_stage_layout` for the layout that
+slowest stage. At every switch the trainer asks :func:`balanced_layout` for the layout that
 minimises the slowest stage under the new per-layer costs (including the extra p2p rows a stage
-boundary inside the region sends), and moves layers by reloading its staging checkpoint into the
-new layout, so the plan does not depend on where the layers were before.
+boundary inside the region sends), rebuilds its model chunks in that layout and moves the
+training state into them: in memory by default (``--epas-switch-mode memory``; a layer that
+changes stage is sent point to point, see :mod:`epas_megatron.checkpointing.in_memory`), or
+through a staging checkpoint (``--epas-switch-mode checkpoint``). Either way the state is
+matched by checkpoint shard id, so the layout chosen does not depend on where the layers were
+before.
 
 Costs are forward matmul FLOPs per sequence (a computing layer, a sharing layer, the LM head and
 loss on the last stage; the embedding gather is free). Backward is ~2x forward for every part,
-so the ratios -- all the planner needs -- hold for training.
+so the ratios -- all the balancer needs -- hold for training.
 """
 
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from epas_megatron.parallel.balancer import balance_region
 from epas_megatron.parallel.cost_model import P2P_FLOPS_PER_BYTE, LayerCosts
-from epas_megatron.parallel.plan_report import format_plan
 from epas_megatron.parallel.layout import StageLayout
-from epas_megatron.parallel.planner import plan_region
+from epas_megatron.parallel.layout_report import format_layouts
 
 
 def flops_layer_costs(
@@ -32,10 +36,10 @@ def flops_layer_costs(
     """Relative costs from the sharing-aware FLOPs model (see module doc), plus the hand-off's
     extra p2p rows (``LayerCosts.handoff_p2p``) in FLOP units at ``p2p_flops_per_byte``, with
     ``bytes_per_element`` bytes per element in the p2p tensor (bf16 by default)."""
-    from epas_megatron.metrics.flops import Convention, layer_forward_flops, lm_head_forward_flops
+    from epas_megatron.metrics.flops import Convention, ModelShape, layer_forward_flops, lm_head_forward_flops
     from epas_megatron.sharing.handoff import extra_p2p_rows
 
-    shape = arch.flops_shape(seq_length)
+    shape = ModelShape.of(arch, seq_length)
     # Hand-off elements per token: Q and K heads, or K and V (at TP=1; under TP both the rows
     # and a rank's FLOPs shrink by TP, so the ratio holds).
     first = shape.num_attention_heads if share == "qk" else shape.num_query_groups
@@ -53,7 +57,7 @@ def flops_layer_costs(
     )
 
 
-def plan_for_region(
+def region_layout(
     layer_costs: LayerCosts,
     num_layers: int,
     pp: int,
@@ -61,46 +65,46 @@ def plan_for_region(
     sharing_layers: Sequence[int],
     exclude_last: int = 0,
 ) -> StageLayout:
-    """The planned layout for one sharing region (ending ``exclude_last`` layers before the end)."""
-    return plan_region(layer_costs, num_layers, sharing_layers, pp, vpp or 1, exclude_last=exclude_last)
+    """The balanced layout for one sharing region (ending ``exclude_last`` layers before the end)."""
+    return balance_region(layer_costs, num_layers, sharing_layers, pp, vpp or 1, exclude_last=exclude_last)
 
 
-def plan_stage_layout(plan, sharing_layers: Sequence[int], timer=None, memory=None) -> StageLayout:
+def balanced_layout(plan, sharing_layers: Sequence[int], timer=None, memory=None) -> StageLayout:
     """The layout for ``sharing_layers`` given a :class:`~epas_megatron.model.build_plan.BuildPlan`
     (its architecture, sequence length, share mode, PP/VPP and ``exclude_last``).
 
     With a :class:`~epas_megatron.parallel.layer_timing.LayerTimer` (``--epas-cost-model
     measured``) the FLOPs costs are calibrated by its measurements (a collective call). With a
-    :class:`~epas_megatron.parallel.memory_plan.MemoryLimit`, only layouts whose every rank
-    fits it (:func:`plan_stage_layout_noted` also says when that changed the layout)."""
-    return plan_stage_layout_noted(plan, sharing_layers, timer, memory)[0]
+    :class:`~epas_megatron.parallel.memory_budget.MemoryLimit`, only layouts whose every rank
+    fits it (:func:`balanced_layout_noted` also says when that changed the layout)."""
+    return balanced_layout_noted(plan, sharing_layers, timer, memory)[0]
 
 
-def plan_stage_layout_noted(plan, sharing_layers: Sequence[int], timer=None, memory=None) -> tuple[StageLayout, Optional[str]]:
-    """:func:`plan_stage_layout` and the memory budget's notice (None if it changed nothing)."""
+def balanced_layout_noted(plan, sharing_layers: Sequence[int], timer=None, memory=None) -> tuple[StageLayout, Optional[str]]:
+    """:func:`balanced_layout` and the memory budget's notice (None if it changed nothing)."""
     from epas_megatron.parallel.layer_timing import calibrated_costs
-    from epas_megatron.parallel.memory_plan import plan_with_budget
+    from epas_megatron.parallel.memory_budget import layout_within_budget
     from epas_megatron.sharing.schedule import layer_modes
 
     costs = calibrated_costs(flops_layer_costs(plan.arch, plan.seq_length, plan.share), timer)
     n = plan.arch.num_layers
-    return plan_with_budget(
-        lambda: plan_region(costs, n, sharing_layers, plan.pp, plan.vpp or 1, exclude_last=plan.exclude_last),
-        lambda: plan_region(costs, n, sharing_layers, plan.pp, plan.vpp or 1, exclude_last=plan.exclude_last, memory=memory),
+    return layout_within_budget(
+        lambda: balance_region(costs, n, sharing_layers, plan.pp, plan.vpp or 1, exclude_last=plan.exclude_last),
+        lambda: balance_region(costs, n, sharing_layers, plan.pp, plan.vpp or 1, exclude_last=plan.exclude_last, memory=memory),
         memory, layer_modes(n, sharing_layers, exclude_last=plan.exclude_last))
 
 
 def describe_schedule_layouts(plan, schedule, memory=None) -> str:
-    """The layouts planned for every region of the schedule (printed at start), within the
+    """The balanced layouts of every region of the schedule (printed at start), within the
     memory budget if there is one (with a line per region where the budget changed the layout)."""
     costs = flops_layer_costs(plan.arch, plan.seq_length, plan.share)
     regions = [(0, ())] + [(it, schedule.sharing_layers(it)) for it, _ in schedule.switch_iterations()]
-    planned, notices = [], []
+    layouts, notices = [], []
     for iteration, sharing in regions:
-        layout, notice = plan_stage_layout_noted(plan, sharing, None, memory)
-        planned.append((iteration, layout))
+        layout, notice = balanced_layout_noted(plan, sharing, None, memory)
+        layouts.append((iteration, layout))
         if notice:
             notices.append(f"  memory budget at iteration {iteration}: {notice}")
-    table = format_plan(costs, plan.arch.num_layers, plan.pp, plan.vpp or 1, regions, plan=planned,
-                        exclude_last=schedule.exclude_last)
+    table = format_layouts(costs, plan.arch.num_layers, plan.pp, plan.vpp or 1, regions, layouts=layouts,
+                           exclude_last=schedule.exclude_last)
     return "\n".join([table, *notices])

@@ -3,7 +3,7 @@
 Every tensor that enters a model chunk from outside -- a micro-batch from a data iterator, a
 benchmark's synthetic input, an evaluation batch -- goes through :func:`to_compute_device`.
 On a GPU that is the current CUDA device; on a CPU machine it is the device that stands in for
-the GPU (:func:`epas_megatron.runtime.cpu_compat.stand_in_device`: ``cpu``, or ``meta`` when a
+the GPU (:func:`epas_megatron.compat.cpu_compat.stand_in_device`: ``cpu``, or ``meta`` when a
 test checks device placement), so a missing move fails on CPU exactly as it would on a GPU.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from epas_megatron.runtime import cpu_compat
+from epas_megatron.compat import cpu_compat
 
 
 def compute_device() -> torch.device:
@@ -54,3 +54,10 @@ def use_deterministic_kernels() -> None:
     os.environ.setdefault("NCCL_ALGO", "^NVLS")
     # warn_only: an operation without a deterministic implementation warns instead of failing.
     torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def device_memory_gb() -> float | None:
+    """Memory of this process's GPU in GiB (None on CPU)."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from epas_megatron.runtime import cpu_compat, megatron_fixes
+from epas_megatron.compat import cpu_compat, megatron_fixes
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,9 @@ class ParallelDims:
 
     vpp: Optional[int]
     """Virtual pipeline size (None without interleaving)."""
+
+    dp_rank: int = 0
+    """This process's data-parallel rank (which shard of every global batch it reads)."""
 
     @property
     def is_logging_rank(self) -> bool:
@@ -82,7 +85,7 @@ def init_distributed(tp: int, pp: int, vpp: Optional[int], seed: int, timeout_mi
         virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
     )
     if not torch.cuda.is_available():
-        from epas_megatron.runtime.gloo_threads import single_threaded_gloo_workers
+        from epas_megatron.compat.gloo_threads import single_threaded_gloo_workers
 
         single_threaded_gloo_workers()
     seed_everything(seed)
@@ -94,6 +97,7 @@ def init_distributed(tp: int, pp: int, vpp: Optional[int], seed: int, timeout_mi
         pp=pp,
         dp=world // (tp * pp),
         vpp=vpp if vpp and vpp > 1 else None,
+        dp_rank=parallel_state.get_data_parallel_rank(),
     )
 
 
@@ -119,6 +123,7 @@ def seed_everything(seed: int) -> None:
     import random
 
     import numpy as np
+
     from megatron.core import parallel_state, tensor_parallel
 
     seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()

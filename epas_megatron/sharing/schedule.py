@@ -1,13 +1,14 @@
 """The progressive sharing schedule: which decoder layers share Q/K at which iteration.
 
-EPAS layer modes (docs/EPAS.md §1): a decoder layer either *computes* its own Q/K or *shares*
+EPAS (Karim et al., "EPAS: Efficient training with Progressive Activation Sharing", Canadian AI
+2026) gives a decoder layer one of two modes: it either *computes* its own Q/K or *shares*
 (reuses) the post-RoPE Q/K of the last computing layer before it, the *source*. The sharing
 region is one contiguous block at the deep end; by default it includes the last layer (the
 paper's choice), and ``exclude_last = N`` (``--epas-exclude-last``) keeps the deepest ``N``
 layers computing, so the region ends at layer ``num_layers - 1 - N`` (the paper's ablation of
 where the region ends). Layers are 0-based.
 
-Algorithm 1 of the paper (docs/EPAS.md §2), in our words: with interval ``I``, target layers
+Algorithm 1 of the paper, in our words: with interval ``I``, target layers
 ``S_c`` (shallow→deep, a contiguous deep block including the last layer) and growth ``B``
 (``B >= 1``, ``B`` divides ``|S_c|``), at every iteration ``t`` (counted from 1) with
 ``t % I == 0``, while targets remain, the deepest ``B`` remaining targets switch to sharing.

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from epas_megatron.runtime import cpu_compat
+from epas_megatron.compat import cpu_compat
 
 pytestmark = pytest.mark.cpu_only  # the stand-ins are active only without CUDA
 
@@ -65,7 +65,7 @@ def test_gradient_clipping_scales_cpu_gradients():
 def test_inactive_when_cuda_is_present():
     code = (
         "import torch; torch.cuda.is_available = lambda: True\n"
-        "from epas_megatron.runtime import cpu_compat\n"
+        "from epas_megatron.compat import cpu_compat\n"
         "original = torch.cuda.current_device\n"
         "assert cpu_compat.activate() is False and not cpu_compat.is_active()\n"
         "assert torch.cuda.current_device is original\n"

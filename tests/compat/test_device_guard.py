@@ -10,7 +10,7 @@ import pytest
 
 from epas_testing import REPO, json_lines, run_script
 
-SCRIPT = REPO / "tests" / "runtime" / "scripts" / "device_guard_check.py"
+SCRIPT = REPO / "tests" / "compat" / "scripts" / "device_guard_check.py"
 
 
 @pytest.mark.cpu_only  # the guard stands in for a GPU; device_guard.activate() refuses where there is one
@@ -39,7 +39,7 @@ def test_mixed_device_check_follows_cuda_rules():
     """In-process unit check of the rule itself (no stand-in activation needed)."""
     import torch
 
-    from epas_megatron.runtime.device_guard import DevicePlacementError, MixedDeviceCheck
+    from epas_megatron.compat.device_guard import DevicePlacementError, MixedDeviceCheck
 
     weight = torch.empty(8, 4, device="meta")
     with MixedDeviceCheck():

@@ -1,4 +1,4 @@
-"""gloo's worker threads make no OpenMP pools of their own (runtime/gloo_threads.py): after the
+"""gloo's worker threads make no OpenMP pools of their own (compat/gloo_threads.py): after the
 collectives of a checkpoint save no thread is added; without the fix (the control) libgomp's
 pool threads appear -- the threads that, outnumbering the CPUs, slowed every later step (the
 slowdown itself is a timing and is not asserted here; the module notes give the measurement)."""
@@ -12,7 +12,7 @@ import pytest
 
 from epas_testing import REPO
 
-SCRIPT = REPO / "tests" / "runtime" / "scripts" / "gloo_omp_check.py"
+SCRIPT = REPO / "tests" / "compat" / "scripts" / "gloo_omp_check.py"
 
 
 def run(mode):

@@ -4,9 +4,9 @@ same or a different PP size."""
 
 import pytest
 
+from epas_megatron.model.architecture import LlamaArchitecture
+from epas_megatron.parallel.stage_layouts import flops_layer_costs, region_layout
 from epas_testing import assert_close, run_trainer
-from epas_megatron.model.builder import LlamaArchitecture
-from epas_megatron.parallel.stage_plan import flops_layer_costs, plan_for_region
 
 pytestmark = pytest.mark.distributed
 
@@ -24,7 +24,7 @@ ARGS = ["--eval-interval", "0", "--no-tensorboard", "--log-interval", "1", *SHAP
 def planned_layouts(max_region=7):
     """The planner's layout per region (as the trainer asks it at every switch)."""
     costs = flops_layer_costs(LlamaArchitecture(8, 128, 4, 4, 64, 1024, 64), 64)
-    return {region: plan_for_region(costs, 8, 2, None, tuple(range(8 - region, 8))).to_layout_string()
+    return {region: region_layout(costs, 8, 2, None, tuple(range(8 - region, 8))).to_layout_string()
             for region in range(max_region + 1)}
 
 
@@ -115,12 +115,12 @@ def test_a_memory_budget_changes_the_layout_not_the_losses(runs, tmp_path):
     (it holds 5 layers and 2 of the 4 micro-batches in flight): the run plans another layout
     there and says so, and its losses still equal PP=1's."""
     from epas_megatron.metrics.memory_model import LayerShape, RankMemorySettings
-    from epas_megatron.parallel.memory_plan import GIB, MemoryLimit
+    from epas_megatron.parallel.memory_budget import GIB, MemoryLimit
     from epas_megatron.sharing.schedule import layer_modes
 
     costs = flops_layer_costs(LlamaArchitecture(8, 128, 4, 4, 64, 1024, 64), 64)
     limit = MemoryLimit(LayerShape(128, 4, 4, 64, 64, 1), RankMemorySettings(vocab_size=1024, num_microbatches=4), 2, 1, 1e18)
-    optimal = plan_for_region(costs, 8, 2, None, ())
+    optimal = region_layout(costs, 8, 2, None, ())
     need = limit.layout_bytes(optimal, layer_modes(8, ()))[0]["total"]
     single, _ = runs
     run = run_trainer([*ARGS, "--pp", "2", "--epas-rebalance", "on", "--epas-memory-budget-gb", repr((need - 1) / GIB),

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
+from epas_megatron.experiments import quality_report as report
+from epas_megatron.experiments.quality import SCALES, plan_arms
 from epas_testing import REPO
-from epas_megatron.bench import quality_report as report
-from epas_megatron.bench.quality import SCALES, plan_arms
 
 
 def arm(name, valid, train=(), **summary):
@@ -134,8 +134,10 @@ def test_smoke_recipe_end_to_end(tmp_path):
                               "scratch_random_ltd", "scratch_epas_random_ltd"}
     # The gap is the difference of the two runs' own final validation losses.
     (scratch,) = numbers["scratch"]
-    assert scratch["gap"] == pytest.approx(summaries["scratch_epas"]["final_valid_lm_loss"] - summaries["scratch_baseline"]["final_valid_lm_loss"])
-    assert scratch["tokens_per_s_ratio"] == pytest.approx(summaries["scratch_epas"]["tokens_per_s"] / summaries["scratch_baseline"]["tokens_per_s"])
+    assert scratch["gap"] == pytest.approx(summaries["scratch_epas"]["final_valid_lm_loss"]
+                                           - summaries["scratch_baseline"]["final_valid_lm_loss"])
+    assert scratch["tokens_per_s_ratio"] == pytest.approx(summaries["scratch_epas"]["tokens_per_s"]
+                                                          / summaries["scratch_baseline"]["tokens_per_s"])
     assert summaries["scratch_epas"]["sharing_layers"] == [2, 3] and summaries["ablation_exclude_last"]["sharing_layers"] == [1, 2]
     assert numbers["ablation"]["exclude_last_minus_default"] == pytest.approx(
         summaries["ablation_exclude_last"]["final_valid_lm_loss"] - summaries["scratch_epas"]["final_valid_lm_loss"])

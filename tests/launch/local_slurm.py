@@ -104,7 +104,8 @@ class LocalSlurmCluster:
     def _run(self, cmd: list[str], name: str, pid_file: Path) -> None:
         result = subprocess.run(cmd, capture_output=True, text=True, env=self.env, timeout=60)
         if result.returncode != 0:
-            raise ClusterUnavailable(f"{name} did not start (exit {result.returncode}): {result.stderr.strip()[-500:]}; logs in {self.root / 'log'}")
+            raise ClusterUnavailable(f"{name} did not start (exit {result.returncode}): {result.stderr.strip()[-500:]}; "
+                                     f"logs in {self.root / 'log'}")
         deadline = time.monotonic() + 15
         while not pid_file.is_file() and time.monotonic() < deadline:
             time.sleep(0.1)

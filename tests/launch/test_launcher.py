@@ -57,7 +57,8 @@ def fake_gpus(bin_dir: Path, count: int) -> None:
 
 def fake_scontrol(bin_dir: Path, nodelist: str, hosts: list[str]) -> None:
     """scontrol that only answers 'show hostnames <nodelist>'."""
-    write_exe(bin_dir, "scontrol", f'[ "$1 $2 $3" = "show hostnames {nodelist}" ] || {{ echo "unexpected: $*" >&2; exit 1; }}\nprintf "%s\\n" {" ".join(hosts)}\n')
+    write_exe(bin_dir, "scontrol", f'[ "$1 $2 $3" = "show hostnames {nodelist}" ] || {{ echo "unexpected: $*" >&2; exit 1; }}\n'
+                                   f'printf "%s\\n" {" ".join(hosts)}\n')
 
 
 def slurm_step_env(bin_dir: Path, nodes: int, node_id: int, nodelist: str, job: str = "4242", tasks: int | None = None) -> dict:
@@ -86,38 +87,38 @@ def tail_after_module(cmd: list[str]) -> list[str]:
 
 # ------------------------------------------------------------------------- command construction
 def test_single_node_cpu(fake_bin):
-    plan = launch.make_plan(["--train-iters", "5"], {"PATH": str(fake_bin), "CONFIG": "launch/configs/tiny.yaml"}, cwd=REPO)
-    assert (plan.nnodes, plan.nproc_per_node, plan.gpus, plan.rendezvous) == (1, launch.CPU_PROCESSES_PER_NODE, 0, None)
-    cmd = launch.torchrun_command(plan)
-    prefix = len(plan.torchrun)
+    spec = launch.make_launch_spec(["--train-iters", "5"], {"PATH": str(fake_bin), "CONFIG": "launch/configs/tiny.yaml"}, cwd=REPO)
+    assert (spec.nnodes, spec.nproc_per_node, spec.gpus, spec.rendezvous) == (1, launch.CPU_PROCESSES_PER_NODE, 0, None)
+    cmd = launch.torchrun_command(spec)
+    prefix = len(spec.torchrun)
     assert cmd[prefix:prefix + 3] == ["--standalone", "--nnodes", "1"]
     assert cmd[cmd.index("--nproc-per-node") + 1] == "1"
     assert tail_after_module(cmd) == ["-m", "epas_megatron.train", "--config", str(TINY), "--train-iters", "5"]
-    assert plan.env_defaults["OMP_NUM_THREADS"] == str(max(1, launch.cpus_available() // 1))
-    assert not any(k.startswith(("NCCL", "CUDA")) for k in plan.env_defaults)
+    assert spec.env_defaults["OMP_NUM_THREADS"] == str(max(1, launch.cpus_available() // 1))
+    assert not any(k.startswith(("NCCL", "CUDA")) for k in spec.env_defaults)
 
 
 def test_config_by_name_and_overrides(fake_bin):
     env = {"PATH": str(fake_bin), "CONFIG": "tiny", "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "3", "TORCHRUN_ARGS": "--log-dir /tmp/x"}
-    plan = launch.make_plan([], env, cwd=Path("/"))
-    assert plan.config == TINY and plan.nproc_per_node == 2
-    assert "OMP_NUM_THREADS" not in plan.env_defaults  # the user's value stays
-    cmd = launch.torchrun_command(plan)
+    spec = launch.make_launch_spec([], env, cwd=Path("/"))
+    assert spec.config == TINY and spec.nproc_per_node == 2
+    assert "OMP_NUM_THREADS" not in spec.env_defaults  # the user's value stays
+    cmd = launch.torchrun_command(spec)
     assert cmd[cmd.index("--nproc-per-node") + 1] == "2"
     assert cmd[cmd.index("--log-dir") + 1] == "/tmp/x" and cmd.index("--log-dir") < cmd.index("-m")
 
 
 def test_gpu_node_uses_every_visible_gpu(fake_bin):
     fake_gpus(fake_bin, 8)
-    plan = launch.make_plan([], {"PATH": str(fake_bin)})
-    assert (plan.gpus, plan.nproc_per_node) == (8, 8)
-    assert plan.env_defaults["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
-    assert {"NCCL_DEBUG", "NCCL_IB_TIMEOUT", "TORCH_NCCL_AVOID_RECORD_STREAMS"} <= set(plan.env_defaults)
-    assert plan.env_defaults["OMP_NUM_THREADS"] == str(max(1, launch.cpus_available() // 8))
-    plan = launch.make_plan([], {"PATH": str(fake_bin), "CUDA_VISIBLE_DEVICES": "0,1", "NCCL_DEBUG": "INFO"})
-    assert plan.nproc_per_node == 2 and "NCCL_DEBUG" not in plan.env_defaults
+    spec = launch.make_launch_spec([], {"PATH": str(fake_bin)})
+    assert (spec.gpus, spec.nproc_per_node) == (8, 8)
+    assert spec.env_defaults["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert {"NCCL_DEBUG", "NCCL_IB_TIMEOUT", "TORCH_NCCL_AVOID_RECORD_STREAMS"} <= set(spec.env_defaults)
+    assert spec.env_defaults["OMP_NUM_THREADS"] == str(max(1, launch.cpus_available() // 8))
+    spec = launch.make_launch_spec([], {"PATH": str(fake_bin), "CUDA_VISIBLE_DEVICES": "0,1", "NCCL_DEBUG": "INFO"})
+    assert spec.nproc_per_node == 2 and "NCCL_DEBUG" not in spec.env_defaults
     with pytest.raises(launch.LaunchError, match="NPROC_PER_NODE=16 but this node has 8 GPU"):
-        launch.make_plan([], {"PATH": str(fake_bin), "NPROC_PER_NODE": "16"})
+        launch.make_launch_spec([], {"PATH": str(fake_bin), "NPROC_PER_NODE": "16"})
 
 
 @pytest.mark.parametrize("backend", ["c10d", "static"])
@@ -125,44 +126,44 @@ def test_slurm_multi_node(fake_bin, backend):
     fake_gpus(fake_bin, 8)
     fake_scontrol(fake_bin, "gpu[01-04]", ["gpu01", "gpu02", "gpu03", "gpu04"])
     env = {**slurm_step_env(fake_bin, nodes=4, node_id=2, nodelist="gpu[01-04]"), "RDZV_BACKEND": backend}
-    plan = launch.make_plan(["--train-iters", "10"], env)
-    assert (plan.nnodes, plan.nproc_per_node, plan.node_rank, plan.world_size) == (4, 8, 2, 32)
-    assert (plan.rendezvous.host, plan.rendezvous.port) == ("gpu01", launch.RDZV_PORT_BASE + 4242)
-    cmd = launch.torchrun_command(plan)
-    rdzv = cmd[len(plan.torchrun):cmd.index("--nproc-per-node")]
+    spec = launch.make_launch_spec(["--train-iters", "10"], env)
+    assert (spec.nnodes, spec.nproc_per_node, spec.node_rank, spec.world_size) == (4, 8, 2, 32)
+    assert (spec.rendezvous.host, spec.rendezvous.port) == ("gpu01", launch.RDZV_PORT_BASE + 4242)
+    cmd = launch.torchrun_command(spec)
+    rdzv = cmd[len(spec.torchrun):cmd.index("--nproc-per-node")]
     if backend == "c10d":
         assert rdzv == ["--nnodes", "4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "gpu01:24242", "--rdzv-id", "4242"]
     else:
         assert rdzv == ["--nnodes", "4", "--node-rank", "2", "--master-addr", "gpu01", "--master-port", "24242"]
     assert tail_after_module(cmd) == ["-m", "epas_megatron.train", "--train-iters", "10"]
     env["RDZV_PORT"] = "31111"
-    assert launch.make_plan([], env).rendezvous.port == 31111
+    assert launch.make_launch_spec([], env).rendezvous.port == 31111
 
 
 def test_slurm_single_node_job_is_standalone(fake_bin):
     env = slurm_step_env(fake_bin, nodes=1, node_id=0, nodelist="cpu7")
-    plan = launch.make_plan([], env)
-    assert plan.rendezvous is None and "--standalone" in launch.torchrun_command(plan)
+    spec = launch.make_launch_spec([], env)
+    assert spec.rendezvous is None and "--standalone" in launch.torchrun_command(spec)
 
 
 def test_multi_node_without_slurm(fake_bin):
-    plan = launch.make_plan([], {"PATH": str(fake_bin), "NNODES": "2", "NODE_RANK": "1", "RDZV_HOST": "head"})
-    assert (plan.nnodes, plan.node_rank, plan.rendezvous.host, plan.rendezvous.port) == (2, 1, "head", launch.DEFAULT_RDZV_PORT)
+    spec = launch.make_launch_spec([], {"PATH": str(fake_bin), "NNODES": "2", "NODE_RANK": "1", "RDZV_HOST": "head"})
+    assert (spec.nnodes, spec.node_rank, spec.rendezvous.host, spec.rendezvous.port) == (2, 1, "head", launch.DEFAULT_RDZV_PORT)
     with pytest.raises(launch.LaunchError, match="needs NODE_RANK"):
-        launch.make_plan([], {"PATH": str(fake_bin), "NNODES": "2"})
+        launch.make_launch_spec([], {"PATH": str(fake_bin), "NNODES": "2"})
 
 
 def test_slurm_misuse_is_reported(fake_bin):
     fake_scontrol(fake_bin, "n[1-2]", ["n1", "n2"])
     batch = {k: v for k, v in slurm_step_env(fake_bin, 2, 0, "n[1-2]").items() if "STEP" not in k}
     with pytest.raises(launch.LaunchError, match="does not run in a job step.*srun --ntasks-per-node=1"):
-        launch.make_plan([], batch)
+        launch.make_launch_spec([], batch)
     with pytest.raises(launch.LaunchError, match="runs 4 tasks on 2 nodes"):
-        launch.make_plan([], slurm_step_env(fake_bin, 2, 0, "n[1-2]", tasks=4))
+        launch.make_launch_spec([], slurm_step_env(fake_bin, 2, 0, "n[1-2]", tasks=4))
     with pytest.raises(launch.LaunchError, match="NNODES=3 but this Slurm job step runs on 2"):
-        launch.make_plan([], {**slurm_step_env(fake_bin, 2, 0, "n[1-2]"), "NNODES": "3"})
+        launch.make_launch_spec([], {**slurm_step_env(fake_bin, 2, 0, "n[1-2]"), "NNODES": "3"})
     with pytest.raises(launch.LaunchError, match="NPROC_PER_NODE='two' is not an integer"):
-        launch.make_plan([], {"PATH": str(fake_bin), "NPROC_PER_NODE": "two"})
+        launch.make_launch_spec([], {"PATH": str(fake_bin), "NPROC_PER_NODE": "two"})
 
 
 # ------------------------------------------------------------------------- the script, bad input
@@ -176,14 +177,16 @@ def run_script(args, env_extra, timeout=120):
     """launch/run_train.sh with a clean launcher environment (no Slurm, no launcher knobs). GPUs
     are hidden (``CUDA_VISIBLE_DEVICES=``): these tests take the CPU launch path on any machine,
     a GPU node included (the GPU path is planned above with a fake nvidia-smi)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NPROC", "NNODES", "NODE_RANK", "RDZV_", "CONFIG", "DRY_RUN", "LAUNCH_"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "NPROC", "NNODES", "NODE_RANK", "RDZV_", "CONFIG", "DRY_RUN", "LAUNCH_"))}
     env.update(PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="", **env_extra)
     env.setdefault("PATH", os.environ["PATH"])
     return subprocess.run(["bash", str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_dry_run_prints_the_exact_command(tmp_path, fake_bin):
-    env = {"CONFIG": "launch/configs/tiny.yaml", "NPROC_PER_NODE": "2", "DRY_RUN": "1", "LAUNCH_VALIDATE": "0", "PATH": f"{fake_bin}:{os.environ['PATH']}"}
+    env = {"CONFIG": "launch/configs/tiny.yaml", "NPROC_PER_NODE": "2", "DRY_RUN": "1", "LAUNCH_VALIDATE": "0",
+           "PATH": f"{fake_bin}:{os.environ['PATH']}"}
     out = tmp_path / "never"
     proc = run_script(["--train-iters", "3", "--output-dir", str(out)], env)
     assert proc.returncode == 0, proc.stderr
@@ -213,7 +216,8 @@ def test_missing_config(fake_bin):
 )
 def test_parallel_layout_that_does_not_fit(tmp_path, fake_bin, config, nproc, args, message):
     out = tmp_path / "run"
-    proc = run_script([*args, "--output-dir", str(out)], {"CONFIG": config, "NPROC_PER_NODE": nproc, "PATH": f"{fake_bin}:{os.environ['PATH']}"})
+    proc = run_script([*args, "--output-dir", str(out)],
+                      {"CONFIG": config, "NPROC_PER_NODE": nproc, "PATH": f"{fake_bin}:{os.environ['PATH']}"})
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr
     assert "command:" not in proc.stdout and not out.exists()
@@ -222,7 +226,8 @@ def test_parallel_layout_that_does_not_fit(tmp_path, fake_bin, config, nproc, ar
 def test_trainer_validation_runs_before_launch(tmp_path, fake_bin):
     """The trainer's own checks (here: KV groups vs TP) fail in the launcher, not in torchrun."""
     out = tmp_path / "run"
-    proc = run_script(["--tp", "2", "--num-query-groups", "1", "--output-dir", str(out)], {"CONFIG": "tiny", "NPROC_PER_NODE": "2", "PATH": f"{fake_bin}:{os.environ['PATH']}"})
+    proc = run_script(["--tp", "2", "--num-query-groups", "1", "--output-dir", str(out)],
+                      {"CONFIG": "tiny", "NPROC_PER_NODE": "2", "PATH": f"{fake_bin}:{os.environ['PATH']}"})
     assert proc.returncode == 2
     assert "--num-query-groups 1 is not divisible by --tp 2" in proc.stderr
     assert "command:" not in proc.stdout and not out.exists()

@@ -19,8 +19,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from epas_testing import read_metrics, run_trainer  # noqa: E402
 from local_slurm import wait_until  # noqa: E402
+
+from epas_testing import read_metrics, run_trainer  # noqa: E402
 
 pytestmark = [pytest.mark.slurm, pytest.mark.distributed, pytest.mark.cpu_only]  # CPU, gloo: bit-exact references
 
@@ -28,7 +29,8 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "launch" / "configs" / "tiny.yaml"
 TRAIN_ITERS = 100
 SWITCHES = [20, 40]  # --epas-interval 20 with tiny.yaml's target 0.5 (2 of 4 layers), growth 1
-ARGS = ["--train-iters", str(TRAIN_ITERS), "--epas-interval", "20", "--eval-interval", "0", "--log-interval", "1", "--no-tensorboard", "--seed", "1234"]
+ARGS = ["--train-iters", str(TRAIN_ITERS), "--epas-interval", "20", "--eval-interval", "0", "--log-interval", "1", "--no-tensorboard",
+        "--seed", "1234"]
 JOB_TIMEOUT = 240
 
 
@@ -81,7 +83,8 @@ def job_log(path: Path) -> str:
 def assert_completed(cluster, job: str, log: Path, restarts: int) -> None:
     info = cluster.job_info(job)
     tail = job_log(log)[-3000:] + f"\n--- scontrol: {info}\n--- daemons:\n{cluster.daemon_log(job)}"
-    assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", f"job {job}: {info.get('JobState')} {info.get('ExitCode')}\n{tail}"
+    assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", (
+        f"job {job}: {info.get('JobState')} {info.get('ExitCode')}\n{tail}")
     assert info.get("Restarts") == str(restarts), f"job {job} restarted {info.get('Restarts')} times, expected {restarts}\n{tail}"
 
 

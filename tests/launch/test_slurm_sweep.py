@@ -88,7 +88,8 @@ def test_sweep_three_points(cluster, tmp_path):
         assert {len(r["sharing_layers"]) for r in trained} == {sharing}
 
     # The report: a markdown table with the ratio to the baseline, and two PNG plots.
-    report = subprocess.run([sys.executable, str(REPO / "tools" / "sweep_report.py"), str(csv_path)], capture_output=True, text=True, timeout=120)
+    report = subprocess.run([sys.executable, str(REPO / "tools" / "sweep_report.py"), str(csv_path)], capture_output=True, text=True,
+                            timeout=120)
     assert report.returncode == 0, report.stderr
     markdown = (sweep_dir / "sweep_report.md").read_text()
     table = [line for line in markdown.splitlines() if line.startswith("| tiny |")]

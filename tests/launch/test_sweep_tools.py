@@ -41,7 +41,8 @@ def test_region_flags_switch_the_whole_region_at_once(preset, region, layers):
     if layers == 0:
         assert flags == ["--epas-target-layers", "0"]
         return
-    assert flags == ["--epas-target-layers", str(layers), "--epas-first-switch", str(record.FIRST_SWITCH), "--epas-interval", "1", "--epas-growth", str(layers)]
+    assert flags == ["--epas-target-layers", str(layers), "--epas-first-switch", str(record.FIRST_SWITCH), "--epas-interval", "1",
+                     "--epas-growth", str(layers)]
     # The trainer's own schedule agrees: nothing before FIRST_SWITCH, the full region from it.
     cfg = parse_config(["--preset", preset, *flags, "--train-iters", "10", "--output-dir", "/nonexistent/epas-test"])
     schedule = resolve_run(cfg, world_size=1, cuda=False).schedule
@@ -52,7 +53,8 @@ def test_region_flags_switch_the_whole_region_at_once(preset, region, layers):
 
 
 def test_region_flags_reject_a_region_without_source_layer():
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "sweep_record.py"), "region-flags", "--preset", "tiny", "--region", "4"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "sweep_record.py"), "region-flags", "--preset", "tiny", "--region", "4"],
+                          capture_output=True, text=True)
     assert proc.returncode == 2
     assert "at least one layer must keep computing" in proc.stderr
 
@@ -61,7 +63,8 @@ def test_region_flags_reject_a_region_without_source_layer():
 def write_metrics(path: Path, times: list[float], sharing: int = 2, tokens_per_iteration: int = 128) -> None:
     lines = [json.dumps({"kind": "switch", "iteration": 2, "sharing_layers": list(range(sharing))})]
     for i, t in enumerate(times, start=1):  # a region switched on at iteration 2
-        lines.append(json.dumps({"iteration": i, "tokens_per_s": tokens_per_iteration / t, "iteration_time_s": t, "sharing_layers": list(range(sharing if i >= 2 else 0))}))
+        lines.append(json.dumps({"iteration": i, "tokens_per_s": tokens_per_iteration / t, "iteration_time_s": t,
+                                 "sharing_layers": list(range(sharing if i >= 2 else 0))}))
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -116,7 +119,8 @@ def test_append_records_a_failed_point(tmp_path):
 def test_append_reads_summary_banner_and_metrics(tmp_path):
     log = tmp_path / "point.log"
     log.write_text(
-        "epas-megatron: 4 layers, hidden 64, heads 4/2, ffn 176, vocab 512, seq 64 | world 2 = TP 1 x PP 1 x DP 2 | global batch 4 = 1 micro-batches x 2 x DP 2 | fp32\n"
+        "epas-megatron: 4 layers, hidden 64, heads 4/2, ffn 176, vocab 512, seq 64 | world 2 = TP 1 x PP 1 x DP 2 "
+        "| global batch 4 = 1 micro-batches x 2 x DP 2 | fp32\n"
         'SUMMARY {"iterations": 5, "final_lm_loss": 6.1, "tokens_per_s": 99.0, "exit_reason": "completed"}\n'
     )
     metrics = tmp_path / "metrics.jsonl"
@@ -127,7 +131,8 @@ def test_append_reads_summary_banner_and_metrics(tmp_path):
     assert record.main(argv) == 0
     (row,) = list(csv.DictReader(open(csv_path, newline="")))
     assert row["status"] == "ok" and float(row["tokens_per_s"]) == pytest.approx(512.0)
-    assert (row["world_size"], row["nproc_per_node"], row["gbs"], row["timed_iterations"], row["summary_tokens_per_s"]) == ("2", "1", "4", "3", "99.000")
+    assert (row["world_size"], row["nproc_per_node"], row["gbs"], row["timed_iterations"], row["summary_tokens_per_s"]) == (
+        "2", "1", "4", "3", "99.000")
 
 
 # ------------------------------------------------------------------------- report

@@ -1,4 +1,4 @@
-"""Pipeline-stage planner: optimality and tie-breaks against brute force, hand-computed layouts
+"""Pipeline-stage balancer: optimality and tie-breaks against brute force, hand-computed layouts
 (hand-off cost, interleaving), Megatron layout strings, reports and predictions."""
 
 import itertools
@@ -8,11 +8,11 @@ import random
 import pytest
 
 from epas_megatron.errors import ConfigError
+from epas_megatron.parallel.balancer import balance_layout, balance_region
 from epas_megatron.parallel.cost_model import LayerCosts
 from epas_megatron.parallel.layout import StageLayout
+from epas_megatron.parallel.layout_report import PipelineSpeedup, format_layouts, predict_pipeline_speedup
 from epas_megatron.parallel.partition import best_split
-from epas_megatron.parallel.plan_report import PipelineSpeedup, format_plan, predict_pipeline_speedup
-from epas_megatron.parallel.planner import plan_layout, plan_region
 from epas_megatron.sharing.schedule import LayerMode, layer_modes
 
 # --------------------------------------------------------------------------------------------
@@ -66,7 +66,7 @@ def _brute_force(costs, p, v=1, emb=0.0, out=0.0, modes=None, handoff=0.0):
 
 def _check(costs, p, v=1, emb=0.0, out=0.0, modes=None, handoff=0.0):
     expected_bottleneck, expected_sizes = _brute_force(costs, p, v, emb, out, modes, handoff)
-    layout = plan_layout(
+    layout = balance_layout(
         costs, p, v, embedding_cost=emb, output_cost=out, modes=modes, handoff_cost=handoff
     )
     context = (costs, p, v, emb, out, modes, handoff)
@@ -123,7 +123,7 @@ def test_handoff_cost_matches_brute_force(p, v):
 
 
 def test_a_single_stage_is_the_whole_model():
-    layout = plan_layout([1.0, 2.0, 3.0], 1, embedding_cost=0.5, output_cost=0.25)
+    layout = balance_layout([1.0, 2.0, 3.0], 1, embedding_cost=0.5, output_cost=0.25)
     assert layout.stage_sizes == (3,)
     assert layout.bottleneck == pytest.approx(6.75)
     assert layout.to_layout_string() == "EtttL"
@@ -132,20 +132,20 @@ def test_a_single_stage_is_the_whole_model():
 def test_embedding_and_output_costs_shift_layers_off_the_end_ranks():
     # Bottleneck 3 needs rank 0 <= 2 layers and rank 3 <= 1; of (2,2,3,1), (2,3,2,1) and
     # (1,3,3,1), (2,2,3,1) has the stage ends (2,4,7,8) nearest the even (2,4,6,8).
-    layout = plan_layout([1.0] * 8, 4, embedding_cost=1.0, output_cost=2.0)
+    layout = balance_layout([1.0] * 8, 4, embedding_cost=1.0, output_cost=2.0)
     assert layout.stage_sizes == (2, 2, 3, 1)
     assert layout.rank_costs == (3.0, 2.0, 3.0, 3.0)
 
 
 def test_equally_fast_splits_go_to_the_even_split():
-    assert plan_layout([1.0] * 5, 2).stage_sizes == (3, 2)  # (2, 3) is as fast
-    assert plan_layout([1.0] * 8, 2, 2).stage_sizes == (2, 2, 2, 2)  # so is (1, 3, 3, 1)
+    assert balance_layout([1.0] * 5, 2).stage_sizes == (3, 2)  # (2, 3) is as fast
+    assert balance_layout([1.0] * 8, 2, 2).stage_sizes == (2, 2, 2, 2)  # so is (1, 3, 3, 1)
 
 
 def test_cheaper_deep_layers_move_the_boundaries_deeper():
     """16 layers on 4 ranks, the deep half at half cost: 12 in all, so every rank must cost
     exactly 3: three full layers on ranks 0 and 1, two full and two halves, six halves."""
-    layout = plan_layout([1.0] * 8 + [0.5] * 8, 4)
+    layout = balance_layout([1.0] * 8 + [0.5] * 8, 4)
     assert layout.stage_sizes == (3, 3, 4, 6)
     assert layout.rank_costs == (3.0, 3.0, 3.0, 3.0)
 
@@ -157,7 +157,7 @@ def test_interleaving_trades_layers_between_a_ranks_chunks():
     smaller ends on rank 0. Balancing each virtual stage instead (even split: no stage above 2)
     leaves a rank at 4.0, 14% slower."""
     costs = [1.0] * 6 + [0.5] * 2
-    layout = plan_layout(costs, 2, 2)
+    layout = balance_layout(costs, 2, 2)
     assert layout.stage_sizes == (1, 3, 3, 1)
     assert layout.rank_costs == (3.5, 3.5)
     assert StageLayout.even(8, 2, 2, costs).bottleneck == 4.0
@@ -170,40 +170,40 @@ def test_handoff_keeps_the_region_in_the_last_stage_while_that_is_cheaper():
     costs = [1.0, 1.0, 1.0, 0.5, 0.5, 0.5]
     # h = 0.2: (2,2,2) costs (2.2, 1.9, 1.2) and (2,1,3) (2.2, 1.4, 1.7); the even one wins.
     # Keeping the region in the last stage, (1,1,4), would cost 2.5.
-    cheap = plan_layout(costs, 3, modes=modes, handoff_cost=0.2)
+    cheap = balance_layout(costs, 3, modes=modes, handoff_cost=0.2)
     assert cheap.stage_sizes == (2, 2, 2)
     assert cheap.rank_costs == pytest.approx((2.2, 1.9, 1.2))
     # h = 0.6: the best crossing split costs 2.6 ((2,1,3)); (1,1,4) costs 2.5 and sends nothing.
-    dear = plan_layout(costs, 3, modes=modes, handoff_cost=0.6)
+    dear = balance_layout(costs, 3, modes=modes, handoff_cost=0.6)
     assert dear.stage_sizes == (1, 1, 4)
     assert dear.rank_costs == (1.0, 1.0, 2.5)
     # h = 0.5: (2,2,2), (2,1,3) and (1,1,4) all cost 2.5; the one sending nothing wins.
-    assert plan_layout(costs, 3, modes=modes, handoff_cost=0.5).stage_sizes == (1, 1, 4)
+    assert balance_layout(costs, 3, modes=modes, handoff_cost=0.5).stage_sizes == (1, 1, 4)
     # Without modes nothing is known to cross: the hand-off cost is not charged.
-    assert plan_layout(costs, 3, handoff_cost=0.6).stage_sizes == (2, 2, 2)
+    assert balance_layout(costs, 3, handoff_cost=0.6).stage_sizes == (2, 2, 2)
 
 
 def test_any_hand_off_cost_decides_between_equally_fast_splits():
     # Region 2-3 (source 1): (1,3) costs (1, 2) and sends nothing, (2,2) costs (2, 1) + h.
     modes = layer_modes(4, [2, 3])
     costs = [1.0, 1.0, 0.5, 0.5]
-    assert plan_layout(costs, 2, modes=modes).stage_sizes == (2, 2)  # no hand-off cost: even
-    assert plan_layout(costs, 2, modes=modes, handoff_cost=1e-3).stage_sizes == (1, 3)
+    assert balance_layout(costs, 2, modes=modes).stage_sizes == (2, 2)  # no hand-off cost: even
+    assert balance_layout(costs, 2, modes=modes, handoff_cost=1e-3).stage_sizes == (1, 3)
 
 
 def test_same_inputs_same_layout():
     costs = [1.0] * 20 + [0.83] * 12
     modes = layer_modes(32, range(20, 32))
     options = dict(embedding_cost=0.3, output_cost=0.9, modes=modes, handoff_cost=0.1)
-    assert plan_layout(costs, 4, 2, **options) == plan_layout(list(costs), 4, 2, **options)
+    assert balance_layout(costs, 4, 2, **options) == balance_layout(list(costs), 4, 2, **options)
 
 
 @pytest.mark.parametrize("v", [1, 2, 4])
-def test_7b_like_plans_are_proven_and_beat_the_even_split(v):
+def test_7b_like_layouts_are_proven_and_beat_the_even_split(v):
     """32 layers on 8 ranks, every fourth region size of a schedule."""
     costs = LayerCosts(1.0, 0.84, 0.05, 0.65, handoff_p2p=0.1)
     for region in range(0, 32, 4):
-        layout = plan_region(costs, 32, range(32 - region, 32), 8, v)
+        layout = balance_region(costs, 32, range(32 - region, 32), 8, v)
         assert layout.optimal, region
         even = predict_pipeline_speedup(costs, 32, 8, v, region).fixed_bottleneck
         assert layout.bottleneck <= even + 1e-12
@@ -241,29 +241,29 @@ def test_out_of_budget_search_returns_a_valid_split():
 )
 def test_impossible_requests_name_the_flag(kwargs, match):
     with pytest.raises(ConfigError, match=match):
-        plan_layout([1.0] * 6, **kwargs)
+        balance_layout([1.0] * 6, **kwargs)
 
 
 @pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf])
 def test_bad_costs_are_rejected(bad):
     with pytest.raises(ValueError, match="finite and >= 0"):
-        plan_layout([1.0, bad, 1.0], 2)
+        balance_layout([1.0, bad, 1.0], 2)
     with pytest.raises(ValueError, match="embedding"):
-        plan_layout([1.0, 1.0], 2, embedding_cost=bad)
+        balance_layout([1.0, 1.0], 2, embedding_cost=bad)
     with pytest.raises(ValueError, match="hand-off"):
-        plan_layout([1.0, 1.0], 2, handoff_cost=bad)
+        balance_layout([1.0, 1.0], 2, handoff_cost=bad)
 
 
 def test_no_layers_and_mismatched_modes_are_rejected():
     with pytest.raises(ConfigError, match="--num-layers"):
-        plan_layout([], 2)
+        balance_layout([], 2)
     with pytest.raises(ValueError, match="3 layer modes for 4"):
-        plan_layout([1.0] * 4, 2, modes=layer_modes(3, [2]))
+        balance_layout([1.0] * 4, 2, modes=layer_modes(3, [2]))
 
 
-def test_plan_region_rejects_a_region_that_is_not_a_deep_block():
+def test_balance_region_rejects_a_region_that_is_not_a_deep_block():
     with pytest.raises(ConfigError, match="must end at the last layer"):
-        plan_region(LayerCosts(1.0, 0.8, 0.0, 0.0), 8, [3, 4], 2)
+        balance_region(LayerCosts(1.0, 0.8, 0.0, 0.0), 8, [3, 4], 2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -340,10 +340,10 @@ def test_layout_strings_read_back_by_megatron(megatron_layout):
             assert back.virtual_pipeline_parallel_size == layout.virtual_pipeline_parallel_size
 
 
-def test_planned_layouts_read_back_by_megatron(megatron_layout):
+def test_balanced_layouts_read_back_by_megatron(megatron_layout):
     costs = LayerCosts(1.0, 0.8, 0.3, 1.2, handoff_p2p=0.1)
     for p, v in [(2, 1), (4, 1), (8, 1), (4, 2), (8, 2), (2, 4)]:
-        layout = plan_region(costs, 32, range(24, 32), p, v)
+        layout = balance_region(costs, 32, range(24, 32), p, v)
         for compact in (False, True):
             _assert_megatron_reads(layout, layout.to_layout_string(compact), megatron_layout)
 
@@ -353,9 +353,10 @@ def test_megatron_transformer_config_takes_the_layout():
     size from it (and refuses num_layers_in_first/last_pipeline_stage and
     account_for_embedding/loss_in_pipeline_split next to it)."""
     import torch
+
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    layout = plan_layout([1.0] * 6 + [0.8] * 6, 2, 2, embedding_cost=0.5, output_cost=1.0)
+    layout = balance_layout([1.0] * 6 + [0.8] * 6, 2, 2, embedding_cost=0.5, output_cost=1.0)
     common = dict(
         num_layers=12,
         hidden_size=64,
@@ -418,7 +419,7 @@ def test_even_layout_spreads_the_remainder_over_the_first_stages():
 # Reports and predictions
 
 TINY = LayerCosts(compute_layer=1.0, share_layer=0.5, embedding=0.0, output_layer=0.0, handoff_p2p=0.25)
-"""Round numbers for hand-computed plans."""
+"""Round numbers for hand-computed layouts."""
 
 
 def test_predict_pipeline_speedup_by_hand():
@@ -439,8 +440,8 @@ def test_predict_pipeline_speedup_by_hand():
         predict_pipeline_speedup(TINY, 6, 2, 1, region_size=6)
 
 
-def test_format_plan_reports_layers_costs_and_gains():
-    text = format_plan(TINY, 6, 2, 1, [(0, []), (100, [3, 4, 5])])
+def test_format_layouts_reports_layers_costs_and_gains():
+    text = format_layouts(TINY, 6, 2, 1, [(0, []), (100, [3, 4, 5])])
     assert "6 layers, --pp 2 --vpp 1; baseline (no sharing, even split) bottleneck 3" in text
     assert "iteration 0: 0 sharing layers (none)" in text
     assert "iteration 100: 3 sharing layers (3-5)\n" in text  # (2,4) keeps Q/K on one stage
@@ -457,9 +458,9 @@ def test_format_plan_reports_layers_costs_and_gains():
     assert "bottleneck 2.5 (even split 3.25); speedup vs baseline: rebal 1.200x, fixed 0.923x" in text
 
 
-def test_format_plan_says_when_qk_cross_a_stage():
+def test_format_layouts_says_when_qk_cross_a_stage():
     # 8 layers on 4 ranks with layers 2-7 sharing: no split keeps them (and layer 1) together.
-    text = format_plan(TINY, 8, 4, 1, [(0, range(2, 8))])
+    text = format_layouts(TINY, 8, 4, 1, [(0, range(2, 8))])
     assert "6 sharing layers (2-7); Q/K cross a stage boundary" in text
 
 
@@ -483,21 +484,21 @@ def test_region_with_a_computing_tail_matches_brute_force(p, v):
         _check(costs, p, v, rng.choice([0.0, 0.3]), rng.choice([0.0, 0.65]), modes, rng.choice([0.05, 0.3, 5.0]))
 
 
-def test_plan_region_and_reports_with_a_computing_tail_by_hand():
+def test_balance_region_and_reports_with_a_computing_tail_by_hand():
     """6 layers on 2 ranks, layers 3-4 share (source 2), layer 5 computes: costs
     1, 1, 1, 0.5, 0.5, 1. The even split (3,3) cuts before layer 3, the region's start:
     3 + 0.25 and 2 + 0.25. (2,4) cuts before the source and sends nothing: 2 and 3."""
     assert layer_modes(6, [3, 4], exclude_last=1) == ["compute", "compute", "source", "share", "share", "compute"]
-    layout = plan_region(TINY, 6, [3, 4], 2, exclude_last=1)
+    layout = balance_region(TINY, 6, [3, 4], 2, exclude_last=1)
     assert layout.stage_sizes == (2, 4) and layout.rank_costs == (2.0, 3.0)
     with pytest.raises(ConfigError, match="--epas-exclude-last"):
-        plan_region(TINY, 6, [3, 4], 2)  # the default region must include the last layer
+        balance_region(TINY, 6, [3, 4], 2)  # the default region must include the last layer
     speedup = predict_pipeline_speedup(TINY, 6, 2, 1, region_size=2, exclude_last=1)
     assert speedup.fixed_bottleneck == 3.25 and speedup.rebalanced_bottleneck == 3.0
     assert speedup.ideal_speedup == pytest.approx(6 / 5)
-    text = format_plan(TINY, 6, 2, 1, [(0, []), (100, [3, 4])], exclude_last=1)
+    text = format_layouts(TINY, 6, 2, 1, [(0, []), (100, [3, 4])], exclude_last=1)
     assert "iteration 100: 2 sharing layers (3-4)\n" in text  # no crossing note
     assert "bottleneck 3 (even split 3.25)" in text
     # A boundary right after the region sends nothing: layers 1-3 share, (4, 2) cuts before 4.
-    after = plan_region(LayerCosts(1.0, 0.5, 0.0, 0.0, 100.0), 6, [1, 2, 3], 2, exclude_last=2)
+    after = balance_region(LayerCosts(1.0, 0.5, 0.0, 0.0, 100.0), 6, [1, 2, 3], 2, exclude_last=2)
     assert after.stage_sizes == (4, 2) and after.rank_costs == (2.5, 2.0)

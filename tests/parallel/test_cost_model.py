@@ -6,9 +6,9 @@ import math
 import pytest
 
 from epas_megatron.errors import ConfigError
-from epas_megatron.model.builder import LlamaArchitecture
+from epas_megatron.model.architecture import LlamaArchitecture
 from epas_megatron.parallel.cost_model import LayerCosts, calibrate, costs_for_modes
-from epas_megatron.parallel.stage_plan import flops_layer_costs
+from epas_megatron.parallel.stage_layouts import flops_layer_costs
 from epas_megatron.sharing.schedule import LayerMode, layer_modes
 
 

@@ -2,10 +2,10 @@
 
 import pytest
 
-from epas_testing import build
-from epas_megatron.model.builder import LlamaArchitecture
+from epas_megatron.model.architecture import LlamaArchitecture
 from epas_megatron.parallel.cost_model import LayerCosts
 from epas_megatron.parallel.layer_timing import LayerTimer, calibrated_costs
+from epas_testing import build
 
 
 @pytest.fixture(scope="module")

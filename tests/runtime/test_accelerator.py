@@ -154,7 +154,8 @@ def test_proc_and_dev_entries_are_evidence(tmp_path, monkeypatch):
 
 
 def test_nvidia_smi_lists_gpus_and_the_driver(tmp_path, monkeypatch):
-    monkeypatch.setenv("PATH", str(fake_smi(tmp_path / "bin", 'echo "NVIDIA H100 80GB HBM3, 580.65.06"; echo "NVIDIA H100 80GB HBM3, 580.65.06"')))
+    monkeypatch.setenv("PATH", str(fake_smi(tmp_path / "bin",
+                                            'echo "NVIDIA H100 80GB HBM3, 580.65.06"; echo "NVIDIA H100 80GB HBM3, 580.65.06"')))
     assert node_gpu_facts(tmp_path) == (("nvidia-smi lists 2 GPUs (NVIDIA H100 80GB HBM3)",), "580.65.06")
 
 

@@ -10,7 +10,7 @@ DevicePlacementError (a CPU batch fed straight to the model, the bug this guard 
 import json
 import sys
 
-from epas_megatron.runtime import device_guard
+from epas_megatron.compat import device_guard
 
 CHECK = device_guard.activate()  # before anything builds a model
 
@@ -35,11 +35,12 @@ def synthetic(arch, seq, batch):
 
 
 def trainer_paths(results: dict) -> None:
+    import tempfile
+
     from epas_megatron.config.cli import parse_config
     from epas_megatron.config.validation import resolve_run
     from epas_megatron.training.step import _run_schedule
     from epas_megatron.training.trainer import Trainer
-    import tempfile
 
     out = tempfile.mkdtemp()
     argv = ["--preset", "tiny", "--no-tensorboard", "--train-iters", "2", "--global-batch-size", "4",
@@ -52,7 +53,7 @@ def trainer_paths(results: dict) -> None:
         cfg = trainer.cfg.training
 
         def negative_control():
-            batch = next(trainer.train_iterators[0])  # CPU tensors, not moved
+            batch = next(trainer.data.train_iterators[0])  # CPU tensors, not moved
             trainer.model[0](batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
 
         attempt(results, "negative_control", negative_control)
@@ -60,10 +61,10 @@ def trainer_paths(results: dict) -> None:
         # pass is left out; every forward and backward computation runs.
         trainer.tf_config.finalize_model_grads_func = None
         attempt(results, "train_schedule", lambda: _run_schedule(
-            trainer.model, trainer.train_iterators, trainer.run.num_microbatches, trainer.schedule_seq_length,
+            trainer.model, trainer.data.train_iterators, trainer.run.num_microbatches, trainer.schedule_seq_length,
             cfg.micro_batch_size, False))
         attempt(results, "eval_schedule", lambda: _run_schedule(
-            trainer.model, trainer._valid_iterators(), trainer.run.num_microbatches, trainer.schedule_seq_length,
+            trainer.model, trainer.data.valid_iterators(trainer.model), trainer.run.num_microbatches, trainer.schedule_seq_length,
             cfg.micro_batch_size, True))
     finally:
         trainer.close()
@@ -75,8 +76,9 @@ def pipeline_paths(results: dict) -> None:
 
     from epas_megatron.bench.common import bench_variant
     from epas_megatron.bench.pipeline_bench import _stage_compute_seconds
+    from epas_megatron.model.architecture import LlamaArchitecture
     from epas_megatron.model.build_plan import BuildPlan
-    from epas_megatron.model.builder import LlamaArchitecture, build_model
+    from epas_megatron.model.builder import build_model
     from epas_megatron.training.step import forward_step
 
     init_distributed(1, 2, None, seed=0)
@@ -100,7 +102,7 @@ def pipeline_paths(results: dict) -> None:
                 output.backward(torch.ones_like(output))
 
         attempt(results, "forward_step_stage", stage_forward_backward)
-        state = bench_variant(arch, (2, 3), seq_length=32, micro_batch_size=2, num_microbatches=1, seed=0, pp=2)
+        state = bench_variant(BuildPlan.for_region(arch, (2, 3), seq_length=32, pp=2), micro_batch_size=2, num_microbatches=1, seed=0)
         attempt(results, "bench_stage_compute", lambda: _stage_compute_seconds(state, arch.hidden_size, repeats=1))
     finally:
         destroy_distributed()

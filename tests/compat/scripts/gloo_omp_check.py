@@ -10,13 +10,13 @@ import torch
 import torch.distributed as dist
 
 if sys.argv[1] == "off":
-    import epas_megatron.runtime.gloo_threads as gloo_threads
+    import epas_megatron.compat.gloo_threads as gloo_threads
 
     gloo_threads.single_threaded_gloo_workers = lambda exempt=None: None
 
-from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
-
 from megatron.core import parallel_state  # noqa: E402  (after the fix is disabled above)
+
+from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
 
 init_distributed(1, 1, None, seed=0)
 threads = lambda: len(glob.glob(f"/proc/{os.getpid()}/task/*"))
