@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Sequence
 
 from epas_megatron.errors import ConfigError
+
+# A command: torch, Megatron and everything built on them are imported inside the functions, so
+# that --help and configuration errors answer at once and library warnings are silenced first.
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,118 +61,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_regions(text: str, trained: int, num_layers: int, allow_untrained: bool, flag: str = "--regions",
-                  exclude_last: int = 0) -> list[int]:
-    """'0,half,2,max' -> [0, trained // 2, 2, trained], in the order given; ConfigError naming
-    ``flag`` for bad or impossible values (the grammar of :class:`~epas_megatron.evaluation.regions.RegionSpec`).
-
-    ``exclude_last`` is the checkpoint's ``--epas-exclude-last``
-    (:func:`~epas_megatron.checkpointing.checkpoint.exclude_last_of`): its regions end that many
-    layers before the last, so at most ``num_layers - 1 - exclude_last`` layers can share."""
-    from epas_megatron.evaluation.regions import RegionSpec
-
-    spec = RegionSpec.parse(text, flag)
-    spec.check_limit(num_layers - 1 - exclude_last, flag, exclude_last)
-    regions = spec.sizes(trained)
-    for r in regions:
-        if r > trained and not allow_untrained:
-            raise ConfigError(
-                f"{flag}: {r} is larger than the region this checkpoint was trained with ({trained} layers); "
-                "layers beyond it never trained in sharing mode (pass --allow-untrained-regions to measure that anyway)"
-            )
-    return regions
-
-
-def evaluate_regions(args, checkpoint: Path, meta: dict) -> list[dict]:
-    """Validation loss per region (runs inside an initialised process group)."""
-    from megatron.core import parallel_state
-
-    from epas_megatron.checkpointing.checkpoint import exclude_last_of, load_checkpoint
-    from epas_megatron.config.cli import from_dict
-    from epas_megatron.data.datasets import build_data_iterator, build_gpt_datasets
-    from epas_megatron.data.sources import prepare_data_sources
-    from epas_megatron.model.build_plan import BuildPlan
-    from epas_megatron.model.builder import architecture_from_config
-    from epas_megatron.sharing.schedule import region_layers
-    from epas_megatron.training.state import build_training_state
-    from epas_megatron.training.step import eval_step, stage_batch_keys
-
-    cfg = from_dict(meta["config"])
-    # The checkpoint's regions end exclude_last layers before the last; check every requested
-    # region against that before any data or model work.
-    exclude_last = exclude_last_of(meta)
-    regions = {region: region_layers(cfg.model.num_layers, region, flag="--regions", exclude_last=exclude_last)
-               for region in args.region_list}
-    data_cfg = cfg.data
-    if args.data is not None:
-        data_cfg = replace(data_cfg, data=args.data, tokenizer_model=args.tokenizer_model)
-    elif data_cfg.tokenizer_model is None and data_cfg.data is not None:
-        data_cfg = replace(data_cfg, tokenizer_model=meta.get("tokenizer_model"))
-    data = prepare_data_sources(data_cfg)
-    t = cfg.training
-    dp = parallel_state.get_data_parallel_world_size()
-    mbs = args.micro_batch_size or t.micro_batch_size
-    batch = args.eval_batch_size or t.global_batch_size
-    if batch % (mbs * dp):
-        raise ConfigError(f"--eval-batch-size {batch} is not divisible by --micro-batch-size {mbs} x data-parallel size {dp}")
-    _, valid = build_gpt_datasets(
-        data.prefixes, args.split or data_cfg.split, seq_length=t.seq_length, train_samples=batch,
-        valid_samples=batch * args.eval_iters, seed=t.seed, tokenizer=data.tokenizer, cache_dir=data.cache_dir,
-    )
-    arch = architecture_from_config(cfg.model)
-    share = meta.get("epas_share", "qk")
-    precision, backend = precision_and_backend(args.precision, cfg.model.transformer_impl)
-    results = []
-    for region in args.region_list:
-        sharing = regions[region]
-        plan = BuildPlan.for_region(arch, sharing, seq_length=t.seq_length, tp=args.tp, pp=args.pp, share=share,
-                                    precision=precision, backend=backend, core_attention=cfg.model.core_attention,
-                                    exclude_last=exclude_last)
-        state = build_training_state(plan)  # chunks only: no optimizer
-        chunks, schedule_seq = state.model, state.schedule_seq_length
-        load_checkpoint(checkpoint, chunks, restore_rng=False)
-        iterators = [build_data_iterator(valid, mbs, parallel_state.get_data_parallel_rank(), dp, 0, keys=stage_batch_keys(chunk))
-                     for chunk in chunks]
-        result = eval_step(chunks, iterators, num_microbatches=batch // (mbs * dp) * args.eval_iters,
-                           seq_length=schedule_seq, micro_batch_size=mbs)
-        results.append({"region": region, "sharing_layers": list(sharing), "lm_loss": result.lm_loss,
-                        "ppl": math.exp(min(result.lm_loss, 50.0)), "tokens": result.tokens})
-    return results
-
-
-def precision_and_backend(precision: str, transformer_impl: str) -> tuple[str, str]:
-    """What to evaluate with on this machine: the requested precision ('auto': bf16 on a GPU),
-    and the run's layer backend where it is available here (checkpoints load into either)."""
-    import torch
-
-    from epas_megatron.model.fusions import transformer_engine_importable
-
-    cuda = torch.cuda.is_available()
-    if precision == "auto":
-        precision = "bf16" if cuda else "fp32"
-    use_te = cuda and transformer_impl != "local" and transformer_engine_importable()
-    return precision, "transformer_engine" if use_te else "local"
-
-
-def markdown_table(results: list[dict], trained: int) -> str:
-    """Region | sharing layers | loss | perplexity | vs region 0."""
-    base = next((r["lm_loss"] for r in results if r["region"] == 0), None)
-    lines = ["| region | sharing layers | val loss | perplexity | loss vs region 0 |", "|---|---|---|---|---|"]
-    for r in results:
-        layers = f"{r['sharing_layers'][0]}-{r['sharing_layers'][-1]}" if r["sharing_layers"] else "-"
-        delta = f"{r['lm_loss'] - base:+.4f}" if base is not None else "n/a"
-        mark = " (untrained)" if r["region"] > trained else ""
-        lines.append(f"| {r['region']}{mark} | {layers} | {r['lm_loss']:.4f} | {r['ppl']:.2f} | {delta} |")
-    return "\n".join(lines)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from epas_megatron.runtime.quiet import quiet_library_noise
+    from epas_megatron.compat.quiet import quiet_library_noise
 
     quiet_library_noise()
     args = _parser().parse_args(argv)
     try:
-        from epas_megatron.checkpointing.checkpoint import exclude_last_of
+        from epas_megatron.assembly import checkpoint_regions
         from epas_megatron.checkpointing.integrity import open_checkpoint
         from epas_megatron.runtime.accelerator import check_accelerator
         from epas_megatron.runtime.distributed import world_size_from_env
@@ -179,10 +75,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         check_accelerator()
 
         checkpoint, meta = open_checkpoint(args.load, "--load", needs_config=True)
-        num_layers = meta["model"]["num_layers"]
-        trained = len(meta.get("sharing_layers", []))
-        args.region_list = parse_regions(args.regions, trained, num_layers, args.allow_untrained_regions,
-                                         exclude_last=exclude_last_of(meta))
+        num_layers, trained = meta.num_layers, meta.trained_region
+        args.region_list = checkpoint_regions(meta, args.regions, args.allow_untrained_regions)
         world = world_size_from_env()
         task_manager = check_lm_eval_args(args, world)  # None without --lm-eval-tasks
         if world % (args.tp * args.pp):
@@ -197,6 +91,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if task_manager is not None:
         return lm_eval_main(args, task_manager)
 
+    from epas_megatron.evaluation.validation_loss import evaluate_regions, markdown_table
     from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
 
     dims = init_distributed(args.tp, args.pp, None, seed=0)
@@ -208,9 +103,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         destroy_distributed()
     if dims.is_logging_rank:
-        payload = {"checkpoint": str(checkpoint), "iteration": meta["iteration"], "trained_region": trained,
-                   "exclude_last": exclude_last_of(meta), "results": results}
-        print(f"checkpoint {checkpoint} (iteration {meta['iteration']}, trained region {trained} layers)")
+        payload = {"checkpoint": str(checkpoint), "iteration": meta.iteration, "trained_region": trained,
+                   "exclude_last": meta.exclude_last, "results": results}
+        print(f"checkpoint {checkpoint} (iteration {meta.iteration}, trained region {trained} layers)")
         print(markdown_table(results, trained))
         print("EVAL " + json.dumps(payload), flush=True)
         if args.output:
@@ -256,8 +151,8 @@ def check_lm_eval_args(args, world: int):
 
 def lm_eval_main(args, task_manager) -> int:
     """--lm-eval-tasks: the harness at every region; one table, an ``LM_EVAL {json}`` line."""
-    from epas_megatron.evaluation.lm_eval_model import run_lm_eval
     from epas_megatron.evaluation.lm_eval_model import markdown_table as lm_eval_table
+    from epas_megatron.evaluation.lm_eval_model import run_lm_eval
 
     try:
         payload = run_lm_eval(args.load, args.region_list, args.lm_eval_task_list, include_path=args.lm_eval_include_path,

@@ -37,51 +37,59 @@ def _split_argv(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def report(run, gpu_memory_gb: Optional[float]) -> tuple[list[str], bool]:
     """The report's lines and whether every rank fits (always True without a budget)."""
-    from epas_megatron.metrics.flops import Convention, flops_per_iteration
+    from epas_megatron.assembly import plan_after_switch, plan_for_run, stage_memory_limit
+    from epas_megatron.metrics.flops import Convention, ModelShape, flops_per_iteration
     from epas_megatron.parallel.layout import StageLayout
-    from epas_megatron.parallel.memory_plan import GIB
+    from epas_megatron.parallel.memory_budget import GIB
+    from epas_megatron.runtime.device import device_memory_gb
     from epas_megatron.sharing.schedule import layer_modes
-    from epas_megatron.training.trainer import Trainer
 
     cfg = run.cfg
     if cfg.epas.epas_memory_budget_gb is None and gpu_memory_gb is not None:
         cfg.epas.epas_memory_budget_gb = RESERVE * gpu_memory_gb
-    trainer = Trainer(run)  # only its planning: no process group, no data
     schedule, n = run.schedule, cfg.model.num_layers
     final = tuple(schedule.sharing_layers(cfg.training.train_iters))
-    trainer.plan = trainer._plan_for(())
-    limit = trainer.memory_limit()
+    base = plan_for_run(run, ())
+    limit = stage_memory_limit(run, base, device_memory_gb())
+
+    def region_plan(sharing):
+        """The plan the trainer would build for ``sharing`` (its layout rebalanced when stages are)."""
+        plan, notice = plan_after_switch(run, base, sharing, memory=limit)
+        if notice:
+            print(f"memory budget: {notice}", flush=True)
+        return plan
+
+    first = region_plan(()) if run.rebalance else base
     t, p = cfg.training, cfg.parallel
     m = cfg.model
     lines = [f"epas-plan: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}/{m.num_query_groups}, "
-             f"ffn {m.ffn_hidden_size}, vocab {trainer.plan.arch.vocab_size}, seq {t.seq_length} | world {run.world_size} = TP {p.tp} "
+             f"ffn {m.ffn_hidden_size}, vocab {first.arch.vocab_size}, seq {t.seq_length} | world {run.world_size} = TP {p.tp} "
              f"x PP {p.pp}{f' (VPP {run.vpp})' if run.vpp else ''} x DP {run.dp} | global batch {t.global_batch_size} = "
              f"{run.num_microbatches} micro-batches x {t.micro_batch_size} x DP {run.dp} | {run.precision}"
              f"{', distributed optimizer' if run.use_distributed_optimizer else ''}"
              f"{', recompute ' + p.recompute if p.recompute != 'none' else ''}"]
-    flops = {size: flops_per_iteration(trainer.plan.arch.flops_shape(t.seq_length), t.global_batch_size, size,
+    flops = {size: flops_per_iteration(ModelShape.of(first.arch, t.seq_length), t.global_batch_size, size,
                                        share=cfg.epas.epas_share, convention=Convention.MEGATRON) for size in (0, len(final))}
     lines.append(f"model FLOPs per iteration: {flops[0] / 1e15:.3f} PFLOP at region 0, {flops[len(final)] / 1e15:.3f} PFLOP at the "
                  f"final region ({len(final)} layers; {flops[0] / flops[len(final)]:.4f}x fewer)")
     if run.schedule.enabled:
         lines.append(run.schedule.describe(t.train_iters))
     if run.rebalance:
-        from epas_megatron.parallel.stage_plan import describe_schedule_layouts
+        from epas_megatron.parallel.stage_layouts import describe_schedule_layouts
 
         lines.append("pipeline stages, rebalanced at every switch:")
-        lines.append(describe_schedule_layouts(trainer.plan, schedule, memory=limit))
+        lines.append(describe_schedule_layouts(first, schedule, memory=limit))
     fits = True
     budget = limit.budget_bytes if limit is not None else None
     from epas_megatron.metrics.memory_model import LayerShape
-    from epas_megatron.parallel.memory_plan import MemoryLimit
+    from epas_megatron.parallel.memory_budget import MemoryLimit
 
-    measure = limit or MemoryLimit(LayerShape(trainer.plan.arch.hidden_size, trainer.plan.arch.num_attention_heads,
-                                              trainer.plan.arch.num_query_groups, trainer.plan.arch.ffn_hidden_size,
+    measure = limit or MemoryLimit(LayerShape(first.arch.hidden_size, first.arch.num_attention_heads,
+                                              first.arch.num_query_groups, first.arch.ffn_hidden_size,
                                               t.seq_length, t.micro_batch_size),
-                                   _settings(trainer), p.pp, run.vpp or 1, float("inf"))
+                                   _settings(run, first.arch.vocab_size), p.pp, run.vpp or 1, float("inf"))
     for label, sharing in (("first region (0 layers sharing)", ()), (f"final region ({len(final)} layers sharing)", final)):
-        region_plan = trainer._plan_for(sharing)
-        layout = region_plan.layout or StageLayout.even(n, p.pp, run.vpp or 1)
+        layout = region_plan(sharing).layout or StageLayout.even(n, p.pp, run.vpp or 1)
         per_rank = measure.layout_bytes(layout, layer_modes(n, sharing, exclude_last=cfg.epas.epas_exclude_last))
         lines.append(f"memory per GPU at the {label}, layout {layout.to_layout_string()}"
                      + (f" (budget {budget / GIB:.1f} GiB)" if budget else "") + ":")
@@ -96,18 +104,19 @@ def report(run, gpu_memory_gb: Optional[float]) -> tuple[list[str], bool]:
     return lines, fits
 
 
-def _settings(trainer):
+def _settings(run, vocab_size: int):
+    """Memory-model settings of ``run`` (full recompute is modelled as none: an upper bound)."""
     from epas_megatron.metrics.memory_model import RankMemorySettings
 
-    p, run = trainer.cfg.parallel, trainer.run
-    return RankMemorySettings(vocab_size=trainer.plan.arch.vocab_size, tp=p.tp, dp=run.dp, num_microbatches=run.num_microbatches,
+    p = run.cfg.parallel
+    return RankMemorySettings(vocab_size=vocab_size, tp=p.tp, dp=run.dp, num_microbatches=run.num_microbatches,
                               precision=run.precision, distributed_optimizer=run.use_distributed_optimizer,
                               sequence_parallel=p.sequence_parallel, recompute=p.recompute if p.recompute != "full" else "none",
-                              share=trainer.cfg.epas.epas_share)
+                              share=run.cfg.epas.epas_share)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from epas_megatron.runtime.quiet import quiet_library_noise
+    from epas_megatron.compat.quiet import quiet_library_noise
 
     quiet_library_noise()
     from epas_megatron.config.cli import parse_config

@@ -51,7 +51,7 @@ def single_process():
 
 @pytest.fixture(scope="module")
 def tiny_arch():
-    from epas_megatron.model.builder import LlamaArchitecture
+    from epas_megatron.model.architecture import LlamaArchitecture
 
     # GQA (4 query heads, 2 KV groups), a large init so attention is far from uniform.
     return LlamaArchitecture(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,

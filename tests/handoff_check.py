@@ -31,7 +31,7 @@ SEQ = 64
 
 
 def architecture():
-    from epas_megatron.model.builder import LlamaArchitecture
+    from epas_megatron.model.architecture import LlamaArchitecture
 
     # GQA (8 query heads in 2 groups), std 0.1: attention far from uniform (see module doc).
     return LlamaArchitecture(num_layers=4, hidden_size=128, num_attention_heads=8, num_query_groups=2,

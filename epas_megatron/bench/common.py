@@ -15,8 +15,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from epas_megatron.model.build_plan import BuildPlan
+from epas_megatron.model.fusions import choose_backend
+from epas_megatron.random_ltd.model import set_kept_tokens
 from epas_megatron.training.optimizer import OptimizerSettings
-from epas_megatron.training.state import TrainingState
+from epas_megatron.training.state import TrainingState, build_training_state
 
 
 @dataclass
@@ -120,36 +123,22 @@ class BenchVariant:
     """Micro-batches per iteration."""
 
 
-def bench_variant(arch, sharing, *, seq_length: int, micro_batch_size: int, num_microbatches: int, seed: int,
-                  tp: int = 1, pp: int = 1, vpp=None, layout=None, share: str = "qk", backend: str = "local",
-                  core_attention: str = "sdpa", random_ltd=None, kept_tokens: Optional[int] = None) -> BenchVariant:
-    """A trainable model for the region ``sharing`` (and optional :class:`StageLayout`), built
-    from ``seed`` so every variant starts from the same weights: bf16 with the distributed
-    optimizer on a GPU, fp32 on CPU. ``random_ltd`` (a
-    :class:`~epas_megatron.model.build_plan.RandomLTDSettings`): its layers keep ``kept_tokens``."""
-    from epas_megatron.model.build_plan import BuildPlan
-    from epas_megatron.training.state import build_training_state
-
-    cuda = torch.cuda.is_available()
-    precision = "bf16" if cuda else "fp32"
-    plan = BuildPlan.for_region(arch, sharing, seq_length=seq_length, tp=tp, pp=pp, vpp=vpp, layout=layout,
-                                precision=precision, backend=backend, core_attention=core_attention, share=share,
-                                random_ltd=random_ltd)
-    settings = OptimizerSettings(precision=precision, use_distributed_optimizer=cuda, **BENCH_OPTIMIZER)
+def bench_variant(plan: BuildPlan, *, micro_batch_size: int, num_microbatches: int, seed: int,
+                  kept_tokens: Optional[int] = None) -> BenchVariant:
+    """A trainable model of ``plan`` (a benchmark's: :func:`epas_megatron.assembly.plan_for_preset`),
+    built from ``seed`` so every variant starts from the same weights, with the distributed
+    optimizer on a GPU. Under Random-LTD (``plan.random_ltd``) its layers keep ``kept_tokens``."""
+    settings = OptimizerSettings(precision=plan.precision, use_distributed_optimizer=torch.cuda.is_available(), **BENCH_OPTIMIZER)
     state = build_training_state(plan, settings, seed=seed)
-    if random_ltd is not None:
-        from epas_megatron.random_ltd.model import set_kept_tokens
-
+    if plan.random_ltd is not None:
         set_kept_tokens(state.model, kept_tokens)
-    data = [SyntheticTokens(arch.vocab_size, seq_length, micro_batch_size, seed + 1) for _ in state.model]
+    data = [SyntheticTokens(plan.arch.vocab_size, plan.seq_length, micro_batch_size, seed + 1) for _ in state.model]
     return BenchVariant(state, data, micro_batch_size, num_microbatches)
 
 
 def default_backend() -> str:
     """Transformer Engine layers where TE is installed on a GPU node, local layers otherwise."""
-    from epas_megatron.model.fusions import transformer_engine_importable
-
-    return "transformer_engine" if torch.cuda.is_available() and transformer_engine_importable() else "local"
+    return choose_backend("auto", torch.cuda.is_available())
 
 
 def run_iteration(variant: BenchVariant) -> None:

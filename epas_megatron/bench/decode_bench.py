@@ -167,29 +167,25 @@ def _same_step_everywhere(variants: dict, mode: str, log) -> str:
 
 def run_decode_bench(cfg: DecodeBenchConfig, log=print) -> dict:
     """Measure the variants (call inside an initialised world of one process)."""
+    from epas_megatron.assembly import plan_for_preset
     from epas_megatron.bench.common import alternating_throughput
     from epas_megatron.config.presets import get_preset
     from epas_megatron.inference.decode_cost import decode_bytes_per_step, max_batch_for_budget
     from epas_megatron.inference.decode_step import resolve_decode_step
     from epas_megatron.inference.kv_cache import kv_bytes_per_token
     from epas_megatron.model.attention import split_qkv_rows
-    from epas_megatron.model.build_plan import BuildPlan
-    from epas_megatron.model.builder import LlamaArchitecture, build_model, padded_vocab_size
+    from epas_megatron.model.builder import build_model
     from epas_megatron.sharing.schedule import layer_modes, region_layers
 
     preset = get_preset(cfg.preset)
     check_config(cfg, preset.num_layers)
-    vocab = padded_vocab_size(preset.vocab_size or 8192)
-    arch = LlamaArchitecture(preset.num_layers, preset.hidden_size, preset.num_attention_heads, preset.num_query_groups,
-                             preset.ffn_hidden_size, vocab, max(cfg.context + 1, preset.seq_length))
     cuda = torch.cuda.is_available()
-    precision = "bf16" if cuda else "fp32"
+    # room for the context and the generated token
+    plans = {name: plan_for_preset(cfg.preset, layers, seq_length=cfg.context, max_length=cfg.context + 1, share=cfg.share)
+             for name, layers in (("baseline", ()), ("epas", region_layers(preset.num_layers, cfg.region, flag="--region")))}
+    arch, precision, sharing = plans["epas"].arch, plans["epas"].precision, plans["epas"].sharing_layers
     mode = resolve_decode_step(cfg.decode_step, torch.device("cuda" if cuda else "cpu"))
-    sharing = region_layers(arch.num_layers, cfg.region, flag="--region")
-    models = {}
-    for name, layers in (("baseline", ()), ("epas", sharing)):
-        plan = BuildPlan.for_region(arch, layers, seq_length=cfg.context, share=cfg.share, precision=precision)
-        models[name] = build_model(plan, seed=cfg.seed).chunks[0].eval()
+    models = {name: build_model(plan, seed=cfg.seed).chunks[0].eval() for name, plan in plans.items()}
     # Same weights: the first sharing layer's own projection is the baseline layer's rows of it.
     first = sharing[0]
     hn = arch.hidden_size // arch.num_attention_heads
@@ -207,7 +203,7 @@ def run_decode_bench(cfg: DecodeBenchConfig, log=print) -> dict:
             attentions.append(("reuse+kernel", models["epas"], "reuse", cfg.region_kernel))
     else:
         log("note: --share kv has no probability reuse (a KV-sharing layer has its own Q); reuse is not measured")
-    variants = {name: _variant(model, attention, kernel, cfg.batch, cfg, vocab, mode, generator)
+    variants = {name: _variant(model, attention, kernel, cfg.batch, cfg, arch.vocab_size, mode, generator)
                 for name, model, attention, kernel in attentions}
     mode = _same_step_everywhere(variants, mode, log)
     element = 2 if cuda else 4
@@ -237,8 +233,8 @@ def run_decode_bench(cfg: DecodeBenchConfig, log=print) -> dict:
     serving = {}
     if min(max_batch.values()) >= 1:
         serving_variants = {
-            "baseline": _variant(models["baseline"], "qk", None, max_batch["baseline"], cfg, vocab, mode, generator),
-            "epas": _variant(models["epas"], "reuse" if cfg.share == "qk" else "qk", None, max_batch["epas"], cfg, vocab, mode,
+            "baseline": _variant(models["baseline"], "qk", None, max_batch["baseline"], cfg, arch.vocab_size, mode, generator),
+            "epas": _variant(models["epas"], "reuse" if cfg.share == "qk" else "qk", None, max_batch["epas"], cfg, arch.vocab_size, mode,
                              generator),
         }
         _same_step_everywhere(serving_variants, mode, log)

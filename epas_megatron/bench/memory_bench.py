@@ -47,16 +47,18 @@ class MemoryBenchConfig:
     """With TP > 1: sequence parallelism."""
 
 
-def _measure(arch, sharing, cfg: MemoryBenchConfig, share: str, recompute: str):
+def _measure(sharing, cfg: MemoryBenchConfig, share: str, recompute: str):
     """Measured bytes of one micro-batch for one configuration (a fresh model)."""
+    from epas_megatron.assembly import plan_for_preset
     from epas_megatron.metrics.activation_memory import measure_saved_bytes
-    from epas_megatron.model.build_plan import BuildPlan, RecomputeSettings
+    from epas_megatron.model.build_plan import RecomputeSettings
     from epas_megatron.model.builder import build_model
     from epas_megatron.runtime.device import compute_device
 
-    plan = BuildPlan.for_region(arch, sharing, seq_length=cfg.seq_length, precision=cfg.precision, share=share,
-                                recompute=RecomputeSettings(recompute), tp=cfg.tp, sequence_parallel=cfg.sequence_parallel)
+    plan = plan_for_preset(cfg.preset, sharing, seq_length=cfg.seq_length, precision=cfg.precision, share=share,
+                           recompute=RecomputeSettings(recompute), tp=cfg.tp, sequence_parallel=cfg.sequence_parallel)
     model = build_model(plan, seed=cfg.seed).chunks[0]
+    arch = plan.arch
     device = compute_device()
     generator = torch.Generator().manual_seed(cfg.seed)
     tokens = torch.randint(0, arch.vocab_size, (cfg.micro_batch_size, cfg.seq_length), generator=generator).to(device)
@@ -70,13 +72,11 @@ def run_memory_bench(cfg: MemoryBenchConfig, log=print) -> dict:
     The record's top-level figures are ``cfg.share`` without recompute."""
     from epas_megatron.config.presets import get_preset
     from epas_megatron.metrics.memory_model import LayerShape, layer_activation_terms
-    from epas_megatron.model.builder import LlamaArchitecture, padded_vocab_size
+    from epas_megatron.model.architecture import architecture_from_preset
     from epas_megatron.sharing.schedule import region_layers
 
     preset = get_preset(cfg.preset)
-    vocab = padded_vocab_size(preset.vocab_size or 8192)
-    arch = LlamaArchitecture(preset.num_layers, preset.hidden_size, preset.num_attention_heads, preset.num_query_groups,
-                             preset.ffn_hidden_size, vocab, max(cfg.seq_length, preset.seq_length))
+    arch = architecture_from_preset(preset, cfg.seq_length)
     sharing = region_layers(arch.num_layers, cfg.region, flag="--region")
     shape = LayerShape(arch.hidden_size, arch.num_attention_heads, arch.num_query_groups, arch.ffn_hidden_size,
                        cfg.seq_length, cfg.micro_batch_size)
@@ -93,13 +93,15 @@ def run_memory_bench(cfg: MemoryBenchConfig, log=print) -> dict:
     record = {}
     for share in (cfg.share, "kv" if cfg.share == "qk" else "qk"):
         for recompute in ("none", "selective"):
-            measured = _measure(arch, sharing, cfg, share, recompute)
+            measured = _measure(sharing, cfg, share, recompute)
             computing = [measured.layers[i] for i in range(arch.num_layers) if i not in sharing]
             shared = [measured.layers[i] for i in sharing]
             row = {"share": share, "recompute": recompute,
                    "computing_layer_bytes_measured": max(computing), "sharing_layer_bytes_measured": max(shared),
-                   "computing_layer_bytes_model": sum(layer_activation_terms(shape, "compute", share, e, recompute=recompute, **parallel).values()),
-                   "sharing_layer_bytes_model": sum(layer_activation_terms(shape, "share", share, e, recompute=recompute, **parallel).values()),
+                   "computing_layer_bytes_model": sum(layer_activation_terms(shape, "compute", share, e, recompute=recompute,
+                                                                             **parallel).values()),
+                   "sharing_layer_bytes_model": sum(layer_activation_terms(shape, "share", share, e, recompute=recompute,
+                                                                           **parallel).values()),
                    "layers_equal_within_role": len(set(computing)) <= 1 and len(set(shared)) <= 1,
                    "decoder_bytes_baseline": arch.num_layers * max(computing), "decoder_bytes_epas": sum(measured.layers.values()),
                    "outside_layers_bytes": measured.outside}
@@ -115,7 +117,8 @@ def run_memory_bench(cfg: MemoryBenchConfig, log=print) -> dict:
         f"{k} {terms['compute'].get(k, 0) * mb:.3f} -> {terms['share'].get(k, 0) * mb:.3f}" for k in differing))
     baseline, epas, outside = record["decoder_bytes_baseline"], record["decoder_bytes_epas"], record["outside_layers_bytes"]
     korthikanti = s * b * h * (34 + 5 * a * s / h) * e / 2  # GPT, per layer, fp16 bytes scaled to e
-    record.update(preset=cfg.preset, region=cfg.region, tp=cfg.tp, sequence_parallel=cfg.sequence_parallel, sharing_layers=list(sharing), precision=cfg.precision, seq_length=s,
+    record.update(preset=cfg.preset, region=cfg.region, tp=cfg.tp, sequence_parallel=cfg.sequence_parallel, sharing_layers=list(sharing),
+                  precision=cfg.precision, seq_length=s,
                   micro_batch_size=b, decoder_saving_fraction=1 - epas / baseline,
                   model_saving_fraction=1 - (epas + outside) / (baseline + outside), korthikanti_gpt_layer_bytes=korthikanti,
                   configurations=configurations)

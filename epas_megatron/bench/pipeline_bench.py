@@ -32,8 +32,8 @@ from epas_megatron.bench.common import BenchConfig
 
 def _stage_compute_seconds(variant, hidden_size: int, repeats: int = 3) -> float:
     """Forward + backward of this rank's chunks alone on synthetic input (no communication)."""
-    from epas_megatron.model.wrapping import unwrap_model
     from epas_megatron.runtime.device import compute_device, synchronize, to_compute_device
+    from epas_megatron.runtime.wrapping import unwrap_model
 
     total = 0.0
     for chunk, data in zip(variant.state.model, variant.data):
@@ -61,13 +61,12 @@ def _stage_compute_seconds(variant, hidden_size: int, repeats: int = 3) -> float
 
 def _predicted_7b_table(log) -> list[dict]:
     from epas_megatron.config.presets import get_preset
-    from epas_megatron.model.builder import LlamaArchitecture
-    from epas_megatron.parallel.plan_report import predict_pipeline_speedup
-    from epas_megatron.parallel.stage_plan import flops_layer_costs
+    from epas_megatron.model.architecture import architecture_from_preset
+    from epas_megatron.parallel.layout_report import predict_pipeline_speedup
+    from epas_megatron.parallel.stage_layouts import flops_layer_costs
 
     p7 = get_preset("7b")
-    arch = LlamaArchitecture(p7.num_layers, p7.hidden_size, p7.num_attention_heads, p7.num_query_groups,
-                             p7.ffn_hidden_size, p7.vocab_size, p7.seq_length)
+    arch = architecture_from_preset(p7)
     costs = flops_layer_costs(arch, p7.seq_length)
     rows = []
     log("predicted for 7b (32 layers, seq 2048), 16 sharing layers, bottleneck model:")
@@ -88,21 +87,17 @@ def run_pipeline_bench(cfg: BenchConfig, log=print) -> dict:
     """Measure the variants (inside a process group of PP ranks x DP); returns the BENCH record."""
     from megatron.core import parallel_state
 
+    from epas_megatron.assembly import plan_for_preset
     from epas_megatron.bench.common import alternating_throughput, bench_variant, default_backend
-    from epas_megatron.config.presets import get_preset
-    from epas_megatron.model.builder import LlamaArchitecture, padded_vocab_size
-    from epas_megatron.parallel.stage_plan import flops_layer_costs, plan_for_region
+    from epas_megatron.parallel.stage_layouts import flops_layer_costs, region_layout
     from epas_megatron.runtime.distributed import seed_everything
     from epas_megatron.sharing.schedule import region_layers
 
-    preset = get_preset(cfg.preset)
-    arch = LlamaArchitecture(preset.num_layers, preset.hidden_size, preset.num_attention_heads, preset.num_query_groups,
-                             preset.ffn_hidden_size, padded_vocab_size(preset.vocab_size or 8192),
-                             max(cfg.seq_length, preset.seq_length))
+    arch = plan_for_preset(cfg.preset, seq_length=cfg.seq_length).arch
     sharing = region_layers(arch.num_layers, cfg.region, flag="--region")
     costs = flops_layer_costs(arch, cfg.seq_length, cfg.share)
-    rebalanced_layout = plan_for_region(costs, arch.num_layers, cfg.pp, cfg.vpp, sharing)
-    baseline_layout = plan_for_region(costs, arch.num_layers, cfg.pp, cfg.vpp, ())
+    rebalanced_layout = region_layout(costs, arch.num_layers, cfg.pp, cfg.vpp, sharing)
+    baseline_layout = region_layout(costs, arch.num_layers, cfg.pp, cfg.vpp, ())
     rebalanced, baseline_planned = rebalanced_layout.to_layout_string(), baseline_layout.to_layout_string()
     world = dist.get_world_size()
     tokens = cfg.seq_length * cfg.micro_batch_size * cfg.num_microbatches * (world // cfg.pp)
@@ -110,14 +105,18 @@ def run_pipeline_bench(cfg: BenchConfig, log=print) -> dict:
         f"{f' VPP {cfg.vpp}' if cfg.vpp else ''}, {cfg.num_microbatches} micro-batches of {cfg.micro_batch_size} x seq {cfg.seq_length}; "
         f"rebalanced layout {rebalanced}")
     timing = dict(iters=cfg.iters, blocks=cfg.blocks, warmup=cfg.warmup, log=log)
-    common = dict(seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size, seed=cfg.seed, share=cfg.share,
-                  backend=default_backend(), core_attention=cfg.core_attention)
-    pipelined = dict(common, num_microbatches=cfg.num_microbatches, pp=cfg.pp, vpp=cfg.vpp)
+    settings = dict(seq_length=cfg.seq_length, share=cfg.share, backend=default_backend(), core_attention=cfg.core_attention)
+
+    def variant(sharing_layers, num_microbatches, **parallel):
+        plan = plan_for_preset(cfg.preset, sharing_layers, **settings, **parallel)
+        return bench_variant(plan, micro_batch_size=cfg.micro_batch_size, num_microbatches=num_microbatches, seed=cfg.seed)
+
+    pipelined = dict(num_microbatches=cfg.num_microbatches, pp=cfg.pp, vpp=cfg.vpp)
     variants = {
-        "baseline": bench_variant(arch, (), **pipelined),
-        "epas_norebalance": bench_variant(arch, sharing, **pipelined),
-        "epas_rebalanced": bench_variant(arch, sharing, layout=rebalanced_layout, **pipelined),
-        "baseline_rebalanced": bench_variant(arch, (), layout=baseline_layout, **pipelined),
+        "baseline": variant((), **pipelined),
+        "epas_norebalance": variant(sharing, **pipelined),
+        "epas_rebalanced": variant(sharing, layout=rebalanced_layout, **pipelined),
+        "baseline_rebalanced": variant((), layout=baseline_layout, **pipelined),
     }
     results = alternating_throughput(variants, tokens, **timing)
     stage = {name: _stage_compute_seconds(state, arch.hidden_size) for name, state in variants.items()}
@@ -134,9 +133,8 @@ def run_pipeline_bench(cfg: BenchConfig, log=print) -> dict:
     seed_everything(cfg.seed)
     dp_micro = max(1, cfg.num_microbatches * cfg.pp // world)
     pp1_tokens = cfg.seq_length * cfg.micro_batch_size * dp_micro * world
-    single = dict(common, num_microbatches=dp_micro)
-    pp1 = alternating_throughput({"pp1_baseline": bench_variant(arch, (), **single),
-                                  "pp1_epas": bench_variant(arch, sharing, **single)}, pp1_tokens, **timing)
+    pp1 = alternating_throughput({"pp1_baseline": variant((), dp_micro), "pp1_epas": variant(sharing, dp_micro)},
+                                 pp1_tokens, **timing)
 
     log("per-stage compute (forward+backward of one micro-batch, seconds): " + "; ".join(
         f"{name}: " + ", ".join(f"stage {r} {s:.4f}" for r, s in stages.items()) for name, stages in stage_all.items()))

@@ -143,7 +143,7 @@ def _worker(argv: Sequence[str]) -> int:
     """``python -m epas_megatron.bench.switch_bench MODE OUTPUT_DIR CONFIG_JSON``."""
     mode, output_dir, config = argv
     cfg = SwitchBenchConfig(**{**json.loads(config), "modes": (mode,)})
-    from epas_megatron.runtime.quiet import quiet_library_noise
+    from epas_megatron.compat.quiet import quiet_library_noise
 
     quiet_library_noise()
     print(RESULT + json.dumps(measure_once(cfg, mode, Path(output_dir))), flush=True)
@@ -229,7 +229,8 @@ def predict_7b() -> list[dict]:
     from epas_megatron.metrics.flops import Convention, ModelShape, flops_per_iteration
 
     p = get_preset("7b")
-    params, layer = llama_parameters(p.num_layers, p.hidden_size, p.num_attention_heads, p.num_query_groups, p.ffn_hidden_size, p.vocab_size)
+    params, layer = llama_parameters(p.num_layers, p.hidden_size, p.num_attention_heads, p.num_query_groups, p.ffn_hidden_size,
+                                     p.vocab_size)
     shape = ModelShape(num_layers=p.num_layers, hidden_size=p.hidden_size, num_attention_heads=p.num_attention_heads,
                        num_query_groups=p.num_query_groups, ffn_hidden_size=p.ffn_hidden_size, vocab_size=p.vocab_size,
                        seq_length=2048)
@@ -244,13 +245,15 @@ def format_prediction(rows: list[dict]) -> list[str]:
     a = rows[0]["assumptions"]
     lines = [f"prediction, LLaMA-7B ({rows[0]['params'] / 1e9:.2f}B parameters, {rows[0]['state_bytes'] / 1e9:.0f} GB of bf16 weights + "
              f"fp32 main weights and Adam moments), distributed optimizer, one layer changing stage per switch:",
-             "| GPUs (TP x PP x DP) | checkpoint: s (iterations) | memory: s (iterations) | written by checkpoint | gathered per GPU by checkpoint (memory: none) |",
+             "| GPUs (TP x PP x DP) | checkpoint: s (iterations) | memory: s (iterations) | written by checkpoint "
+             "| gathered per GPU by checkpoint (memory: none) |",
              "|---|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['gpus']} ({r['tp']}x{r['pp']}x{r['dp']}) | {r['seconds_checkpoint']:.0f} ({r['iterations_checkpoint']:.2f}) | "
                      f"{r['seconds_memory']:.1f} ({r['iterations_memory']:.2f}) | {r['bytes_written_checkpoint'] / 1e9:.0f} GB | "
                      f"{r['gathered_bytes_per_gpu_checkpoint'] / 1e9:.1f} GB |")
-    lines.append(f"assumptions: file system {a['fs_write_gb_s_per_node']:g} GB/s write and {a['fs_read_gb_s_per_node']:g} GB/s read per node, "
+    lines.append(f"assumptions: file system {a['fs_write_gb_s_per_node']:g} GB/s write and "
+                 f"{a['fs_read_gb_s_per_node']:g} GB/s read per node, "
                  f"{a['intra_node_gb_s']:g} GB/s per GPU in a node, {a['inter_node_gb_s']:g} GB/s between nodes, HBM copies "
                  f"{a['hbm_copy_gb_s']:g} GB/s, rebuild {a['rebuild_s']:g} s; iteration at {a['mfu']:.0%} MFU of "
                  f"{a['peak_tflops']:g} TFLOP/s ({rows[0]['iteration_s']:.1f} s on {rows[0]['gpus']} GPUs)")

@@ -30,40 +30,40 @@ def run_train_bench(cfg: BenchConfig, log=print) -> dict:
     """Measure both models; returns the BENCH record (call inside an initialised process group)."""
     import torch.distributed as dist
 
-    from epas_megatron.config.presets import get_preset
-    from epas_megatron.metrics.flops import Convention, layerwise_forward_flops
+    from epas_megatron.assembly import plan_for_preset
+    from epas_megatron.bench.common import alternating_throughput, bench_variant, default_backend
+    from epas_megatron.metrics.flops import Convention, ModelShape, layerwise_forward_flops
     from epas_megatron.model.build_plan import RandomLTDSettings
-    from epas_megatron.model.builder import LlamaArchitecture, padded_vocab_size
+    from epas_megatron.model.fusions import choose_precision
     from epas_megatron.random_ltd.schedule import default_layers
     from epas_megatron.sharing.schedule import region_layers
 
-    from epas_megatron.bench.common import alternating_throughput, bench_variant, default_backend
-
-    preset = get_preset(cfg.preset)
-    vocab = padded_vocab_size(preset.vocab_size or 8192)
-    arch = LlamaArchitecture(preset.num_layers, preset.hidden_size, preset.num_attention_heads, preset.num_query_groups,
-                             preset.ffn_hidden_size, vocab, max(cfg.seq_length, preset.seq_length))
+    arch = plan_for_preset(cfg.preset, seq_length=cfg.seq_length).arch
     sharing = region_layers(arch.num_layers, cfg.region, flag="--region")
     cuda = torch.cuda.is_available()
     backend = default_backend()
     kept = cfg.kept_tokens or cfg.seq_length // 2
     ltd = RandomLTDSettings(default_layers(arch.num_layers), seed=cfg.seed)
-    common = dict(seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
-                  seed=cfg.seed, tp=cfg.tp, pp=cfg.pp, share=cfg.share, backend=backend, core_attention=cfg.core_attention)
     variants = {"baseline": ((), None), "epas": (sharing, None), "random-ltd": ((), ltd), "both": (sharing, ltd)}
-    states = {name: bench_variant(arch, variants[name][0], random_ltd=variants[name][1], kept_tokens=kept, **common)
+    states = {name: bench_variant(plan_for_preset(cfg.preset, variants[name][0], seq_length=cfg.seq_length, tp=cfg.tp, pp=cfg.pp,
+                                                  share=cfg.share, backend=backend, core_attention=cfg.core_attention,
+                                                  random_ltd=variants[name][1]),
+                                  micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches, seed=cfg.seed,
+                                  kept_tokens=kept)
               for name in ("baseline", *cfg.methods)}
     dp = dist.get_world_size() // (cfg.tp * cfg.pp)
     tokens_per_iter = cfg.seq_length * cfg.micro_batch_size * cfg.num_microbatches * dp
     log(f"bench: {cfg.preset} ({arch.num_layers} layers, h {arch.hidden_size}), methods {', '.join(cfg.methods)}: region {cfg.region} "
-        f"{list(sharing)}{f', Random-LTD layers {ltd.layers[0]}-{ltd.layers[-1]} keep {kept} of {cfg.seq_length} tokens' if set(cfg.methods) & {'random-ltd', 'both'} else ''}, "
+        f"{list(sharing)}"
+        f"{f', Random-LTD layers {ltd.layers[0]}-{ltd.layers[-1]} keep {kept} of {cfg.seq_length} tokens'
+           if set(cfg.methods) & {'random-ltd', 'both'} else ''}, "
         f"seq {cfg.seq_length}, {cfg.num_microbatches} x {cfg.micro_batch_size} x DP {dp}, TP {cfg.tp}, PP {cfg.pp}, "
         f"{backend} layers{'' if backend != 'local' else f' ({cfg.core_attention} attention)'}, {'bf16 CUDA' if cuda else 'fp32 CPU'}; "
         f"{cfg.warmup} warm-up + {cfg.iters} timed iterations each")
     tps = alternating_throughput(states, tokens_per_iter, iters=cfg.iters, blocks=cfg.blocks, warmup=cfg.warmup, log=log)
     # Fused kernels (TE, SDPA) skip the causally masked half of the scores; unfused attention does not.
     convention = Convention.PAPER if (backend == "local" and cfg.core_attention == "unfused") else Convention.MEGATRON
-    shape = arch.flops_shape(cfg.seq_length)
+    shape = ModelShape.of(arch, cfg.seq_length)
 
     def forward_flops(name):
         region, drop = variants[name]
@@ -82,7 +82,7 @@ def run_train_bench(cfg: BenchConfig, log=print) -> dict:
         "baseline_tokens_per_s": tps["baseline"], "methods": methods, "random_ltd_kept_tokens": kept,
         "flop_convention": convention.name.lower(),
         "backend": backend, "core_attention": cfg.core_attention if backend == "local" else "te",
-        "device": _device_name(), "precision": "bf16" if cuda else "fp32",
+        "device": _device_name(), "precision": choose_precision("auto", cuda),
         "blocks": cfg.blocks, "iters_per_block": max(1, cfg.iters // cfg.blocks),
     }
     if "epas" in methods:  # the EPAS figures under their established keys

@@ -30,10 +30,11 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from epas_megatron.checkpointing.metadata import CheckpointMeta
 from epas_megatron.errors import ConfigError
-from epas_megatron.model.wrapping import unwrap_model
 from epas_megatron.runtime.fs import atomic_write_text
 from epas_megatron.runtime.rng import capture_rng_state, restore_rng_state
+from epas_megatron.runtime.wrapping import unwrap_model
 
 POINTER = "latest_checkpointed_iteration.txt"
 META = "run_meta.json"
@@ -89,15 +90,9 @@ def read_meta(checkpoint_dir: str | os.PathLike, required: Sequence[str] = REQUI
     return meta
 
 
-def exclude_last_of(meta: dict[str, Any]) -> int:
-    """The ``--epas-exclude-last`` a checkpoint was trained with: where every region built from
-    it must end (``num_layers - 1 - exclude_last``). From the saved schedule, else the saved
-    config; 0 for checkpoints written before the option existed (their regions included the
-    last layer) and for imported ones."""
-    schedule = meta.get("epas_schedule") or {}
-    if "exclude_last" in schedule:
-        return int(schedule["exclude_last"])
-    return int((meta.get("config") or {}).get("epas", {}).get("epas_exclude_last", 0))
+def read_checkpoint_meta(checkpoint_dir: str | os.PathLike) -> CheckpointMeta:
+    """:func:`read_meta` as a typed :class:`~epas_megatron.checkpointing.metadata.CheckpointMeta`."""
+    return CheckpointMeta.from_dict(read_meta(checkpoint_dir))
 
 
 def _rank0() -> bool:
@@ -129,7 +124,8 @@ def _use_process_queue() -> None:
     filesystem_async._results_queue = multiprocessing.get_context("fork").Queue()
 
 
-def sharded_state(model_chunks: Sequence[torch.nn.Module], optimizer, scheduler, train_state: dict, *, loading: bool, with_optimizer: bool = True, with_rng: bool = True) -> dict:
+def sharded_state(model_chunks: Sequence[torch.nn.Module], optimizer, scheduler, train_state: dict, *, loading: bool,
+                  with_optimizer: bool = True, with_rng: bool = True) -> dict:
     """The sharded state dict of a whole training state (what save and load exchange)."""
     from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -158,7 +154,7 @@ def sharded_state(model_chunks: Sequence[torch.nn.Module], optimizer, scheduler,
     return state
 
 
-def _grad_scalers(optimizer) -> list:
+def grad_scalers(optimizer) -> list:
     """The fp16 loss scalers of an optimizer (one per chained sub-optimizer; none otherwise)."""
     if optimizer is None:
         return []
@@ -166,20 +162,20 @@ def _grad_scalers(optimizer) -> list:
     return [o.grad_scaler for o in parts if getattr(o, "grad_scaler", None) is not None]
 
 
-def _scaler_states(optimizer) -> list[dict]:
+def scaler_states(optimizer) -> list[dict]:
     """Loss-scaler states as plain numbers (they are saved with the optimizer state, which does
     not exist before the first successful step -- but fp16 skips steps until its scale fits)."""
     states = []
-    for scaler in _grad_scalers(optimizer):
+    for scaler in grad_scalers(optimizer):
         state = scaler.state_dict()
         states.append({k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in state.items()})
     return states
 
 
-def _restore_scaler_states(optimizer, states: list[dict]) -> None:
+def restore_scaler_states(optimizer, states: list[dict]) -> None:
     from epas_megatron.runtime.device import compute_device
 
-    for scaler, state in zip(_grad_scalers(optimizer), states):
+    for scaler, state in zip(grad_scalers(optimizer), states):
         if "scale" in state:
             state = {**state, "scale": torch.tensor([state["scale"]], dtype=torch.float32, device=compute_device())}
         scaler.load_state_dict(state)
@@ -209,8 +205,8 @@ def _begin_save(root: Path, iteration: int) -> Path:
 def _state_to_save(model_chunks, optimizer, scheduler, train_state: dict) -> tuple[dict, bool]:
     """(sharded state, whether it holds optimizer state)."""
     with_optimizer = optimizer_has_state(optimizer)
-    if not with_optimizer and _grad_scalers(optimizer):
-        train_state = {**train_state, "grad_scalers": _scaler_states(optimizer)}
+    if not with_optimizer and grad_scalers(optimizer):
+        train_state = {**train_state, "grad_scalers": scaler_states(optimizer)}
     return sharded_state(model_chunks, optimizer, scheduler, train_state, loading=False, with_optimizer=with_optimizer), with_optimizer
 
 
@@ -344,7 +340,7 @@ def load_checkpoint(
 
     # Before the first optimizer step there is no optimizer state to restore (fresh == saved).
     with_optimizer = (optimizer is not None and not weights_only
-                      and read_meta(checkpoint_dir, required=()).get("has_optimizer_state", True))
+                      and CheckpointMeta.from_dict(read_meta(checkpoint_dir, required=())).has_optimizer_state)
     state = sharded_state(model_chunks, optimizer if with_optimizer else None, scheduler, {}, loading=True,
                           with_optimizer=with_optimizer, with_rng=restore_rng)
     loaded = dist_checkpointing.load(state, str(checkpoint_dir))
@@ -384,7 +380,7 @@ def apply_loaded_state(loaded: dict, model_chunks, optimizer, scheduler, *, with
     else:
         refresh_main_weights(optimizer)
         if optimizer is not None and "grad_scalers" in loaded.get("train_state", {}):
-            _restore_scaler_states(optimizer, loaded["train_state"]["grad_scalers"])
+            restore_scaler_states(optimizer, loaded["train_state"]["grad_scalers"])
     if restore_rng and "rng_state" in loaded:
         restore_rng_state(loaded["rng_state"])
     return loaded.get("train_state", {})

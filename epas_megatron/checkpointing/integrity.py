@@ -18,6 +18,10 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from torch.distributed.checkpoint import FileSystemReader
+
+from epas_megatron.checkpointing.checkpoint import checkpoint_iterations, iteration_dir, read_meta, resolve_checkpoint
+from epas_megatron.checkpointing.metadata import CheckpointMeta
 from epas_megatron.errors import ConfigError
 
 DCP_INDEX = ".metadata"
@@ -26,8 +30,6 @@ DCP_INDEX = ".metadata"
 
 def checkpoint_problem(checkpoint_dir: str | os.PathLike) -> Optional[str]:
     """Why the checkpoint in ``checkpoint_dir`` cannot be loaded, or None if it looks whole."""
-    from epas_megatron.checkpointing.checkpoint import read_meta
-
     directory = Path(checkpoint_dir)
     try:
         read_meta(directory)
@@ -37,8 +39,6 @@ def checkpoint_problem(checkpoint_dir: str | os.PathLike) -> Optional[str]:
     if not index.is_file():
         return f"{index} is missing"
     try:
-        from torch.distributed.checkpoint import FileSystemReader
-
         storage = FileSystemReader(str(directory)).read_metadata().storage_data
     except Exception as error:  # an unreadable index: any exception of the unpickler
         return f"{index} cannot be read ({type(error).__name__}: {error})"
@@ -55,13 +55,11 @@ def checkpoint_problem(checkpoint_dir: str | os.PathLike) -> Optional[str]:
     return None
 
 
-def open_checkpoint(path: str | os.PathLike, flag: str, needs_config: bool = False) -> tuple[Path, dict]:
+def open_checkpoint(path: str | os.PathLike, flag: str, needs_config: bool = False) -> tuple[Path, CheckpointMeta]:
     """(checkpoint directory, its run metadata) for ``path`` -- a checkpoint root (its latest
     checkpoint) or an ``iter_*`` directory -- checked whole; a ``ConfigError`` naming ``flag``
     and the file otherwise. ``needs_config``: the metadata must hold the run config (readers that
     rebuild the run's model and data from it)."""
-    from epas_megatron.checkpointing.checkpoint import read_meta, resolve_checkpoint
-
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{flag} {path}: no such directory")
@@ -73,8 +71,8 @@ def open_checkpoint(path: str | os.PathLike, flag: str, needs_config: bool = Fal
     problem = checkpoint_problem(checkpoint)
     if problem is not None:
         raise ConfigError(f"{flag} {path}: checkpoint {checkpoint.name} is damaged: {problem}")
-    meta = read_meta(checkpoint)
-    if needs_config and "config" not in meta:
+    meta = CheckpointMeta.from_dict(read_meta(checkpoint))
+    if needs_config and meta.config is None:
         raise ConfigError(f"{flag} {path}: checkpoint metadata has no run config (written by an older version)")
     return checkpoint, meta
 
@@ -82,8 +80,6 @@ def open_checkpoint(path: str | os.PathLike, flag: str, needs_config: bool = Fal
 def newest_sound_checkpoint(root: str | os.PathLike, at_most: int) -> tuple[Optional[Path], list[str]]:
     """The newest checkpoint under ``root`` at an iteration ``<= at_most`` that is whole, and a
     line per newer one skipped (which, and why)."""
-    from epas_megatron.checkpointing.checkpoint import checkpoint_iterations, iteration_dir
-
     skipped = []
     for iteration in reversed(checkpoint_iterations(root)):
         if iteration > at_most:

@@ -13,17 +13,19 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from epas_megatron.checkpointing.metadata import CheckpointMeta, model_record
 from epas_megatron.config.cli import flag_name, to_dict
 from epas_megatron.config.presets import default_ffn_hidden_size
 from epas_megatron.config.schema import RunConfig
 from epas_megatron.errors import ConfigError
 from epas_megatron.model.build_plan import normalise_vpp
+from epas_megatron.model.fusions import choose_precision, transformer_engine_importable
+from epas_megatron.sharing.regions import RegionSpec
 from epas_megatron.sharing.schedule import SharingSchedule
 
 if TYPE_CHECKING:
-    from epas_megatron.random_ltd.schedule import RandomLTDSchedule
-    from epas_megatron.evaluation.regions import RegionSpec
     from epas_megatron.parallel.layout import StageLayout
+    from epas_megatron.random_ltd.schedule import RandomLTDSchedule
 
 _CHOICES = {
     "transformer_impl": ("auto", "local", "transformer_engine"),
@@ -84,7 +86,7 @@ class ResolvedRun:
     load_dir: Optional[Path]
     """The checkpoint to resume from (None: start fresh)."""
 
-    load_meta: Optional[dict]
+    load_meta: Optional[CheckpointMeta]
     """That checkpoint's run metadata."""
 
     pretrained_dir: Optional[Path] = None
@@ -93,7 +95,7 @@ class ResolvedRun:
     warnings: tuple[str, ...] = ()
     """Things to print at start."""
 
-    eval_regions: Optional["RegionSpec"] = None
+    eval_regions: Optional[RegionSpec] = None
     """--eval-regions parsed (None: validate the region in training only)."""
 
     random_ltd: Optional["RandomLTDSchedule"] = None
@@ -135,20 +137,6 @@ def _check_data(cfg: RunConfig) -> None:
                 raise ConfigError(f"--data {prefix}: {path} does not exist (make it with tools/preprocess_data.py)")
             if path.stat().st_size == 0:
                 raise ConfigError(f"--data {prefix}: {path} is empty")
-
-
-def model_shape_of(cfg: RunConfig) -> dict:
-    """The model fields a checkpoint records and a resume must match."""
-    m = cfg.model
-    return {
-        "num_layers": m.num_layers,
-        "hidden_size": m.hidden_size,
-        "num_attention_heads": m.num_attention_heads,
-        "num_query_groups": m.num_query_groups,
-        "ffn_hidden_size": m.ffn_hidden_size,
-        "vocab_size": m.vocab_size,
-        "untie_embeddings_and_output_weights": m.untie_embeddings_and_output_weights,
-    }
 
 
 def model_shape_differences(saved: dict, current: dict) -> list[str]:
@@ -230,18 +218,21 @@ def _resolve_parallel(p, m, world_size: int) -> tuple[int, Optional[int], Option
     if p.vpp is not None:
         _positive(p.vpp, "--vpp")
     if world_size % (p.tp * p.pp):
-        raise ConfigError(f"--tp {p.tp} x --pp {p.pp} = {p.tp * p.pp} does not divide the {world_size} processes; change --tp/--pp or the number of processes")
+        raise ConfigError(f"--tp {p.tp} x --pp {p.pp} = {p.tp * p.pp} does not divide the {world_size} processes; "
+                          "change --tp/--pp or the number of processes")
     if m.num_attention_heads % p.tp:
         raise ConfigError(f"--num-attention-heads {m.num_attention_heads} is not divisible by --tp {p.tp}")
     if m.num_query_groups % p.tp:
-        raise ConfigError(f"--num-query-groups {m.num_query_groups} is not divisible by --tp {p.tp}; every TP rank must hold whole KV groups")
+        raise ConfigError(f"--num-query-groups {m.num_query_groups} is not divisible by --tp {p.tp}; "
+                          "every TP rank must hold whole KV groups")
     layout = None
     vpp = p.vpp if p.vpp and p.vpp > 1 else 1
     if vpp > 1 and p.pp < 2:
         raise ConfigError("--vpp needs --pp >= 2 (interleaving splits each pipeline rank's layers)")
     if p.pipeline_layout is None:
         if m.num_layers % (p.pp * vpp):
-            raise ConfigError(f"--num-layers {m.num_layers} cannot be split evenly over --pp {p.pp} x --vpp {vpp} = {p.pp * vpp} stages; change --pp/--vpp or give --pipeline-layout")
+            raise ConfigError(f"--num-layers {m.num_layers} cannot be split evenly over --pp {p.pp} x --vpp {vpp} = {p.pp * vpp} stages; "
+                              "change --pp/--vpp or give --pipeline-layout")
     else:
         layout = _check_layout(p.pipeline_layout, m.num_layers, p.pp, p.vpp)
     if p.sequence_parallel and p.tp < 2:
@@ -258,9 +249,10 @@ def _resolve_devices(cfg: RunConfig, cuda: bool) -> tuple[str, str, bool]:
     if backend == "transformer_engine" and not cuda:
         raise ConfigError("--transformer-impl transformer_engine needs a GPU; use --transformer-impl local on CPU")
     if backend == "transformer_engine" and not _have_te():
-        raise ConfigError("--transformer-impl transformer_engine: Transformer Engine is not installed (pip install -r requirements-gpu.txt); use --transformer-impl local")
+        raise ConfigError("--transformer-impl transformer_engine: Transformer Engine is not installed "
+                          "(pip install -r requirements-gpu.txt); use --transformer-impl local")
     use_dist_opt = cuda if p.use_distributed_optimizer is None else p.use_distributed_optimizer
-    precision = ("bf16" if cuda else "fp32") if t.precision == "auto" else t.precision
+    precision = choose_precision(t.precision, cuda)
     if precision != "fp16" and t.loss_scale is not None:
         raise ConfigError(f"--loss-scale applies to --precision fp16 only (this run: {precision})")
     if t.loss_scale is not None and t.loss_scale <= 0:
@@ -281,7 +273,8 @@ def _resolve_training(cfg: RunConfig, m, dp: int):
         _positive(getattr(section, name), flag_name(name))
     gbs = t.global_batch_size if t.global_batch_size is not None else t.micro_batch_size * dp
     if gbs % (t.micro_batch_size * dp):
-        raise ConfigError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size {t.micro_batch_size} x data-parallel size {dp} = {t.micro_batch_size * dp}")
+        raise ConfigError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size {t.micro_batch_size} "
+                          f"x data-parallel size {dp} = {t.micro_batch_size * dp}")
     max_pos = m.max_position_embeddings if m.max_position_embeddings is not None else t.seq_length
     if t.seq_length > max_pos:
         raise ConfigError(f"--seq-length {t.seq_length} exceeds the model's maximum --max-position-embeddings {max_pos}")
@@ -342,9 +335,8 @@ def _resolve_random_ltd(cfg: RunConfig, m, t, warnings: list, cuda: bool) -> Opt
     )
 
 
-def _resolve_eval_regions(t, schedule: SharingSchedule) -> Optional["RegionSpec"]:
+def _resolve_eval_regions(t, schedule: SharingSchedule) -> Optional[RegionSpec]:
     """--eval-regions parsed and checked against the model (sizes it can have at all)."""
-    from epas_megatron.evaluation.regions import RegionSpec
 
     if t.eval_regions is None:
         if t.eval_untrained_regions:
@@ -385,8 +377,8 @@ def _resolve_sources(cfg: RunConfig, use_dist_opt: bool) -> dict:
         load_dir, load_meta, notices = _resolve_load(Path(cfg.checkpoint.load), ckpt_root, cfg.checkpoint.load_fallback)
         if load_meta is not None:
             _check_same_model(load_meta, cfg, f"--load {cfg.checkpoint.load}")
-            saved_dist = load_meta.get("parallel", {}).get("use_distributed_optimizer")
-            if load_meta.get("has_optimizer_state", True) and saved_dist is not None and saved_dist != use_dist_opt:
+            saved_dist = load_meta.parallel.use_distributed_optimizer if load_meta.parallel is not None else None
+            if load_meta.has_optimizer_state and saved_dist is not None and saved_dist != use_dist_opt:
                 flag = "--use-distributed-optimizer" if saved_dist else "--no-use-distributed-optimizer"
                 raise ConfigError(
                     f"--load {cfg.checkpoint.load}: its optimizer state was saved {'with' if saved_dist else 'without'} the distributed "
@@ -398,17 +390,18 @@ def _resolve_sources(cfg: RunConfig, use_dist_opt: bool) -> dict:
         pretrained_dir, pretrained_meta = open_checkpoint(cfg.checkpoint.pretrained, "--pretrained")
         _check_same_model(pretrained_meta, cfg, f"--pretrained {cfg.checkpoint.pretrained}")
     if not cfg.checkpoint.load and (out / "config.yaml").exists():
-        raise ConfigError(f"--output-dir {out} already holds a run (config.yaml); resume it with --load {ckpt_root} or choose another --output-dir")
+        raise ConfigError(f"--output-dir {out} already holds a run (config.yaml); "
+                          f"resume it with --load {ckpt_root} or choose another --output-dir")
     _positive(cfg.checkpoint.keep_last, "--keep-last", minimum=0)
     return dict(checkpoint_root=ckpt_root, load_dir=load_dir, load_meta=load_meta, pretrained_dir=pretrained_dir,
                 notices=tuple(notices))
 
 
-def _resolve_load(load_path: Path, ckpt_root: Path, fallback: bool) -> tuple[Optional[Path], Optional[dict], list[str]]:
+def _resolve_load(load_path: Path, ckpt_root: Path, fallback: bool) -> tuple[Optional[Path], Optional[CheckpointMeta], list[str]]:
     """(checkpoint to resume, its metadata, notices) for ``--load``: None, None for a first start
     in the run's own checkpoint directory; a whole checkpoint otherwise, or the newest whole one
     before a damaged one with ``--load-fallback``."""
-    from epas_megatron.checkpointing.checkpoint import read_meta, resolve_checkpoint
+    from epas_megatron.checkpointing.checkpoint import read_checkpoint_meta, resolve_checkpoint
     from epas_megatron.checkpointing.integrity import checkpoint_problem, newest_sound_checkpoint
 
     own_root = load_path.resolve() == ckpt_root.resolve()
@@ -422,7 +415,7 @@ def _resolve_load(load_path: Path, ckpt_root: Path, fallback: bool) -> tuple[Opt
         raise ConfigError(f"--load {load_path}: {what}")
     problem = checkpoint_problem(checkpoint)
     if problem is None:
-        return checkpoint, read_meta(checkpoint), []
+        return checkpoint, read_checkpoint_meta(checkpoint), []
     if not fallback:
         raise ConfigError(f"--load {load_path}: checkpoint {checkpoint.name} is damaged: {problem}; "
                           "--load-fallback resumes from the newest older checkpoint that is whole")
@@ -433,14 +426,14 @@ def _resolve_load(load_path: Path, ckpt_root: Path, fallback: bool) -> tuple[Opt
     if found is None:
         raise ConfigError(f"--load {load_path}: no checkpoint in {root} is whole ({'; '.join(skipped)})")
     notices.append(f"--load-fallback: resuming from {found} instead")
-    return found, read_meta(found), notices
+    return found, read_checkpoint_meta(found), notices
 
 
-def _check_same_model(meta: dict, cfg: RunConfig, source: str) -> None:
-    diffs = model_shape_differences(meta.get("model", {}), model_shape_of(cfg))
+def _check_same_model(meta: CheckpointMeta, cfg: RunConfig, source: str) -> None:
+    diffs = model_shape_differences(meta.model, model_record(cfg.model))
     vocab = [d for d in diffs if d.startswith("--vocab-size")]
     if vocab and len(diffs) == 1:
-        saved = meta["model"]["vocab_size"]
+        saved = meta.model["vocab_size"]
         raise ConfigError(f"{source}: the checkpoint's vocabulary is {saved}, this run's is {cfg.model.vocab_size}; "
                           "pass the --tokenizer-model (or --vocab-size) it was trained with")
     if diffs:
@@ -448,8 +441,6 @@ def _check_same_model(meta: dict, cfg: RunConfig, source: str) -> None:
 
 
 def _have_te() -> bool:
-    from epas_megatron.model.fusions import transformer_engine_importable
-
     return transformer_engine_importable()
 
 

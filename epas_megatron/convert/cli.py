@@ -61,13 +61,13 @@ def hf_import(hf_dir: Path, output: Path) -> Path:
     import torch
     from transformers import AutoConfig, LlamaForCausalLM
 
+    from epas_megatron.assembly import checkpoint_meta_for_import
     from epas_megatron.checkpointing.checkpoint import save_checkpoint
-    from epas_megatron.config.cli import to_dict
     from epas_megatron.config.schema import RunConfig
-    from epas_megatron.config.validation import model_shape_of
     from epas_megatron.convert.hf_llama import hf_to_megatron
+    from epas_megatron.model.architecture import architecture_from_config
     from epas_megatron.model.build_plan import BuildPlan
-    from epas_megatron.model.builder import architecture_from_config, build_model
+    from epas_megatron.model.builder import build_model
     from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
 
     model_cfg = _model_config_from_hf(AutoConfig.from_pretrained(hf_dir))
@@ -83,14 +83,8 @@ def hf_import(hf_dir: Path, output: Path) -> Path:
         output.mkdir(parents=True, exist_ok=True)
         if tokenizer.is_file():
             shutil.copy(tokenizer, output / "tokenizer.model")
-        meta = {
-            "model": model_shape_of(cfg),
-            "config": to_dict(cfg),
-            "sharing_layers": [],
-            "tokenizer_model": str(output / "tokenizer.model") if tokenizer.is_file() else None,
-            "imported_from": str(hf_dir),
-        }
-        return save_checkpoint(output, 0, [model], None, None, {"iteration": 0}, meta)
+        meta = checkpoint_meta_for_import(cfg, str(output / "tokenizer.model") if tokenizer.is_file() else None, str(hf_dir))
+        return save_checkpoint(output, 0, [model], None, None, {"iteration": 0}, meta.to_dict())
     finally:
         destroy_distributed()
 
@@ -99,22 +93,19 @@ def hf_export(load: Path, output: Path) -> Path:
     """Checkpoint (any sharing region) -> Hugging Face LlamaForCausalLM directory."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from epas_megatron.checkpointing.checkpoint import exclude_last_of, load_checkpoint
+    from epas_megatron.assembly import plan_for_checkpoint
+    from epas_megatron.checkpointing.checkpoint import load_checkpoint
     from epas_megatron.checkpointing.integrity import open_checkpoint
-    from epas_megatron.config.cli import from_dict
     from epas_megatron.convert.hf_llama import hf_config_kwargs, megatron_to_hf, strip_extra_state
-    from epas_megatron.model.build_plan import BuildPlan
-    from epas_megatron.model.builder import architecture_from_config, build_model
+    from epas_megatron.model.builder import build_model
     from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
 
     checkpoint, meta = open_checkpoint(load, "--load", needs_config=True)
-    cfg = from_dict(meta["config"])
-    m = cfg.model
+    m = meta.run_config().model
     init_distributed(1, 1, None, seed=0)
     try:
-        arch = architecture_from_config(m)
-        plan = BuildPlan.for_region(arch, tuple(meta.get("sharing_layers", [])), share=meta.get("epas_share", "qk"),
-                                    exclude_last=exclude_last_of(meta))
+        # fp32 local layers at the trained region (the export keeps every layer's own Q/K).
+        plan = plan_for_checkpoint(meta, precision="fp32", backend="local")
         model = build_model(plan).chunks[0]
         load_checkpoint(checkpoint, [model], restore_rng=False)
         hf_state = megatron_to_hf(strip_extra_state(model.state_dict()), _shape(m))
@@ -127,14 +118,14 @@ def hf_export(load: Path, output: Path) -> Path:
     hf.load_state_dict(hf_state, strict=not config.tie_word_embeddings)
     output.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(output, safe_serialization=True)
-    tokenizer = meta.get("tokenizer_model")
+    tokenizer = meta.tokenizer_model
     if tokenizer and Path(tokenizer).is_file():
         shutil.copy(tokenizer, output / "tokenizer.model")
     return output
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from epas_megatron.runtime.quiet import quiet_library_noise
+    from epas_megatron.compat.quiet import quiet_library_noise
 
     quiet_library_noise()
     parser = argparse.ArgumentParser(prog="epas-convert", description=__doc__.split("\n\n")[0])

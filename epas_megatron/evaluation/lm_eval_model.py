@@ -39,9 +39,16 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from torch import distributed as dist
 
+from epas_megatron.assembly import checkpoint_regions
+from epas_megatron.checkpointing.integrity import open_checkpoint
 from epas_megatron.errors import ConfigError
+from epas_megatron.inference.generator import Generator
 from epas_megatron.inference.sampling import SamplingParams
+from epas_megatron.runtime.device import to_compute_device
+from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
+from epas_megatron.sharing.schedule import LayerMode
 
 DEFAULT_BATCH_SIZE = 8
 """Sequences per forward (loglikelihood) or per generation batch."""
@@ -64,8 +71,6 @@ class EpasLM(LM):
         if generator is None:
             if load is None:
                 raise ConfigError("the epas model needs load=CHECKPOINT (e.g. --model_args load=runs/x/checkpoints,region=2)")
-            from epas_megatron.inference.generator import Generator
-
             generator = Generator.from_checkpoint(load, region=region, allow_untrained_region=allow_untrained_region,
                                                   precision=precision)
         self.generator = generator
@@ -90,8 +95,6 @@ class EpasLM(LM):
     @property
     def sharing_layers(self) -> list[int]:
         """The layers that run in sharing mode, as built (the checkpoint decides where regions end)."""
-        from epas_megatron.sharing.schedule import LayerMode
-
         return [index for index, mode in enumerate(self.generator.engine.modes) if mode == LayerMode.SHARE]
 
     def get_model_info(self) -> dict:
@@ -188,8 +191,6 @@ class EpasLM(LM):
 
         Longest first (lm_eval's order: the first batch shows at once whether memory suffices),
         ``batch_size`` right-padded rows per forward, results in the order given."""
-        from epas_megatron.runtime.device import to_compute_device
-
         model = self.generator.engine.model
         inputs, results = [], [None] * len(pairs)
         for context_ids, continuation_ids in pairs:
@@ -259,18 +260,10 @@ def run_lm_eval(load: str | Path, regions: str | Sequence[int | str], tasks: str
     "regions": [{"region", "sharing_layers", "results", "n_samples", "n_shot", "versions"}]}``,
     where ``results`` is lm_eval's ``{task: {"acc,none": ..., "acc_stderr,none": ...}}``."""
     import lm_eval
-    from torch import distributed as dist
-
-    from epas_megatron.checkpointing.checkpoint import exclude_last_of
-    from epas_megatron.checkpointing.integrity import open_checkpoint
-    from epas_megatron.evaluate import parse_regions
-    from epas_megatron.inference.generator import Generator
-    from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
 
     checkpoint, meta = open_checkpoint(load, "--load")
-    trained, num_layers = len(meta.get("sharing_layers", [])), meta["model"]["num_layers"]
     text = regions if isinstance(regions, str) else ",".join(str(r) for r in regions)
-    region_list = parse_regions(text, trained, num_layers, allow_untrained, exclude_last=exclude_last_of(meta))
+    region_list = checkpoint_regions(meta, text, allow_untrained)
     names = [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) else list(tasks)
     if task_manager is None:
         task_manager = task_manager_for(names, include_path)
@@ -293,7 +286,7 @@ def run_lm_eval(load: str | Path, regions: str | Sequence[int | str], tasks: str
     finally:
         if started:
             destroy_distributed()
-    return {"checkpoint": str(checkpoint), "iteration": meta.get("iteration"), "trained_region": trained,
+    return {"checkpoint": str(checkpoint), "iteration": meta.iteration, "trained_region": meta.trained_region,
             "tasks": names, "limit": limit, "num_fewshot": num_fewshot, "regions": per_region}
 
 

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import torch
 
 from epas_megatron.model.build_plan import BuildPlan
-from epas_megatron.model.wrapping import unwrap_model
+from epas_megatron.runtime.wrapping import unwrap_model
 
 
 @torch.no_grad()

@@ -24,11 +24,18 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from torch import distributed as dist
 
+from epas_megatron.assembly import checkpoint_regions, plan_for_checkpoint
+from epas_megatron.checkpointing.checkpoint import load_checkpoint
+from epas_megatron.checkpointing.integrity import open_checkpoint
+from epas_megatron.data.tokenizer import load_tokenizer
 from epas_megatron.errors import ConfigError
 from epas_megatron.inference.decode_step import StaticDecodeStep, resolve_decode_step
 from epas_megatron.inference.engine import DecodeEngine
 from epas_megatron.inference.sampling import SamplingParams, next_tokens
+from epas_megatron.model.builder import build_model
+from epas_megatron.runtime.distributed import init_distributed
 
 PREFILL_CHUNK = 256
 """Prompt positions per prefill forward (bounds the ``[b, g, q·n, T]`` probabilities' memory)."""
@@ -83,27 +90,10 @@ class Generator:
         block ends where the checkpoint's regions end, see ``--epas-exclude-last``) and load
         ``load`` (a checkpoint root or an ``iter_*`` directory) into it. Starts a world of one
         process if none is running."""
-        from torch import distributed as dist
-
-        from epas_megatron.checkpointing.checkpoint import exclude_last_of, load_checkpoint
-        from epas_megatron.checkpointing.integrity import open_checkpoint
-        from epas_megatron.config.cli import from_dict
-        from epas_megatron.data.tokenizer import load_tokenizer
-        from epas_megatron.evaluate import parse_regions, precision_and_backend
-        from epas_megatron.model.build_plan import BuildPlan
-        from epas_megatron.model.builder import architecture_from_config, build_model
-        from epas_megatron.runtime.distributed import init_distributed
-        from epas_megatron.sharing.schedule import region_layers
-
         checkpoint, meta = open_checkpoint(load, "--load", needs_config=True)
-        cfg = from_dict(meta["config"])
-        arch = architecture_from_config(cfg.model)
-        trained = len(meta.get("sharing_layers", []))
-        exclude_last = exclude_last_of(meta)  # every region of this checkpoint ends there
         text = "max" if region is None else str(region)
-        (region,) = parse_regions(text, trained, arch.num_layers, allow_untrained_region, flag="--region",
-                                  exclude_last=exclude_last)
-        tokenizer_path = tokenizer_model or meta.get("tokenizer_model")
+        (region,) = checkpoint_regions(meta, text, allow_untrained_region, flag="--region")
+        tokenizer_path = tokenizer_model or meta.tokenizer_model
         if tokenizer_path is None or not Path(tokenizer_path).is_file():
             raise ConfigError(f"the checkpoint's tokenizer {tokenizer_path!r} is not there; pass --tokenizer-model")
         tokenizer = load_tokenizer(tokenizer_path)
@@ -112,15 +102,11 @@ class Generator:
             raise ConfigError("epas-generate runs in one process (TP = PP = 1); do not start it with torchrun")
         if not dist.is_initialized():
             init_distributed(1, 1, None, seed=0)
-        precision, _ = precision_and_backend(precision, "local")
-        sharing = region_layers(arch.num_layers, region, flag="--region", exclude_last=exclude_last)
-        plan = BuildPlan.for_region(arch, sharing, seq_length=cfg.training.seq_length, share=meta.get("epas_share", "qk"),
-                                    precision=precision, backend="local", core_attention=cfg.model.core_attention,
-                                    exclude_last=exclude_last)
+        plan = plan_for_checkpoint(meta, region, flag="--region", precision=precision, backend="local")
         chunks = build_model(plan, seed=0).chunks
         load_checkpoint(checkpoint, chunks, restore_rng=False)
         generator = cls(chunks[0], tokenizer, decode_attention, region_kernel, decode_step)
-        generator.checkpoint, generator.trained_region = checkpoint, trained
+        generator.checkpoint, generator.trained_region = checkpoint, meta.trained_region
         return generator
 
     def encode(self, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
@@ -202,7 +188,7 @@ class Generator:
 
 def _share_of(model) -> str:
     from epas_megatron.model.attention import SharedAttention
-    from epas_megatron.model.wrapping import unwrap_model
+    from epas_megatron.runtime.wrapping import unwrap_model
 
     for layer in unwrap_model(model).decoder.layers:
         if isinstance(layer.self_attention, SharedAttention):

@@ -168,6 +168,13 @@ class ModelShape:
                 f"--num-query-groups {self.num_query_groups}"
             )
 
+    @classmethod
+    def of(cls, arch, seq_length: int) -> "ModelShape":
+        """The shape of a :class:`~epas_megatron.model.architecture.LlamaArchitecture` at ``seq_length``."""
+        return cls(num_layers=arch.num_layers, hidden_size=arch.hidden_size, num_attention_heads=arch.num_attention_heads,
+                   num_query_groups=arch.num_query_groups, ffn_hidden_size=arch.ffn_hidden_size, vocab_size=arch.vocab_size,
+                   seq_length=seq_length)
+
     @property
     def head_dim(self) -> int:
         """``d = h / n``."""

@@ -23,15 +23,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
+from epas_megatron.model.architecture import LlamaArchitecture
+from epas_megatron.model.fusions import PRECISIONS
 from epas_megatron.sharing.schedule import LayerMode, layer_modes, region_layers
 
-if TYPE_CHECKING:
-    from epas_megatron.model.builder import LlamaArchitecture
+if TYPE_CHECKING:  # (parallel sits above model; the layout is only carried here)
     from epas_megatron.parallel.layout import StageLayout
-
-PRECISIONS = ("fp32", "bf16", "fp16")
-"""Training precisions ('auto' is resolved before a plan is made)."""
-
 
 def normalise_vpp(vpp: Optional[int], layout: Optional["StageLayout"] = None) -> Optional[int]:
     """Chunks per pipeline rank, or None without interleaving. A layout decides (its virtual
@@ -74,7 +71,7 @@ class RandomLTDSettings:
 class BuildPlan:
     """What to build for one sharing region: architecture, roles, parallel shape, kernels."""
 
-    arch: "LlamaArchitecture"
+    arch: LlamaArchitecture
     """The decoder's shape (vocabulary already padded)."""
 
     modes: tuple[LayerMode, ...]
@@ -153,7 +150,7 @@ class BuildPlan:
     @classmethod
     def for_region(
         cls,
-        arch: "LlamaArchitecture",
+        arch: LlamaArchitecture,
         sharing_layers: Sequence[int] = (),
         *,
         seq_length: Optional[int] = None,

@@ -20,106 +20,26 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
+from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
-from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from epas_megatron.model.build_plan import BuildPlan
 from epas_megatron.model.fusions import KernelAvailability, fusion_settings, output_layer_gradient_accumulation_fusion
 from epas_megatron.model.gpt import EpasGPTModel
 from epas_megatron.model.init import initialize_model
-from epas_megatron.model.build_plan import BuildPlan
 from epas_megatron.model.specs import decoder_layer_specs, get_backend
 from epas_megatron.runtime.device import compute_device
 from epas_megatron.sharing import handoff as qk_handoff
 from epas_megatron.sharing.schedule import LayerMode
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""Training precisions and their parameter dtypes (keys: :data:`build_plan.PRECISIONS`)."""
-
-
-@dataclass(frozen=True)
-class LlamaArchitecture:
-    """What the builder needs to know about the architecture."""
-
-    num_layers: int
-    """Decoder layers."""
-
-    hidden_size: int
-    """Hidden size."""
-
-    num_attention_heads: int
-    """Query heads."""
-
-    num_query_groups: int
-    """Key/value heads."""
-
-    ffn_hidden_size: int
-    """SwiGLU inner size."""
-
-    vocab_size: int
-    """Vocabulary (the embedding is padded by Megatron to a multiple of TP if needed)."""
-
-    max_sequence_length: int
-    """Longest sequence."""
-
-    rotary_base: int = 10000
-    """RoPE base."""
-
-    norm_epsilon: float = 1e-5
-    """RMSNorm epsilon."""
-
-    init_method_std: float = 0.02
-    """Init std."""
-
-    tie_embeddings: bool = False
-    """Share the input embedding with the LM head."""
-
-    def flops_shape(self, seq_length: int):
-        """The :class:`epas_megatron.metrics.flops.ModelShape` at ``seq_length``."""
-        from epas_megatron.metrics.flops import ModelShape
-
-        return ModelShape(
-            num_layers=self.num_layers,
-            hidden_size=self.hidden_size,
-            num_attention_heads=self.num_attention_heads,
-            num_query_groups=self.num_query_groups,
-            ffn_hidden_size=self.ffn_hidden_size,
-            vocab_size=self.vocab_size,
-            seq_length=seq_length,
-        )
-
-
-VOCAB_PAD_MULTIPLE = 128
-
-
-def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
-    """Vocabulary padded to a multiple of 128 (not of 128 x TP as Megatron-LM does), so the
-    model's shape -- and its checkpoints and initialisation -- do not depend on TP; any TP that
-    divides 128 divides it."""
-    return -(-vocab_size // multiple) * multiple
-
-
-def architecture_from_config(model_cfg) -> LlamaArchitecture:
-    """The architecture of a resolved ``ModelConfig`` (vocabulary padded, see above)."""
-    m = model_cfg
-    return LlamaArchitecture(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.num_query_groups,
-        ffn_hidden_size=m.ffn_hidden_size,
-        vocab_size=padded_vocab_size(m.vocab_size),
-        max_sequence_length=m.max_position_embeddings,
-        rotary_base=m.rotary_base,
-        norm_epsilon=m.norm_epsilon,
-        init_method_std=m.init_method_std,
-        tie_embeddings=not m.untie_embeddings_and_output_weights,
-    )
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The parameter dtype of each precision (:data:`epas_megatron.model.fusions.PRECISIONS`)."""
 
 
 def make_transformer_config(plan: BuildPlan, kernels: Optional[KernelAvailability] = None,
@@ -132,7 +52,7 @@ def make_transformer_config(plan: BuildPlan, kernels: Optional[KernelAvailabilit
     weights are allocated but not drawn (Megatron's ``perform_initialization``), for builds whose
     weights are loaded next."""
     kernels = KernelAvailability.detect() if kernels is None else kernels
-    arch, dtype = plan.arch, PRECISIONS[plan.precision]
+    arch, dtype = plan.arch, PRECISION_DTYPES[plan.precision]
     kwargs = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,

@@ -70,6 +70,30 @@ def transformer_engine_importable() -> bool:
     return True
 
 
+PRECISIONS = ("fp32", "bf16", "fp16")
+"""Training / inference precisions (the parameters' dtype); 'auto' is resolved by
+:func:`choose_precision` before a plan is made."""
+
+
+def choose_precision(requested: str, cuda: bool) -> str:
+    """The precision to run: ``requested``, with 'auto' meaning bf16 on a GPU and fp32 on CPU
+    (bf16 matmuls on CPU are slow and gain nothing there)."""
+    if requested == "auto":
+        return "bf16" if cuda else "fp32"
+    if requested not in PRECISIONS:
+        raise ValueError(f"precision must be 'auto' or one of {PRECISIONS}, got {requested!r}")
+    return requested
+
+
+def choose_backend(transformer_impl: str, cuda: bool) -> str:
+    """The layer backend to load a trained model into on this machine: Transformer Engine where
+    the run used it (or left it to 'auto') and it is available here, local layers otherwise --
+    checkpoints load into either. (Training refuses an unavailable TE instead:
+    :func:`epas_megatron.config.validation.resolve_run`.)"""
+    use_te = cuda and transformer_impl != "local" and transformer_engine_importable()
+    return "transformer_engine" if use_te else "local"
+
+
 def triton_compiler_problem(environ: Mapping[str, str] = os.environ, which: Callable[[str], Optional[str]] = shutil.which) -> Optional[str]:
     """None if Triton finds a C compiler for its launcher here, else why not: Triton 3.x takes
     ``$CC`` as given, else ``gcc``, else ``clang`` from ``PATH`` (``_find_compiler``; not ``cc``)."""

@@ -1,4 +1,5 @@
-"""Which sharing regions to evaluate: ``--eval-regions`` (during training) as a pure function.
+"""Which sharing regions to run a model at: the region grammar of ``--eval-regions`` (during
+training), ``epas-eval --regions`` and ``epas-generate --region``, as pure functions.
 
 One EPAS-trained model serves every region length from 0 (all layers compute their own Q/K) to
 the region it has been trained with. While a run trains, the quality/compute trade-off is seen
@@ -69,3 +70,25 @@ class RegionSpec:
             else:
                 chosen.add(size)
         return sorted(chosen), sorted(skipped)
+
+
+def parse_regions(text: str, trained: int, num_layers: int, allow_untrained: bool, flag: str = "--regions",
+                  exclude_last: int = 0) -> list[int]:
+    """Region sizes to run a trained model at: '0,half,2,max' -> [0, trained // 2, 2, trained],
+    in the order given; a ``ConfigError`` naming ``flag`` for bad or impossible values (the
+    grammar of :class:`RegionSpec`), and for regions larger than the ``trained`` one unless
+    ``allow_untrained``.
+
+    ``exclude_last`` is the checkpoint's ``--epas-exclude-last``
+    (:attr:`~epas_megatron.checkpointing.metadata.CheckpointMeta.exclude_last`): its regions end
+    that many layers before the last, so at most ``num_layers - 1 - exclude_last`` layers can share."""
+    spec = RegionSpec.parse(text, flag)
+    spec.check_limit(num_layers - 1 - exclude_last, flag, exclude_last)
+    regions = spec.sizes(trained)
+    for r in regions:
+        if r > trained and not allow_untrained:
+            raise ConfigError(
+                f"{flag}: {r} is larger than the region this checkpoint was trained with ({trained} layers); "
+                "layers beyond it never trained in sharing mode (pass --allow-untrained-regions to measure that anyway)"
+            )
+    return regions

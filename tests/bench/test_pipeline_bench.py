@@ -13,9 +13,9 @@ pytestmark = pytest.mark.distributed
 
 def test_pipeline_bench_reports_all_variants():
     from epas_megatron.config.presets import get_preset
-    from epas_megatron.metrics.flops import Convention, flop_limit_ratio
-    from epas_megatron.model.builder import LlamaArchitecture
-    from epas_megatron.parallel.stage_plan import flops_layer_costs
+    from epas_megatron.metrics.flops import Convention, ModelShape, flop_limit_ratio
+    from epas_megatron.model.architecture import LlamaArchitecture
+    from epas_megatron.parallel.stage_layouts import flops_layer_costs
 
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                            "-m", "epas_megatron.bench.cli", "pipeline", "--preset", "tiny", "--region", "2", "--iters", "2",
@@ -41,5 +41,5 @@ def test_pipeline_bench_reports_all_variants():
         per_rank = 32 // pp * costs.compute_layer
         assert row["gain_even_split"] == pytest.approx((per_rank + costs.output_layer) / (per_rank + 2 * costs.handoff_p2p))
         assert row["gain_even_split"] <= row["gain_rebalanced"] + 1e-12
-        assert row["ideal"] == pytest.approx(flop_limit_ratio(arch.flops_shape(2048), 16, "qk", Convention.MEGATRON))
+        assert row["ideal"] == pytest.approx(flop_limit_ratio(ModelShape.of(arch, 2048), 16, "qk", Convention.MEGATRON))
     assert "| PP | EPAS gain, even split |" in proc.stdout

@@ -68,8 +68,11 @@ def test_train_bench_reports_ratio_and_flop_limit():
     kept_sharing = (sharing - attention) // 2 + attention // 4       # 41984
     kept_source = kept_layer + qkv // 2                              # 56320
     assert record["random_ltd_kept_tokens"] == 32
-    assert record["methods"]["random-ltd"]["flop_limit_ratio"] == pytest.approx((4 * layer + head) / (2 * layer + 2 * kept_layer + head), rel=1e-12)
-    assert record["methods"]["both"]["flop_limit_ratio"] == pytest.approx((4 * layer + head) / (layer + kept_source + kept_sharing + sharing + head), rel=1e-12)
+    assert record["methods"]["random-ltd"]["flop_limit_ratio"] == pytest.approx((4 * layer + head) / (2 * layer + 2 * kept_layer + head),
+                                                                                 rel=1e-12)
+    assert record["methods"]["both"]["flop_limit_ratio"] == pytest.approx((4 * layer + head)
+                                                                           / (layer + kept_source + kept_sharing + sharing + head),
+                                                                           rel=1e-12)
     assert record["core_attention"] == "sdpa" and record["flop_convention"] == "megatron"
 
 
@@ -79,7 +82,8 @@ def test_bench_rejects_a_region_without_source():
     assert proc.returncode == 2 and "--region" in proc.stderr
 
 
-@pytest.mark.parametrize("argv, flag", [(["--method", "epas,ltd"], "--method"), (["--method", "all", "--kept-tokens", "0"], "--kept-tokens")])
+@pytest.mark.parametrize("argv, flag", [(["--method", "epas,ltd"], "--method"),
+                                        (["--method", "all", "--kept-tokens", "0"], "--kept-tokens")])
 def test_bench_rejects_bad_methods(argv, flag):
     proc = subprocess.run([sys.executable, "-m", "epas_megatron.bench.cli", "train", "--preset", "tiny", *argv],
                           cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from epas_testing import build
 from epas_megatron.checkpointing import checkpoint as ckpt
-from epas_megatron.model.builder import LlamaArchitecture
+from epas_megatron.model.architecture import LlamaArchitecture
 from epas_megatron.training.optimizer import OptimizerSettings, build_optimizer, build_scheduler, wrap_ddp
+from epas_testing import build
 
 pytestmark = pytest.mark.usefixtures("single_process")
 

@@ -10,11 +10,11 @@ import shutil
 import pytest
 import torch.distributed as dist
 
-from epas_testing import TINY, run_trainer
 from epas_megatron.checkpointing.checkpoint import latest_iteration, prune
 from epas_megatron.checkpointing.integrity import checkpoint_problem, newest_sound_checkpoint, open_checkpoint
 from epas_megatron.errors import ConfigError
 from epas_megatron.train import main
+from epas_testing import TINY, run_trainer
 
 ARGS = [*TINY, "--train-iters", "6", "--global-batch-size", "4", "--micro-batch-size", "2", "--save-interval", "2",
         "--keep-last", "0", "--epas-target-layers", "2", "--epas-interval", "2", "--seed", "9"]

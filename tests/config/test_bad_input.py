@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from epas_testing import TINY, run_trainer
 from epas_megatron.train import main
+from epas_testing import TINY, run_trainer
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from epas_testing import TINY, run_trainer
 from epas_megatron.convert.cli import main as convert
+from epas_testing import TINY, run_trainer
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +63,9 @@ def test_import_continue_with_epas_and_export(hf_dir, tmp_path, capsys):
     back = LlamaForCausalLM.from_pretrained(exported, torch_dtype=torch.float32).eval()
 
     from epas_megatron.checkpointing.checkpoint import load_checkpoint, resolve_checkpoint
+    from epas_megatron.model.architecture import LlamaArchitecture
     from epas_megatron.model.build_plan import BuildPlan
-    from epas_megatron.model.builder import LlamaArchitecture, build_model
+    from epas_megatron.model.builder import build_model
     from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
 
     init_distributed(1, 1, None, seed=0)

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from epas_testing import TINY, run_trainer
 from epas_megatron.evaluate import main
+from epas_testing import TINY, run_trainer
 
 ARGS = [*TINY, "--train-iters", "8", "--global-batch-size", "4", "--micro-batch-size", "2",
         "--epas-target-layers", "2", "--epas-interval", "3", "--eval-interval", "8", "--eval-iters", "2",
@@ -25,7 +25,8 @@ def evaluate(capsys, *argv):
 
 
 def test_regions_table_and_trained_region_matches_training_validation(trained, capsys):
-    code, payload, captured = evaluate(capsys, "--load", str(trained.output_dir / "checkpoints"), "--regions", "0,1,max", "--eval-iters", "2")
+    code, payload, captured = evaluate(capsys, "--load", str(trained.output_dir / "checkpoints"), "--regions", "0,1,max",
+                                       "--eval-iters", "2")
     assert code == 0, captured.err
     assert payload["trained_region"] == 2
     assert [r["region"] for r in payload["results"]] == [0, 1, 2]
@@ -49,15 +50,3 @@ def test_untrained_regions_on_request(trained, capsys):
     code, payload, _ = evaluate(capsys, "--load", str(trained.output_dir / "checkpoints"), "--regions", "3",
                                 "--allow-untrained-regions", "--eval-iters", "1")
     assert code == 0 and payload["results"][0]["sharing_layers"] == [1, 2, 3]
-
-
-def test_parse_regions_with_exclude_last():
-    from epas_megatron.errors import ConfigError
-    from epas_megatron.evaluate import parse_regions
-
-    assert parse_regions("0,2,max", 2, 8, False, exclude_last=3) == [0, 2, 2]
-    assert parse_regions("half,max,0", 3, 8, False) == [1, 3, 0]  # in the order given; half rounds down
-    assert parse_regions("4", 2, 8, True, exclude_last=3) == [4]
-    with pytest.raises(ConfigError, match=r"at most 4 .*--epas-exclude-last 3"):
-        parse_regions("5", 2, 8, True, exclude_last=3)
-    assert parse_regions("7", 2, 8, True) == [7]  # the default: the region may reach layer 1

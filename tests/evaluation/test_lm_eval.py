@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from epas_testing import TINY, run_trainer
 from epas_megatron.evaluate import main
+from epas_testing import TINY, run_trainer
 from llama_reference import forward, weights_from_hf_style
 
 TASKS = Path(__file__).resolve().parent / "tasks"

@@ -29,7 +29,7 @@ def _model(backend, sharing, share, core_attention="sdpa", seed=5):
 @pytest.mark.parametrize("core_attention", ["sdpa", "unfused"])
 @pytest.mark.parametrize("share", ["qk", "kv"])
 def test_local_layers_hand_off_on_the_gpu(world, share, core_attention):
-    from epas_megatron.model.wrapping import unwrap_model
+    from epas_megatron.runtime.wrapping import unwrap_model
 
     model = _model("local", (2, 3), share, core_attention)
     assert next(model.parameters()).is_cuda
@@ -44,7 +44,7 @@ def test_transformer_engine_layers_hand_off_on_the_gpu(world, share, tmp_path):
     """TE layers fuse the norm into the QKV GEMM (other parameter names): the reference weights
     are the TE model's, read back through a checkpoint into local layers."""
     from epas_megatron.checkpointing.checkpoint import load_checkpoint, save_checkpoint
-    from epas_megatron.model.wrapping import unwrap_model
+    from epas_megatron.runtime.wrapping import unwrap_model
 
     te = _model("transformer_engine", (2, 3), share)
     save_checkpoint(tmp_path / "ckpt", 1, [te], None, None, {}, {})

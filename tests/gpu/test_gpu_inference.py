@@ -60,7 +60,7 @@ def count_syncs(fn):
 
 
 def _arch():
-    from epas_megatron.model.builder import LlamaArchitecture
+    from epas_megatron.model.architecture import LlamaArchitecture
 
     # GQA (8 query heads, 4 KV groups of 32: 2 query rows per group at decode), an init large
     # enough for peaked attention.
@@ -208,7 +208,7 @@ KERNEL_SHAPES = [  # (L, b, g, m, T_max, length, d)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", KERNEL_SHAPES)
 def test_triton_region_kernel_compiled_equals_the_reference(shape, dtype):
-    from epas_megatron.kernels.region_pv import launch_plan, region_pv_reference, region_pv_triton
+    from epas_kernels.region_pv import launch_plan, region_pv_reference, region_pv_triton
 
     assert os.environ.get("TRITON_INTERPRET") != "1", "this test checks the compiled kernel"
     layers, b, g, m, t_max, length, d = shape

@@ -37,7 +37,7 @@ def count_syncs(fn):
 
 
 def _arch(**kwargs):
-    from epas_megatron.model.builder import LlamaArchitecture
+    from epas_megatron.model.architecture import LlamaArchitecture
 
     shape = dict(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=704,
                  vocab_size=512, max_sequence_length=128, init_method_std=0.05)
@@ -89,8 +89,8 @@ def test_random_ltd_draw_needs_no_sync_and_equals_the_host_draw():
 def test_random_ltd_block_draws_without_sync_and_trains(world):
     from epas_megatron.model.build_plan import BuildPlan, RandomLTDSettings
     from epas_megatron.model.builder import build_model
-    from epas_megatron.random_ltd.model import set_kept_tokens
     from epas_megatron.random_ltd.keyed_draw import kept_token_indices
+    from epas_megatron.random_ltd.model import set_kept_tokens
 
     plan = BuildPlan.for_region(_arch(), (3,), random_ltd=RandomLTDSettings((1, 2, 3), seed=5, kernels="torch"))
     model = build_model(plan, seed=3, kernels=_kernels_without_grad_accumulation_fusion()).chunks[0]
@@ -107,9 +107,8 @@ def test_random_ltd_block_draws_without_sync_and_trains(world):
 
 # ---------------------------------------------------------------------------- layer timing
 def test_layer_timing_records_events_without_sync(world):
-    from epas_testing import build
-
     from epas_megatron.parallel.layer_timing import KINDS, EventClock, LayerTimer
+    from epas_testing import build
 
     model = build(_arch(), (2, 3))
     tokens, positions = _batch()

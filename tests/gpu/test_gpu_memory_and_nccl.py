@@ -31,8 +31,8 @@ ARGS = [*TINY, "--train-iters", "9", "--global-batch-size", "8", "--micro-batch-
 
 def _setup(sharing):
     from epas_megatron.metrics.memory_model import LayerShape, RankMemorySettings
+    from epas_megatron.model.architecture import LlamaArchitecture
     from epas_megatron.model.build_plan import BuildPlan
-    from epas_megatron.model.builder import LlamaArchitecture
     from epas_megatron.training.optimizer import OptimizerSettings
     from epas_megatron.training.state import build_training_state
 

@@ -65,8 +65,9 @@ def test_sdpa_attention_runs_on_the_flash_kernel_and_matches_unfused():
     fallback to the math kernel) and equals Megatron's unfused attention in bf16."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from epas_megatron.model.architecture import LlamaArchitecture
     from epas_megatron.model.build_plan import BuildPlan
-    from epas_megatron.model.builder import LlamaArchitecture, make_transformer_config
+    from epas_megatron.model.builder import make_transformer_config
     from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
 
     init_distributed(1, 1, None, seed=0)

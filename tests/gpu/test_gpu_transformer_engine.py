@@ -17,7 +17,7 @@ pytestmark = [
 
 
 def _arch():
-    from epas_megatron.model.builder import LlamaArchitecture
+    from epas_megatron.model.architecture import LlamaArchitecture
 
     return LlamaArchitecture(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=4,
                              ffn_hidden_size=704, vocab_size=512, max_sequence_length=128, init_method_std=0.05)

@@ -2,9 +2,9 @@
 
 import pytest
 
-from epas_testing import build
 from epas_megatron.inference.decode_cost import decode_bytes_per_step, max_batch_for_budget
 from epas_megatron.sharing.schedule import layer_modes
+from epas_testing import build
 
 
 def test_bytes_per_step_by_hand(tiny_arch):

@@ -6,13 +6,13 @@ helpers by hand."""
 import pytest
 import torch
 
-from epas_testing import build
 from epas_megatron.errors import ConfigError
 from epas_megatron.inference import attention as attn_ops
 from epas_megatron.inference.decode_step import StaticDecodeStep, resolve_decode_step
 from epas_megatron.inference.engine import DecodeEngine
 from epas_megatron.inference.generator import Generator
 from epas_megatron.inference.kv_cache import kv_bytes_per_token
+from epas_testing import build
 
 pytestmark = pytest.mark.usefixtures("single_process")
 

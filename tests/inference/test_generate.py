@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from epas_testing import TINY, run_trainer
 from epas_megatron.generate import main
+from epas_testing import TINY, run_trainer
 
 ARGS = [*TINY, "--train-iters", "6", "--global-batch-size", "4", "--micro-batch-size", "2",
         "--epas-target-layers", "2", "--epas-interval", "2", "--init-method-std", "0.1"]

@@ -27,9 +27,9 @@ SHAPE = LayerShape(hidden_size=128, num_attention_heads=8, num_query_groups=2, f
 
 
 def measured(share, precision):
-    from epas_testing import build
     from epas_megatron.metrics.activation_memory import measure_saved_bytes
-    from epas_megatron.model.builder import LlamaArchitecture
+    from epas_megatron.model.architecture import LlamaArchitecture
+    from epas_testing import build
 
     arch = LlamaArchitecture(num_layers=4, hidden_size=128, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=352,
                              vocab_size=512, max_sequence_length=S)
@@ -66,7 +66,8 @@ def test_sharing_saves_the_qkv_output_rotated_q_k_and_rope_tables_less_its_own_v
 def test_memory_bench_prints_measured_and_modelled_bytes():
     proc = subprocess.run([sys.executable, "-m", "epas_megatron.bench.cli", "memory", "--preset", "tiny", "--region", "2",
                            "--seq-length", "32"], capture_output=True, text=True, timeout=300,
-                          env={k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")})
+                          env={k: v for k, v in os.environ.items()
+                               if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(proc.stdout.strip().splitlines()[-1][len("BENCH "):])
     assert record["computing_layer_bytes_measured"] == record["computing_layer_bytes_model"]
@@ -79,8 +80,9 @@ def test_memory_bench_prints_measured_and_modelled_bytes():
 @pytest.mark.parametrize("share", ["qk", "kv"])
 def test_selective_recompute_drops_only_the_log_sum_exp(share):
     from epas_megatron.metrics.activation_memory import measure_saved_bytes
+    from epas_megatron.model.architecture import LlamaArchitecture
     from epas_megatron.model.build_plan import BuildPlan, RecomputeSettings
-    from epas_megatron.model.builder import LlamaArchitecture, build_model
+    from epas_megatron.model.builder import build_model
 
     arch = LlamaArchitecture(num_layers=4, hidden_size=128, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=352,
                              vocab_size=512, max_sequence_length=S)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from epas_megatron.metrics.flops import Convention, layer_matmul_flops, training_flops_per_sequence
+from epas_megatron.metrics.flops import Convention, ModelShape, layer_matmul_flops, training_flops_per_sequence
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -26,8 +26,8 @@ S, B = 32, 2
 
 
 def counted(share, region, core_attention):
+    from epas_megatron.model.architecture import LlamaArchitecture
     from epas_testing import build
-    from epas_megatron.model.builder import LlamaArchitecture
 
     arch = LlamaArchitecture(4, 64, 4, 2, 176, 512, S)
     model = build(arch, tuple(range(4 - region, 4)), share=share, core_attention=core_attention)
@@ -35,7 +35,7 @@ def counted(share, region, core_attention):
     with FlopCounterMode(display=False) as counter:
         model(tokens, torch.arange(S).expand(B, S), None, labels=tokens).sum().backward()
     ops = {str(op): flops for op, flops in counter.get_flop_counts()["Global"].items()}
-    return counter.get_total_flops(), ops, arch.flops_shape(S)
+    return counter.get_total_flops(), ops, ModelShape.of(arch, S)
 
 
 def _core(shape) -> int:
@@ -68,9 +68,9 @@ def test_deepspeed_profiler_counts_the_models_forward(core_attention, share, reg
     pytest.importorskip("deepspeed", reason="optional: tools/setup_env.sh installs it (DS_BUILD_OPS=0)")
     from deepspeed.profiling.flops_profiler import FlopsProfiler
 
-    from epas_testing import build
     from epas_megatron.metrics.flops import forward_flops_per_sequence
-    from epas_megatron.model.builder import LlamaArchitecture
+    from epas_megatron.model.architecture import LlamaArchitecture
+    from epas_testing import build
 
     arch = LlamaArchitecture(4, 64, 4, 2, 176, 512, S)
     model = build(arch, tuple(range(4 - region, 4)), share=share, core_attention=core_attention)
@@ -81,7 +81,7 @@ def test_deepspeed_profiler_counts_the_models_forward(core_attention, share, reg
         model(tokens, torch.arange(S).expand(B, S), None, labels=tokens)
     total = profiler.get_total_flops()
     profiler.end_profile()
-    expected = B * forward_flops_per_sequence(arch.flops_shape(S), region, share, Convention.PAPER)
+    expected = B * forward_flops_per_sequence(ModelShape.of(arch, S), region, share, Convention.PAPER)
     if core_attention == "unfused":  # baddbmm's addend and the softmax: one FLOP per score each
         expected += arch.num_layers * 2 * B * arch.num_attention_heads * S * S
     assert total == expected
@@ -92,8 +92,9 @@ def test_flop_counter_equals_the_model_under_random_ltd(region, kept):
     """Random-LTD layers run on their kept tokens: FlopCounterMode (forward + backward, unfused
     attention) equals the layerwise model exactly; the source of a region projects Q/K/V for all."""
     from epas_megatron.metrics.flops import layerwise_forward_flops
+    from epas_megatron.model.architecture import LlamaArchitecture
     from epas_megatron.model.build_plan import BuildPlan, RandomLTDSettings
-    from epas_megatron.model.builder import LlamaArchitecture, build_model
+    from epas_megatron.model.builder import build_model
     from epas_megatron.random_ltd.model import set_kept_tokens
 
     arch = LlamaArchitecture(4, 64, 4, 2, 176, 512, S)
@@ -107,6 +108,6 @@ def test_flop_counter_equals_the_model_under_random_ltd(region, kept):
     source = 3 - region if region else None
     modes = ["share_qk" if i in sharing else "compute" for i in range(4)]
     qkv = [S if i == source else kept for i in range(4)]
-    expected = 3 * B * layerwise_forward_flops(arch.flops_shape(S), modes, [kept] * 4, Convention.PAPER, qkv)
+    expected = 3 * B * layerwise_forward_flops(ModelShape.of(arch, S), modes, [kept] * 4, Convention.PAPER, qkv)
     assert counter.get_total_flops() == expected
-    assert expected < 3 * B * layerwise_forward_flops(arch.flops_shape(S), modes, None, Convention.PAPER)
+    assert expected < 3 * B * layerwise_forward_flops(ModelShape.of(arch, S), modes, None, Convention.PAPER)

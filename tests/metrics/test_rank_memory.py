@@ -20,8 +20,8 @@ SHAPE = LayerShape(hidden_size=64, num_attention_heads=4, num_query_groups=2, ff
 @pytest.mark.usefixtures("single_process")
 @pytest.mark.parametrize("share", ["qk", "kv"])
 def test_layer_parameters_match_a_built_model(share):
+    from epas_megatron.model.architecture import LlamaArchitecture
     from epas_testing import build
-    from epas_megatron.model.builder import LlamaArchitecture
 
     model = build(LlamaArchitecture(4, 64, 4, 2, 176, 512, 64), (2, 3), share=share)
     for index, role in ((0, "compute"), (3, "share")):
@@ -61,8 +61,8 @@ def test_a_rank_by_hand():
 def test_parameter_state_bytes_match_a_trained_model(precision, tmp_path):
     """Weights + DDP gradient buffer + optimizer state (fp32 main weights and moments) of the
     built objects after one step, against the model's count (within DDP's bucket padding)."""
+    from epas_megatron.model.architecture import LlamaArchitecture
     from epas_megatron.model.build_plan import BuildPlan
-    from epas_megatron.model.builder import LlamaArchitecture
     from epas_megatron.training.optimizer import OptimizerSettings
     from epas_megatron.training.state import build_training_state
 

@@ -11,8 +11,9 @@ pytestmark = pytest.mark.usefixtures("single_process")
 
 
 def _config(heads: int, groups: int, hidden: int = 64):
+    from epas_megatron.model.architecture import LlamaArchitecture
     from epas_megatron.model.build_plan import BuildPlan
-    from epas_megatron.model.builder import LlamaArchitecture, make_transformer_config
+    from epas_megatron.model.builder import make_transformer_config
 
     arch = LlamaArchitecture(num_layers=2, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
                              ffn_hidden_size=128, vocab_size=128, max_sequence_length=16)

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.usefixtures("single_process")
 @pytest.mark.parametrize("core_attention", ["sdpa", "unfused"])
 @pytest.mark.parametrize("share", ["qk", "kv"])
 def test_half_precision_logits_follow_the_reference_and_not_a_wrong_region(precision, core_attention, share):
-    from epas_megatron.model.wrapping import unwrap_model
+    from epas_megatron.runtime.wrapping import unwrap_model
 
     arch = architecture()
     model = build(arch, (2, 3), share=share, precision=precision, core_attention=core_attention).eval()

@@ -5,8 +5,8 @@ stock GPTModel (local spec) bit for bit."""
 import pytest
 import torch
 
-from epas_testing import build
 from epas_megatron.convert.hf_llama import LlamaShape, hf_config_kwargs, hf_to_megatron, megatron_to_hf, strip_extra_state
+from epas_testing import build
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -54,7 +54,8 @@ def test_hf_import_then_export_round_trips_with_a_sharing_region(tiny_arch):
     plain.load_state_dict(back, strict=False)
     tokens = torch.randint(0, tiny_arch.vocab_size, (1, 16))
     with torch.no_grad():
-        torch.testing.assert_close(plain(tokens, torch.arange(16).unsqueeze(0), None), hf_model(tiny_arch, hf_state)(tokens).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(plain(tokens, torch.arange(16).unsqueeze(0), None), hf_model(tiny_arch, hf_state)(tokens).logits,
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_region_zero_is_bit_identical_to_megatron_gpt_model(tiny_arch):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import llama_reference as ref
-from epas_testing import build
 from epas_megatron.convert.hf_llama import LlamaShape, megatron_to_hf, strip_extra_state
+from epas_testing import build
 
 pytestmark = pytest.mark.usefixtures("single_process")
 

@@ -180,8 +180,9 @@ def test_decoder_specs_follow_roles():
 def test_build_plan_keeps_exclude_last_and_places_the_hand_off():
     """--epas-exclude-last on the build plan: its regions end at num_layers - 1 - N through a
     switch (with_region) and region_layers; the computing tail never receives a hand-off."""
+    from epas_megatron.model.architecture import LlamaArchitecture
     from epas_megatron.model.build_plan import BuildPlan
-    from epas_megatron.model.builder import LlamaArchitecture, chunk_placements, make_transformer_config, pipeline_handoff_rows
+    from epas_megatron.model.builder import chunk_placements, make_transformer_config, pipeline_handoff_rows
     from epas_megatron.parallel.layout import StageLayout
 
     arch = LlamaArchitecture(8, 64, 4, 2, 176, 256, 32)

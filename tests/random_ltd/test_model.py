@@ -9,8 +9,8 @@ import llama_reference as ref
 from epas_megatron.convert.hf_llama import LlamaShape, megatron_to_hf, strip_extra_state
 from epas_megatron.model.build_plan import BuildPlan, RandomLTDSettings
 from epas_megatron.model.builder import build_model
-from epas_megatron.random_ltd.model import set_kept_tokens
 from epas_megatron.random_ltd.keyed_draw import kept_token_indices
+from epas_megatron.random_ltd.model import set_kept_tokens
 
 pytestmark = pytest.mark.usefixtures("single_process")
 

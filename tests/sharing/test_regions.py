@@ -3,7 +3,7 @@
 import pytest
 
 from epas_megatron.errors import ConfigError
-from epas_megatron.evaluation.regions import RegionSpec
+from epas_megatron.sharing.regions import RegionSpec
 
 
 def test_parse_keeps_sizes_and_names_in_order():
@@ -34,3 +34,15 @@ def test_resolve_follows_the_region_in_training(current, expected, skipped):
 
 def test_untrained_regions_on_request():
     assert RegionSpec.parse("0,max,3").resolve(1, allow_untrained=True) == ([0, 1, 3], [])
+
+
+def test_parse_regions_with_exclude_last():
+    from epas_megatron.errors import ConfigError
+    from epas_megatron.sharing.regions import parse_regions
+
+    assert parse_regions("0,2,max", 2, 8, False, exclude_last=3) == [0, 2, 2]
+    assert parse_regions("half,max,0", 3, 8, False) == [1, 3, 0]  # in the order given; half rounds down
+    assert parse_regions("4", 2, 8, True, exclude_last=3) == [4]
+    with pytest.raises(ConfigError, match=r"at most 4 .*--epas-exclude-last 3"):
+        parse_regions("5", 2, 8, True, exclude_last=3)
+    assert parse_regions("7", 2, 8, True) == [7]  # the default: the region may reach layer 1

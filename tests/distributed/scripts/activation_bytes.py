@@ -8,8 +8,9 @@ import torch
 import torch.distributed as dist
 
 from epas_megatron.metrics.activation_memory import measure_saved_bytes
+from epas_megatron.model.architecture import LlamaArchitecture
 from epas_megatron.model.build_plan import BuildPlan
-from epas_megatron.model.builder import LlamaArchitecture, build_model
+from epas_megatron.model.builder import build_model
 from epas_megatron.runtime.distributed import init_distributed
 
 S, B = 48, 2

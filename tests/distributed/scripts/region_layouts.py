@@ -41,8 +41,9 @@ def batches(dp_rank, dp_size, vocab):
 def main():
     from megatron.core import parallel_state
 
+    from epas_megatron.model.architecture import LlamaArchitecture
     from epas_megatron.model.build_plan import BuildPlan
-    from epas_megatron.model.builder import LlamaArchitecture, build_model
+    from epas_megatron.model.builder import build_model
     from epas_megatron.parallel.layout import StageLayout
     from epas_megatron.sharing.schedule import region_layers
     from epas_megatron.training.optimizer import OptimizerSettings, build_optimizer, build_scheduler, wrap_ddp

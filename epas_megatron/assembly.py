@@ -1,0 +1,212 @@
+"""One assembly: every source of a model -> the :class:`~epas_megatron.model.build_plan.BuildPlan`
+(and, for training, the optimizer settings and the checkpoint metadata).
+
+A model is described by one of three sources, and every entry point goes through the function
+for its source instead of rebuilding a plan by hand:
+
+* a **resolved run** (:class:`~epas_megatron.config.validation.ResolvedRun`): the trainer, its
+  switches, ``epas-plan``, in-process tests -- :func:`plan_for_run`, :func:`optimizer_settings_for_run`,
+  :func:`checkpoint_meta_for_run`;
+* a **checkpoint's metadata** (:class:`~epas_megatron.checkpointing.metadata.CheckpointMeta`):
+  ``epas-eval``, ``epas-generate`` and the lm-eval model, ``epas-convert hf-export`` --
+  :func:`checkpoint_regions`, :func:`plan_for_checkpoint`; ``epas-convert hf-import`` writes one
+  with :func:`checkpoint_meta_for_import`;
+* a **preset** with overrides (benchmarks, which build models without a run) --
+  :func:`plan_for_preset`.
+
+A new option then touches its config section, this module and its own module. Precision and
+layer backend are chosen in :mod:`epas_megatron.model.fusions` (``choose_precision``,
+``choose_backend``), the architecture in :mod:`epas_megatron.model.architecture`.
+
+Layering: this module sits above config, model, sharing, checkpointing and the training
+components it configures (``training.optimizer``), and below the trainer, evaluation,
+inference and the command-line modules that call it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import torch
+
+from epas_megatron.checkpointing.metadata import CheckpointMeta, SavedParallel, model_record
+from epas_megatron.config.cli import to_dict
+from epas_megatron.config.presets import get_preset
+from epas_megatron.config.validation import ResolvedRun
+from epas_megatron.errors import ConfigError
+from epas_megatron.metrics.memory_model import RankMemorySettings
+from epas_megatron.model.architecture import architecture_from_config, architecture_from_preset
+from epas_megatron.model.build_plan import BuildPlan, RandomLTDSettings, RecomputeSettings
+from epas_megatron.model.fusions import choose_backend, choose_precision
+from epas_megatron.parallel.memory_budget import MemoryLimit, memory_limit_for
+from epas_megatron.parallel.stage_layouts import balanced_layout_noted
+from epas_megatron.sharing.regions import parse_regions
+from epas_megatron.sharing.schedule import region_layers
+
+if TYPE_CHECKING:  # (its module imports Megatron's optimizer: seconds, which epas-plan never needs)
+    from epas_megatron.training.optimizer import OptimizerSettings
+
+
+# ---------------------------------------------------------------------------- a resolved run
+def random_ltd_settings(run: ResolvedRun) -> Optional[RandomLTDSettings]:
+    """The plan's Random-LTD layers and draw settings (None without ``--random-ltd``)."""
+    if run.random_ltd is None:
+        return None
+    return RandomLTDSettings(run.random_ltd.layers, seed=run.cfg.training.seed, kernels=run.cfg.random_ltd.random_ltd_kernels)
+
+
+def plan_for_run(run: ResolvedRun, sharing_layers: Sequence[int] = ()) -> BuildPlan:
+    """The plan of a run for ``sharing_layers``, with its fixed layout (``--pipeline-layout``, or
+    Megatron's even split); a switch derives the next plans from it with
+    :meth:`~epas_megatron.model.build_plan.BuildPlan.with_region` (and a rebalanced layout)."""
+    cfg = run.cfg
+    p, m, e = cfg.parallel, cfg.model, cfg.epas
+    return BuildPlan.for_region(
+        architecture_from_config(m),
+        sharing_layers,
+        seq_length=cfg.training.seq_length,
+        tp=p.tp,
+        pp=p.pp,
+        vpp=run.vpp,
+        layout=run.layout,
+        sequence_parallel=p.sequence_parallel,
+        precision=run.precision,
+        recompute=RecomputeSettings(p.recompute, p.recompute_method, p.recompute_num_layers),
+        backend=run.backend,
+        core_attention=m.core_attention,
+        share=e.epas_share,
+        detach_shared=e.epas_detach_shared,
+        exclude_last=e.epas_exclude_last,
+        deterministic=cfg.training.deterministic,
+        random_ltd=random_ltd_settings(run),
+    )
+
+
+def plan_after_switch(run: ResolvedRun, current: BuildPlan, sharing_layers: Sequence[int], *, timer=None,
+                      memory: Optional[MemoryLimit] = None) -> tuple[BuildPlan, Optional[str]]:
+    """The plan of the region ``sharing_layers`` that follows ``current`` (same settings): its
+    pipeline layout rebalanced for that region when the run rebalances stages (from the FLOPs
+    model, calibrated by a layer ``timer``, within a ``memory`` limit), ``current``'s otherwise;
+    and the memory budget's notice (None when the budget changed nothing)."""
+    if not run.rebalance:
+        return current.with_region(sharing_layers, current.layout), None
+    layout, notice = balanced_layout_noted(current, sharing_layers, timer=timer, memory=memory)
+    return current.with_region(sharing_layers, layout), notice
+
+
+def stage_memory_limit(run: ResolvedRun, plan: BuildPlan, device_memory_gb: Optional[float] = None) -> Optional[MemoryLimit]:
+    """The per-rank memory budget of stage rebalancing (None: none): ``--epas-memory-budget-gb``,
+    else 90% of ``device_memory_gb`` (the GPU's memory; None on CPU)."""
+    e, p = run.cfg.epas, run.cfg.parallel
+    explicit = e.epas_memory_budget_gb is not None
+    budget = e.epas_memory_budget_gb if explicit else (0.9 * device_memory_gb if device_memory_gb else None)
+    if budget is None or (p.recompute == "full" and not explicit):
+        return None
+    if p.recompute == "full":
+        raise ConfigError("--epas-memory-budget-gb: the memory model does not cover --recompute full yet "
+                          "(use --recompute selective or none, or drop the budget)")
+    settings = RankMemorySettings(vocab_size=plan.arch.vocab_size, tp=p.tp, dp=run.dp, num_microbatches=run.num_microbatches,
+                                  precision=run.precision, distributed_optimizer=run.use_distributed_optimizer,
+                                  sequence_parallel=p.sequence_parallel, recompute=p.recompute, share=e.epas_share)
+    return memory_limit_for(plan, settings, run.cfg.training.micro_batch_size, budget)
+
+
+def optimizer_settings_for_run(run: ResolvedRun, lr_schedule_units=None) -> "OptimizerSettings":
+    """The optimizer and LR schedule of a run; ``lr_schedule_units``: the LR schedule's
+    per-iteration units when they are not iterations (Random-LTD's layer tokens)."""
+    from epas_megatron.training.optimizer import OptimizerSettings  # Megatron's optimizer (see the import above)
+
+    t = run.cfg.training
+    return OptimizerSettings(
+        lr=t.lr,
+        min_lr=t.min_lr,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        adam_eps=t.adam_eps,
+        clip_grad=t.clip_grad,
+        precision=run.precision,
+        loss_scale=t.loss_scale,
+        initial_loss_scale=t.initial_loss_scale,
+        min_loss_scale=t.min_loss_scale,
+        loss_scale_window=t.loss_scale_window,
+        hysteresis=t.hysteresis,
+        use_distributed_optimizer=run.use_distributed_optimizer,
+        overlap_grad_reduce=run.cfg.parallel.overlap_grad_reduce,
+        warmup_iters=t.lr_warmup_iters,
+        decay_iters=t.train_iters,
+        decay_style=t.lr_decay_style,
+        lr_schedule_units=lr_schedule_units,
+    )
+
+
+def checkpoint_meta_for_run(run: ResolvedRun, *, dims, plan: BuildPlan, consumed_samples: int,
+                            tokenizer_model: Optional[str], random_ltd_state: Optional[dict] = None) -> CheckpointMeta:
+    """What a checkpoint of ``run`` records, for the world ``dims`` (a ``ParallelDims``) and the
+    current ``plan`` (its region and layout); ``random_ltd_state``: the Random-LTD schedule's
+    state at the iteration saved."""
+    cfg = run.cfg
+    return CheckpointMeta(
+        model=model_record(cfg.model),
+        parallel=SavedParallel(tp=dims.tp, pp=dims.pp, dp=dims.dp, vpp=dims.vpp, layout=plan.layout_string,
+                               use_distributed_optimizer=run.use_distributed_optimizer),
+        precision=run.precision,
+        epas_schedule=run.schedule.state_dict(),
+        random_ltd=random_ltd_state,
+        epas_share=cfg.epas.epas_share,
+        sharing_layers=plan.sharing_layers,
+        tokenizer_model=tokenizer_model,
+        config=to_dict(cfg),
+        consumed_samples=consumed_samples,
+        backend=run.backend,
+    )
+
+
+# ---------------------------------------------------------------------------- a checkpoint
+def checkpoint_meta_for_import(cfg, tokenizer_model: Optional[str], imported_from: str) -> CheckpointMeta:
+    """The metadata of a model imported from elsewhere (weights only, no region, no schedule)."""
+    return CheckpointMeta(model=model_record(cfg.model), config=to_dict(cfg), tokenizer_model=tokenizer_model,
+                          extra={"imported_from": imported_from})
+
+
+def checkpoint_regions(meta: CheckpointMeta, text: str, allow_untrained: bool = False, flag: str = "--regions") -> list[int]:
+    """Region sizes (``'0,half,max'``) to run a checkpoint at, checked against its layers, its
+    trained region and its ``--epas-exclude-last`` (:func:`~epas_megatron.sharing.regions.parse_regions`)."""
+    return parse_regions(text, meta.trained_region, meta.num_layers, allow_untrained, flag=flag,
+                         exclude_last=meta.exclude_last)
+
+
+def plan_for_checkpoint(meta: CheckpointMeta, region: Optional[int] = None, *, flag: str = "--regions", tp: int = 1, pp: int = 1,
+                        precision: str = "auto", backend: Optional[str] = None, cuda: Optional[bool] = None) -> BuildPlan:
+    """The plan that loads a checkpoint with ``region`` layers sharing (None: its trained region),
+    ending where its regions end; on ``tp`` x ``pp`` ranks, in ``precision`` ('auto': bf16 on a GPU,
+    fp32 on CPU), with ``backend`` (None: the run's where it is available here, else local
+    layers), at the run's sequence length and attention kernel. Needs the saved run config."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    cfg = meta.run_config()
+    size = meta.trained_region if region is None else region
+    sharing = region_layers(cfg.model.num_layers, size, flag=flag, exclude_last=meta.exclude_last)
+    return BuildPlan.for_region(
+        architecture_from_config(cfg.model),
+        sharing,
+        seq_length=cfg.training.seq_length,
+        tp=tp,
+        pp=pp,
+        share=meta.epas_share,
+        precision=choose_precision(precision, cuda),
+        backend=backend or choose_backend(cfg.model.transformer_impl, cuda),
+        core_attention=cfg.model.core_attention,
+        exclude_last=meta.exclude_last,
+    )
+
+
+# ---------------------------------------------------------------------------- a preset
+def plan_for_preset(preset: str, sharing_layers: Sequence[int] = (), *, seq_length: int, max_length: Optional[int] = None,
+                    precision: str = "auto", cuda: Optional[bool] = None, **settings) -> BuildPlan:
+    """A benchmark's plan: ``preset``'s architecture (:func:`~epas_megatron.model.architecture.architecture_from_preset`)
+    with room for ``max_length`` tokens (default ``seq_length``), sequences of ``seq_length``,
+    ``sharing_layers`` sharing, in ``precision`` ('auto': bf16 on a GPU, fp32 on CPU);
+    ``settings``: any other :class:`BuildPlan` field (tp, pp, layout, share, ...)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    arch = architecture_from_preset(get_preset(preset), max_length or seq_length)
+    return BuildPlan.for_region(arch, sharing_layers, seq_length=seq_length, precision=choose_precision(precision, cuda), **settings)
