@@ -20,8 +20,8 @@ from epas_megatron.errors import ConfigError, NonFiniteError
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse, validate, train; returns the exit status."""
-    from epas_megatron.runtime.quiet import quiet_library_noise
-    from epas_megatron.training.trainer import ExitSignal
+    from epas_megatron.compat.quiet import quiet_library_noise
+    from epas_megatron.training.exit_signal import ExitSignal
 
     # Installed first: a SIGTERM/SIGUSR1 that arrives during setup is honoured after the first
     # iteration (checkpoint, exit 0) instead of killing the process or being lost.

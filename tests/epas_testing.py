@@ -89,17 +89,20 @@ def run_trainer(
         metrics=read_metrics(output_dir),
     )
     if check and proc.returncode != 0:
-        raise AssertionError(f"trainer failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"trainer failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}"
+                             f"\n--- stderr\n{proc.stderr[-6000:]}")
     return run
 
 
-def run_script(script: Path, args: Sequence[str] = (), nproc: int = 2, timeout: int = 900, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+def run_script(script: Path, args: Sequence[str] = (), nproc: int = 2, timeout: int = 900,
+               env: Optional[dict] = None) -> subprocess.CompletedProcess:
     """Run a test script under torchrun; raise with its output if it fails."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script), *args]
     proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise AssertionError(f"script failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"script failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}"
+                             f"\n--- stderr\n{proc.stderr[-6000:]}")
     return proc
 
 

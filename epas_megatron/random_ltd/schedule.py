@@ -216,7 +216,8 @@ class RandomLTDSchedule:
     def describe(self, train_iters: int) -> str:
         """One line for the start-up banner."""
         full = next((step for step in range(train_iters) if not self.drops(step)), None)
-        end = f"all {self.seq_length} tokens from iteration {full + 1}" if full is not None else f"{self.kept_tokens(max(train_iters - 1, 0))} at the end"
+        end = (f"all {self.seq_length} tokens from iteration {full + 1}" if full is not None
+               else f"{self.kept_tokens(max(train_iters - 1, 0))} at the end")
         return (f"Random-LTD: layers {_ranges(self.layers)} keep {self.kept_tokens(0)} of {self.seq_length} tokens at first, "
                 f"+{self.seq_per_step} steps over {self.require_steps} iterations ({end})")
 

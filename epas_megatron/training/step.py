@@ -38,8 +38,8 @@ import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from epas_megatron.errors import NonFiniteError
-from epas_megatron.model.wrapping import unwrap_model
 from epas_megatron.runtime.device import to_compute_device
+from epas_megatron.runtime.wrapping import unwrap_model
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

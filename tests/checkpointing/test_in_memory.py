@@ -30,14 +30,14 @@ def test_plan_names_a_shard_nobody_holds_and_a_shape_mismatch():
 def test_held_state_restores_what_a_checkpoint_load_restores(tmp_path):
     """Train past the first switch, then move the state into the next region's objects both
     ways: weights, frozen Q/K and every optimizer tensor are equal, and the next step's loss too."""
-    from epas_testing import TINY
     from epas_megatron.checkpointing.in_memory import hold_state, restore_state
     from epas_megatron.config.cli import parse_config
     from epas_megatron.config.validation import resolve_run
     from epas_megatron.training.trainer import Trainer
+    from epas_testing import TINY
 
-    argv = [*TINY, "--train-iters", "4", "--exit-interval", "3", "--global-batch-size", "2", "--micro-batch-size", "1", "--epas-target-layers", "2",
-            "--epas-interval", "2", "--seed", "3", "--output-dir", str(tmp_path / "run"), "--no-save-final"]
+    argv = [*TINY, "--train-iters", "4", "--exit-interval", "3", "--global-batch-size", "2", "--micro-batch-size", "1",
+            "--epas-target-layers", "2", "--epas-interval", "2", "--seed", "3", "--output-dir", str(tmp_path / "run"), "--no-save-final"]
     trainer = Trainer(resolve_run(parse_config(argv), world_size=1))
     trainer.setup()
     try:
@@ -53,7 +53,7 @@ def test_held_state_restores_what_a_checkpoint_load_restores(tmp_path):
             return model, moments, t.scheduler.state_dict()
 
         trainer.build(initialize=True)  # different values everywhere before the load
-        trainer._load(saved)
+        trainer.load(saved)
         by_checkpoint = state_of(trainer)
         trainer.build(initialize=True)
         stats = restore_state(held, trainer.model, trainer.optimizer, trainer.scheduler)
@@ -78,10 +78,10 @@ def test_distributed_optimizer_state_is_never_gathered_by_the_in_memory_switch(t
     made to fail here: the checkpoint mode shows the trap works)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from epas_testing import TINY
     from epas_megatron.config.cli import parse_config
     from epas_megatron.config.validation import resolve_run
     from epas_megatron.training.trainer import Trainer
+    from epas_testing import TINY
 
     def gather(*args, **kwargs):
         raise AssertionError("optimizer state gathered over DP")
@@ -108,7 +108,8 @@ def test_distributed_optimizer_state_is_never_gathered_by_the_in_memory_switch(t
 def test_range_plan_covers_each_wanted_range_once_from_its_owners():
     from epas_megatron.checkpointing.distributed_shards import _range_transfers
 
-    w, e = ("tensor", ("decoder.layers.mlp.linear_fc2.weight", (0, 0, 0), None)), ("tensor", ("embedding.word_embeddings.weight", (0, 0), None))
+    w, e = (("tensor", ("decoder.layers.mlp.linear_fc2.weight", (0, 0, 0), None)),
+            ("tensor", ("embedding.word_embeddings.weight", (0, 0), None)))
     gathered = [
         {"holds": {w: (100, 0, 60), e: (50, 0, 50)}},  # rank 0 owned elements 0-60 of w
         {"holds": {w: (100, 60, 100), e: (50, 0, 50)}},  # rank 1 the rest; e replicated (tied) on both

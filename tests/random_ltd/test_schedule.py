@@ -57,6 +57,7 @@ def test_layer_token_lr_reaches_peak_and_min_at_the_same_iterations():
     """Megatron's scheduler stepped by layer tokens: peak at the warm-up's end, min at the end,
     and a slower decay than per-iteration stepping while few tokens are kept."""
     import torch
+
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     s = RandomLTDSchedule.from_flags(6, 128, 4, 40, min_value=16, require_steps=30)

@@ -6,7 +6,8 @@ import pytest
 
 from epas_testing import TINY, assert_close, run_trainer
 
-# seq 64: kept 4, 16, 32, 48 tokens (floor(k/4 * 60 + 4) rounded down to a multiple of 4) at iterations 1-4, then all 64. Switches at 3 (layer 3) and 5 (2-3).
+# seq 64: kept 4, 16, 32, 48 tokens (floor(k/4 * 60 + 4) rounded down to a multiple of 4) at iterations 1-4, then all 64.
+# Switches at 3 (layer 3) and 5 (2-3).
 BASE = [*TINY, "--train-iters", "6", "--global-batch-size", "4", "--micro-batch-size", "1",
         "--epas-target-layers", "2", "--epas-interval", "2", "--epas-first-switch", "3",
         "--lr-warmup-iters", "2", "--seed", "7", "--init-method-std", "0.2"]

@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from epas_testing import TINY, run_trainer
 from epas_megatron.evaluate import main as epas_eval
+from epas_testing import TINY, run_trainer
 
 # Switches at 3 (region [3]) and 6 ([2, 3]); evaluations at 4 (region 1 in training) and 8 (2).
 ARGS = [*TINY, "--train-iters", "8", "--global-batch-size", "4", "--micro-batch-size", "2",
@@ -99,6 +99,7 @@ def test_evaluating_another_region_leaves_every_rng_state_as_it_was(tmp_path):
     import random
 
     import torch
+
     from megatron.core import tensor_parallel
 
     from epas_megatron.config.cli import parse_config

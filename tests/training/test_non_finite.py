@@ -42,7 +42,7 @@ def test_a_nan_loss_stops_before_the_step_and_the_run_resumes_from_the_last_good
     """bf16: the model's loss turns NaN at iteration 3 (a poisoned weight); the run stops
     without updating or saving; a resume of the run's directory from iteration 2 equals the
     uninterrupted run bit for bit."""
-    from epas_megatron.model.wrapping import unwrap_model
+    from epas_megatron.runtime.wrapping import unwrap_model
     from epas_megatron.training.trainer import Trainer
 
     args = [*ARGS, "--precision", "bf16", "--save-interval", "1"]

@@ -4,10 +4,10 @@ optimizer and the gradient buffers."""
 
 import torch
 
-from epas_testing import TINY
 from epas_megatron.config.cli import parse_config
 from epas_megatron.config.validation import resolve_run
 from epas_megatron.model.attention import SharedAttention, split_qkv_rows
+from epas_testing import TINY
 
 # Switches at 3 (region [3]), 6 ([2, 3]) and 9 ([1, 2, 3]).
 ARGS = [*TINY, "--train-iters", "12", "--global-batch-size", "4", "--micro-batch-size", "2",
@@ -24,7 +24,7 @@ def trainer_for(argv):
 
 
 def layer(trainer, index):
-    from epas_megatron.model.wrapping import unwrap_model
+    from epas_megatron.runtime.wrapping import unwrap_model
 
     return unwrap_model(trainer.model[0]).decoder.layers[index]
 
@@ -111,10 +111,10 @@ def test_loss_right_after_a_switch_equals_a_model_built_with_that_region(tmp_pat
         records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
         loss_6 = next(r["lm_loss"] for r in records if r.get("iteration") == 6 and "kind" not in r)
 
-        arch = trainer._arch()
+        arch = trainer.plan.arch
         direct = build_model(BuildPlan.for_region(arch, (2, 3))).chunks[0]
         load_checkpoint(iteration_dir(out / "checkpoints", 5), [direct], restore_rng=False)
-        batches = build_data_iterator(trainer.train_ds, 2, 0, 1, consumed_samples=5 * 4)
+        batches = build_data_iterator(trainer.data.train_ds, 2, 0, 1, consumed_samples=5 * 4)
         total, tokens = 0.0, 0.0
         with torch.no_grad():
             for _ in range(2):  # the two micro-batches of iteration 6

@@ -10,7 +10,7 @@ import signal
 import torch.distributed as dist
 
 from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
-from epas_megatron.training.trainer import ExitSignal
+from epas_megatron.training.exit_signal import ExitSignal
 
 
 def main() -> None:

@@ -1,0 +1,76 @@
+"""Random-LTD as a training feature: the hooks through which the trainer runs it
+(:class:`~epas_megatron.training.features.TrainingFeature`).
+
+What each hook does is the schedule's (:mod:`.schedule`), which counts DeepSpeed's ``step`` --
+completed iterations, so the 1-based ``iteration`` runs at step ``iteration - 1``: the model's
+layers keep :meth:`~.schedule.RandomLTDSchedule.kept_tokens` tokens in the step (set on the built
+chunks before it, :func:`.model.set_kept_tokens`); with ``--random-ltd-layer-token-lr`` the LR
+schedule counts layer tokens instead of iterations; the FLOPs model counts the kept tokens; the
+metrics report the kept tokens and DeepSpeed's layer-token count; a checkpoint records DeepSpeed's
+scheduler state, which a resume checks against the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional, Sequence
+
+from epas_megatron.checkpointing.metadata import CheckpointMeta
+from epas_megatron.config.validation import ResolvedRun
+from epas_megatron.random_ltd.model import set_kept_tokens
+from epas_megatron.random_ltd.schedule import RandomLTDSchedule
+from epas_megatron.training.features import TrainingFeature
+
+
+@dataclass(frozen=True)
+class RandomLTDFeature(TrainingFeature):
+    """``--random-ltd``: layers drop tokens on the schedule, optionally with the LayerToken LR."""
+
+    name: ClassVar[str] = "random_ltd"
+    flag: ClassVar[str] = "--random-ltd"
+
+    schedule: RandomLTDSchedule
+    """The kept-token schedule and layer-token accounting."""
+
+    layer_token_lr: bool = False
+    """The LR schedule advances by each step's layer tokens (``--random-ltd-layer-token-lr``)."""
+
+    @classmethod
+    def from_run(cls, run: ResolvedRun) -> Optional["RandomLTDFeature"]:
+        if run.random_ltd is None:
+            return None
+        return cls(run.random_ltd, layer_token_lr=run.cfg.random_ltd.random_ltd_layer_token_lr)
+
+    @classmethod
+    def saved_state(cls, meta: CheckpointMeta) -> Optional[dict]:
+        return meta.random_ltd
+
+    def check_resume(self, saved: Optional[dict], iteration: int) -> None:
+        self.schedule.check_resume(saved, iteration)
+
+    def describe(self, train_iters: int) -> str:
+        return self.schedule.describe(train_iters) + ("; LayerToken LR" if self.layer_token_lr else "")
+
+    def before_step(self, model: Sequence, step: int) -> None:
+        set_kept_tokens(model, self.schedule.kept_tokens(step))
+
+    def lr_increment(self, step: int) -> Optional[int]:
+        return self.schedule.layer_tokens(step) if self.layer_token_lr else None
+
+    def lr_schedule_units(self, warmup_iters: int, train_iters: int) -> Optional[tuple[int, int]]:
+        return self.schedule.lr_steps(warmup_iters, train_iters) if self.layer_token_lr else None
+
+    def flop_tokens(self, iteration: int) -> list[int]:
+        return self.schedule.tokens_per_layer(iteration - 1)
+
+    def record(self, iteration: int) -> dict[str, Any]:
+        """The kept tokens of the last step, DeepSpeed's layer-token count and the mean tokens
+        per layer that step's count amounts to."""
+        ltd = self.schedule
+        step_tokens = ltd.layer_tokens(iteration - 1)
+        return {"random_ltd_kept_tokens": ltd.kept_tokens(iteration - 1),
+                "consumed_layer_tokens": ltd.consumed_layer_tokens(iteration),
+                "layer_averaged_seq_length": step_tokens / (ltd.global_batch_size * ltd.num_layers)}
+
+    def state_dict(self, iteration: int) -> dict:
+        return self.schedule.state_dict(iteration)
