@@ -30,7 +30,8 @@ from epas_testing import REPO
 
 GPU_CHECK = REPO / "tools" / "gpu_check.sh"
 GPU_WHEELS = REPO / "tools" / "gpu_wheels.sh"
-NODE_TAGS = set(cpython_tags((3, 12), platforms=[f"manylinux_2_{n}_x86_64" for n in range(5, 29)] + ["manylinux2014_x86_64", "manylinux1_x86_64", "linux_x86_64"]))
+NODE_TAGS = set(cpython_tags((3, 12), platforms=[f"manylinux_2_{n}_x86_64" for n in range(5, 29)]
+                             + ["manylinux2014_x86_64", "manylinux1_x86_64", "linux_x86_64"]))
 NODE_TAGS |= set(compatible_tags((3, 12), "cp312", platforms=["manylinux_2_28_x86_64", "manylinux2014_x86_64"]))
 
 
@@ -71,7 +72,8 @@ def test_requirements_are_what_the_wheel_folder_brings_and_never_torch():
     (GPU_CHECK, ["--bogus"], {}, "error: unknown argument --bogus"),
     (GPU_CHECK, ["--dry-run"], {"TIME_LIMIT": "ten"}, "error: TIME_LIMIT=ten"),
     (GPU_CHECK, ["--report", "/nonexistent/out"], {}, "error: --report /nonexistent/out is not a directory"),
-    (GPU_CHECK, ["--setup-only"], {"PYTHON": sys.executable, "WHEELS": "/nonexistent/wheels"}, "error: WHEELS=/nonexistent/wheels is not a directory"),
+    (GPU_CHECK, ["--setup-only"], {"PYTHON": sys.executable, "WHEELS": "/nonexistent/wheels"},
+     "error: WHEELS=/nonexistent/wheels is not a directory"),
     (GPU_WHEELS, [], {}, "error: usage: tools/gpu_wheels.sh DIR"),
     (GPU_WHEELS, ["/tmp"], {"PYTHON": sys.executable}, "was not made by gpu_wheels.sh"),
     (GPU_WHEELS, ["x"], {"MAX_MIB": "lots"}, "error: MAX_MIB=lots"),
@@ -285,7 +287,8 @@ PIP_ENV = [k for k in os.environ if k.startswith("PIP_")]
 
 
 def test_wheel_folder_installs_offline_on_a_bare_node(wheel_folder, bare_node, tmp_path):
-    env = {**NO_PIP_CONFIG, "PYTHON": str(bare_node), "WHEELS": str(wheel_folder), "VENV": str(tmp_path / "venv"), "OUT": str(tmp_path / "out")}
+    env = {**NO_PIP_CONFIG, "PYTHON": str(bare_node), "WHEELS": str(wheel_folder), "VENV": str(tmp_path / "venv"),
+           "OUT": str(tmp_path / "out")}
     proc = sh(GPU_CHECK, "--setup-only", env=env, drop=PIP_ENV, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     (install,) = [line for line in plan_lines(proc.stdout) if " -m pip " in line]
