@@ -31,18 +31,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from epas_megatron.config.cli import parse_config
     from epas_megatron.config.validation import resolve_run
     from epas_megatron.runtime.accelerator import check_accelerator
+    from epas_megatron.training.trainer import Trainer
 
     try:
         check_accelerator()  # before anything decides between CPU and GPU
         run = resolve_run(parse_config(argv))
+        trainer = Trainer(run, exit_signal=exit_signal)  # checks a resumed checkpoint's schedules
     except ConfigError as error:
         exit_signal.restore()
         print(f"error: {error}", file=sys.stderr, flush=True)
         return ConfigError.exit_code
 
-    from epas_megatron.training.trainer import Trainer
-
-    trainer = Trainer(run, exit_signal=exit_signal)
     try:
         trainer.setup()
         trainer.train()

@@ -32,6 +32,10 @@ Our generalisation and decisions (the paper leaves them open):
 Everything here is a pure function of the configuration; the trainer asks the schedule *what*
 changes at a switch and one place (model specs, freezing, optimizer, pipeline layout) carries it
 out.
+
+Why one module of ~550 lines: the layer roles, the region rules and the schedule are one
+algorithm whose decisions (above) and flag-naming errors read together; a third of it is this
+record and the messages.
 """
 
 from __future__ import annotations
