@@ -5,6 +5,8 @@ import os
 
 import pytest
 
+pytest_plugins = ["strict_skips"]  # tests/strict_skips.py: EPAS_STRICT_SKIPS=1 turns skips into failures
+
 CPU_ONLY_REASON = (
     "asserts the behaviour of a machine without CUDA (CPU stand-ins, gloo, fp32 defaults); on a GPU node the CPU "
     "suite runs with the GPUs hidden: CUDA_VISIBLE_DEVICES= pytest tests"
