@@ -66,6 +66,12 @@ def parse_summary(stdout: str) -> Optional[dict]:
     return json.loads(lines[-1][len("SUMMARY "):]) if lines else None
 
 
+IN_PROCESS = os.environ.get("EPAS_TEST_TRAINER_PROCESSES") != "1"
+"""One-process trainer runs go through ``epas_megatron.train.main`` in the test process (the same
+code as the command, without an interpreter start and a re-import of torch and Megatron-Core);
+``EPAS_TEST_TRAINER_PROCESSES=1`` starts a process for every run instead."""
+
+
 def run_trainer(
     args: Sequence[str],
     output_dir: Path,
@@ -75,23 +81,72 @@ def run_trainer(
     check: bool = True,
     module: str = "epas_megatron.train",
     command: Optional[Sequence[str]] = None,
+    in_process: Optional[bool] = None,
 ) -> TrainerRun:
-    """Run the trainer to completion and collect stdout, SUMMARY and metrics.jsonl."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    cmd = trainer_command([*args, "--output-dir", str(output_dir)], nproc, module, command)
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    """Run the trainer to completion and collect stdout, SUMMARY and metrics.jsonl.
+
+    One process with no extra environment runs in this process (:func:`_main_in_process`) unless
+    ``in_process=False``; torchrun launches, an installed ``command``, another ``module`` and runs
+    that need ``env`` start processes."""
+    argv = [*args, "--output-dir", str(output_dir)]
+    if in_process is None:
+        in_process = IN_PROCESS and nproc == 1 and command is None and module == "epas_megatron.train" and not env
+    if in_process:
+        returncode, stdout, stderr = _main_in_process(argv)
+        cmd = ["epas_megatron.train.main", *argv]
+    else:
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        cmd = trainer_command(argv, nproc, module, command)
+        proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+        returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
     run = TrainerRun(
-        returncode=proc.returncode,
-        stdout=proc.stdout,
-        stderr=proc.stderr,
+        returncode=returncode,
+        stdout=stdout,
+        stderr=stderr,
         output_dir=Path(output_dir),
-        summary=parse_summary(proc.stdout),
+        summary=parse_summary(stdout),
         metrics=read_metrics(output_dir),
     )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"trainer failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}"
-                             f"\n--- stderr\n{proc.stderr[-6000:]}")
+    if check and returncode != 0:
+        raise AssertionError(f"trainer failed ({returncode}): {' '.join(cmd)}\n--- stdout\n{stdout[-4000:]}"
+                             f"\n--- stderr\n{stderr[-6000:]}")
     return run
+
+
+def _main_in_process(argv: Sequence[str]) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of ``epas-train argv`` run by its ``main`` in this process, as
+    a process of its own would run it: one intra-op thread (the subprocesses' OMP_NUM_THREADS=1),
+    and the process-wide settings a run may change (threads, deterministic algorithms) restored,
+    the process group torn down even after a crash."""
+    import contextlib
+    import io
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+
+    from epas_megatron.train import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                returncode = main(list(argv))
+            except SystemExit as exit_:  # argparse's usage errors
+                returncode = exit_.code if isinstance(exit_.code, int) else 1
+            except Exception:  # what the interpreter would print before exiting with 1
+                traceback.print_exc()
+                returncode = 1
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+        if dist.is_initialized():
+            from epas_megatron.runtime.distributed import destroy_distributed
+
+            destroy_distributed()
+    return returncode, stdout.getvalue(), stderr.getvalue()
 
 
 def run_script(script: Path, args: Sequence[str] = (), nproc: int = 2, timeout: int = 900,
