@@ -247,11 +247,10 @@ def test_rendezvous_port_that_nobody_opens(fake_bin):
         port = s.getsockname()[1]  # closed again when the block ends
     env = {**slurm_step_env(fake_bin, 2, 1, "n[1-2]"), "PATH": f"{fake_bin}:{os.environ['PATH']}", "LAUNCH_VALIDATE": "0",
            "RDZV_HOST": "127.0.0.1", "RDZV_PORT": str(port), "RDZV_CHECK_TIMEOUT": "1.5"}
-    start = time.monotonic()
-    proc = run_script([], env)
+    proc = run_script([], env)  # (its own timeout catches a check that never gives up)
     assert proc.returncode == 2
+    # The message names the timeout it waited, so a check that ignored RDZV_CHECK_TIMEOUT fails here.
     assert f"error: rendezvous host 127.0.0.1:{port} is not reachable from node1 (node rank 1) after 1.5s" in proc.stderr
-    assert time.monotonic() - start < 30
 
 
 def test_node_zero_must_be_the_rendezvous_host(fake_bin):
