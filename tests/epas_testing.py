@@ -116,8 +116,8 @@ def run_trainer(
 def _main_in_process(argv: Sequence[str]) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of ``epas-train argv`` run by its ``main`` in this process, as
     a process of its own would run it: one intra-op thread (the subprocesses' OMP_NUM_THREADS=1),
-    and the process-wide settings a run may change (threads, deterministic algorithms) restored,
-    the process group torn down even after a crash."""
+    and the process-wide settings a run may change (threads, deterministic algorithms, the
+    environment) restored, the process group torn down even after a crash."""
     import contextlib
     import io
     import traceback
@@ -129,6 +129,7 @@ def _main_in_process(argv: Sequence[str]) -> tuple[int, str, str]:
 
     stdout, stderr = io.StringIO(), io.StringIO()
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    environ = dict(os.environ)
     torch.set_num_threads(1)
     try:
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
@@ -142,6 +143,8 @@ def _main_in_process(argv: Sequence[str]) -> tuple[int, str, str]:
     finally:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
+        os.environ.clear()
+        os.environ.update(environ)
         if dist.is_initialized():
             from epas_megatron.runtime.distributed import destroy_distributed
 

@@ -284,7 +284,8 @@ def test_usr1_to_the_launcher_saves_and_exits_cleanly(tmp_path, fake_bin, when):
                 head.append(line)
                 if line.startswith("[launch] command: "):
                     break
-            time.sleep(1.0)  # torchrun has started its workers; they are importing
+            # Sent as torchrun starts (no sleep: the launcher keeps a signal that arrives before
+            # its workers exist and repeats it until the trainer's handler takes it).
             assert not (out / "metrics.jsonl").exists(), "too late: training already started"
         else:
             metrics = out / "metrics.jsonl"

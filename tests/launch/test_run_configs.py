@@ -23,8 +23,20 @@ def test_every_preset_has_a_config():
 
 
 @pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.stem)
-def test_every_config_parses(path):
-    parse_config(["--config", str(path)])
+def test_every_config_parses_to_the_values_it_writes(path):
+    """Every value the YAML file sets (read here with PyYAML, section by section) is the value
+    of that field of the parsed config (``epas_*`` keys name the ``epas`` section's fields)."""
+    import yaml
+
+    cfg = parse_config(["--config", str(path)])
+    written = yaml.safe_load(path.read_text())
+    assert written and set(written) <= {"model", "parallel", "training", "checkpoint", "logging", "epas", "data", "random_ltd"}
+    for section, values in written.items():
+        fields = getattr(cfg, section)
+        for key, value in values.items():
+            name = key if hasattr(fields, key) else key.removeprefix("epas_")
+            assert hasattr(fields, name), f"{path.name}: {section}.{key} is not a config field"
+            assert getattr(fields, name) == value, f"{path.name}: {section}.{key}"
 
 
 @pytest.mark.parametrize("name", sorted({**CPU_CONFIGS, **GPU_CONFIGS}))

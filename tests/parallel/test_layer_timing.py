@@ -16,11 +16,44 @@ def single_process():
     destroy_distributed()
 
 
-def test_timer_counts_each_layer_kind(single_process):
+class TickClock:
+    """A synchronous clock (seconds) that only the model's own modules advance."""
+
+    synchronous = True
+
+    def __init__(self):
+        self.now = 0.0
+
+    def start(self):
+        return self.now
+
+    def stop(self, started):
+        return started, self.now
+
+    def collect(self, pending, wait):
+        return [end - start for start, end in pending], []
+
+
+def test_timer_records_each_layer_kind_of_a_real_model(single_process):
+    """Forward hooks on a real model's layers: inside each layer's MLP (and the LM head) the
+    clock advances by a known cost per kind (computing 3 ms, sharing 2 ms, LM head 5 ms), so the
+    timer must report exactly those times, and count each layer kind per forward; the FLOPs
+    costs take the measured ones and the unmeasured embedding scales by their ratio."""
     import torch
 
     model = build(LlamaArchitecture(4, 64, 4, 2, 176, 256, 32), (2, 3))
-    timer = LayerTimer()
+    clock = TickClock()
+    cost = {"compute": 3e-3, "share": 2e-3, "output_layer": 5e-3}
+
+    def advance(seconds):
+        def hook(module, args, output):
+            clock.now += seconds
+        return hook
+
+    for number, layer in enumerate(model.decoder.layers):
+        layer.mlp.register_forward_hook(advance(cost["share" if number in (2, 3) else "compute"]))
+    model.output_layer.register_forward_hook(advance(cost["output_layer"]))
+    timer = LayerTimer(clock)
     timer.attach([model])
     tokens = torch.randint(0, 256, (1, 32))
     for _ in range(3):
@@ -29,10 +62,11 @@ def test_timer_counts_each_layer_kind(single_process):
     timer.detach()
     model(tokens, torch.arange(32).unsqueeze(0), None, labels=tokens)
     assert timer.counts["compute"] == 6  # detached: no more records
-    measured = timer.measured()
-    assert set(measured) == {"compute", "share", "output_layer"} and all(v > 0 for v in measured.values())
-    costs = calibrated_costs(LayerCosts(10.0, 8.0, 0.0, 5.0), timer)
-    assert costs.compute_layer == pytest.approx(measured["compute"]) and costs.share_layer == pytest.approx(measured["share"])
+    assert timer.measured() == pytest.approx(cost)
+    costs = calibrated_costs(LayerCosts(10.0, 8.0, 4.0, 5.0), timer)
+    # measured 10 ms over FLOPs 23 (the three measured kinds): the embedding's 4 -> 4 * 10e-3 / 23
+    assert (costs.compute_layer, costs.share_layer, costs.output_layer) == pytest.approx((3e-3, 2e-3, 5e-3))
+    assert costs.embedding == pytest.approx(4.0 * 10e-3 / 23.0)
 
 
 # ---------------------------------------------------------------------------- the CUDA-event path

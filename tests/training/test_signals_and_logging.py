@@ -35,12 +35,65 @@ def test_exit_signal_saves_and_exits_zero(tmp_path, sig):
     assert meta["sharing_layers"] == [3]
 
 
-def test_tensorboard_and_wandb_offline(tmp_path):
+def _wandb_history(run_file: Path) -> list[dict]:
+    """The ``history`` records of a wandb offline run file, read without wandb's reader: a
+    LevelDB-style log (7-byte file header, 32 KiB blocks, records of a 7-byte header -- CRC,
+    length, kind: 1 full, 2 first, 3 middle, 4 last -- and their bytes) of ``Record`` protobufs."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, block = run_file.read_bytes(), 7, 32768
+    assert data[:4] == b":W&B"
+    records, pending = [], b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # the block's tail is padding
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if length == 0 and kind == 0:
+            pos += left
+            continue
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            records.append(pending)
+            pending = b""
+    history = []
+    for raw in records:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "history":
+            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                            for item in record.history.item})
+    return history
+
+
+def test_tensorboard_and_wandb_offline_hold_the_logged_losses(tmp_path):
+    """Both sinks hold, per iteration, the loss and learning rate metrics.jsonl has; a run
+    without the flags (negative control) writes neither."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     run = run_trainer([*TINY, "--tensorboard", "--train-iters", "3", "--wandb", "--wandb-project", "epas-test"], tmp_path / "run",
                       env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
-    assert list((run.output_dir / "tensorboard").glob("events.out.tfevents.*"))
-    offline = list((run.output_dir / "wandb").glob("offline-run-*"))
-    assert offline and list(offline[0].glob("*.wandb"))
+    rows = {r["iteration"]: r for r in run.metrics if "lm_loss" in r and "iteration" in r}
+    assert sorted(rows) == [1, 2, 3]
+    events = EventAccumulator(str(run.output_dir / "tensorboard"))
+    events.Reload()
+    for tag in ("lm_loss", "lr"):
+        scalars = events.Scalars(f"train/{tag}")
+        assert [e.step for e in scalars] == [1, 2, 3]
+        assert [e.value for e in scalars] == pytest.approx([rows[i][tag] for i in (1, 2, 3)], rel=1e-6)  # float32 in TB
+    offline = list((run.output_dir / "wandb").glob("offline-run-*/*.wandb"))
+    assert len(offline) == 1
+    history = [h for h in _wandb_history(offline[0]) if "train/lm_loss" in h]
+    assert [h["_step"] for h in history] == [1, 2, 3]
+    assert [h["train/lm_loss"] for h in history] == [rows[i]["lm_loss"] for i in (1, 2, 3)]
+    assert [h["train/lr"] for h in history] == [rows[i]["lr"] for i in (1, 2, 3)]
+
+    control = run_trainer([*TINY, "--no-tensorboard", "--train-iters", "1"], tmp_path / "control")
+    assert not (control.output_dir / "tensorboard").exists() and not (control.output_dir / "wandb").exists()
 
 
 @pytest.mark.distributed
