@@ -125,7 +125,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     ours, rest = _split_argv(sys.argv[1:] if argv is None else argv)
     try:
-        world = ours.world_size or world_size_from_env()
+        world = world_size_from_env() if ours.world_size is None else ours.world_size
         if world < 1:
             raise ConfigError(f"--world-size must be >= 1, got {world}")
         if ours.gpu_memory_gb is not None and not ours.gpu_memory_gb > 0:

@@ -5,13 +5,39 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from epas_megatron.metrics.flops import Convention, ModelShape, flops_per_iteration
 from epas_testing import REPO
 
 
-def plan(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "epas_megatron.plan", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **(env or {})})
+def plan(*args):
+    """``epas-plan args`` through its ``main`` in this process (the installed command itself runs
+    in tests/test_entry_points.py): (exit status, stdout, stderr)."""
+    import contextlib
+    import io
+
+    from epas_megatron.plan import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(["epas-plan", *args], code, out.getvalue(), err.getvalue())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world-size", "0"], "error: --world-size must be >= 1, got 0"),
+    (["--world-size", "-2"], "error: --world-size must be >= 1, got -2"),
+    (["--gpu-memory-gb", "0"], "error: --gpu-memory-gb must be > 0, got 0.0"),
+    (["--world-size", "2", "--pp", "4"], "error: --tp 1 x --pp 4 = 4 does not divide the 2 processes"),
+    (["--epas-target-layers", "4"], "error: --epas-target-layers"),
+])
+def test_refusals(argv, message, tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    proc = plan("--preset", "tiny", "--output-dir", str(tmp_path / "r"), *argv)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and errors[0].startswith(message), proc.stderr
+    assert not proc.stdout and not (tmp_path / "r").exists()
 
 
 def test_7b_on_one_node_of_80gb_gpus_fits(tmp_path):

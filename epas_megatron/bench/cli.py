@@ -53,6 +53,18 @@ def _region(args, preset) -> int:
     return region
 
 
+def _check_pipeline(args, preset) -> None:
+    """--pp / --vpp of ``epas-bench pipeline`` against the preset, before any process group."""
+    if args.pp < 2:
+        raise ConfigError(f"--pp must be >= 2 for the pipeline bench (it compares stage layouts), got {args.pp}")
+    stages = args.pp * (args.vpp or 1)
+    if args.vpp is not None and args.vpp < 2:
+        raise ConfigError(f"--vpp must be >= 2 when given (leave it out for one chunk per rank), got {args.vpp}")
+    if preset.num_layers % stages:
+        flag = "--pp x --vpp" if args.vpp else "--pp"
+        raise ConfigError(f"{flag} = {stages} stages does not divide the {preset.num_layers} layers of the {args.preset} preset")
+
+
 METHODS = ("epas", "random-ltd", "both")
 
 
@@ -146,8 +158,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         tp = getattr(args, "tp", 1)
         if world_size_from_env() % (tp * args.pp):
             raise ConfigError(f"--tp {tp} x --pp {args.pp} does not divide the {world_size_from_env()} processes")
+        for name in ("iters", "blocks", "num_microbatches"):
+            if getattr(args, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        if args.warmup < 0:
+            raise ConfigError(f"--warmup must be >= 0, got {args.warmup}")
         if args.iters < args.blocks:
             raise ConfigError("--iters must be at least --blocks")
+        if args.command == "pipeline":
+            _check_pipeline(args, preset)
         methods = _methods(args, args.seq_length or preset.seq_length) if args.command == "train" else ()
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -1,0 +1,48 @@
+"""epas-bench's refusals: exit status 2 and one ``error:`` line naming the flag, before any
+process group or model exists. Run through ``main`` in this process (the command line itself is
+covered by tests/test_entry_points.py)."""
+
+import pytest
+import torch.distributed as dist
+
+from epas_megatron.bench.cli import main
+
+CASES = [
+    # train
+    (["train", "--preset", "tiny", "--region", "4"], None, "error: --region must be between 1 and 3 for the tiny preset"),
+    (["train", "--preset", "tiny", "--method", "epas,ltd"], None, "error: --method 'epas,ltd'"),
+    (["train", "--preset", "tiny", "--method", "all", "--kept-tokens", "0"], None, "error: --kept-tokens"),
+    (["train", "--preset", "tiny", "--iters", "2", "--blocks", "4"], None, "error: --iters must be at least --blocks"),
+    (["train", "--preset", "tiny", "--iters", "0"], None, "error: --iters must be >= 1, got 0"),
+    (["train", "--preset", "tiny", "--warmup", "-1"], None, "error: --warmup must be >= 0, got -1"),
+    (["train", "--preset", "nope"], None, "error: --preset 'nope' is not a known preset"),
+    # pipeline
+    (["pipeline", "--preset", "tiny"], None, "error: --tp 1 x --pp 2 does not divide the 1 processes"),
+    (["pipeline", "--preset", "tiny", "--pp", "1"], None, "error: --pp must be >= 2 for the pipeline bench"),
+    (["pipeline", "--preset", "tiny", "--pp", "2", "--vpp", "3"], 2, "error: --pp x --vpp = 6 stages does not divide the 4 layers"),
+    (["pipeline", "--preset", "tiny", "--pp", "2", "--vpp", "1"], 2, "error: --vpp must be >= 2 when given"),
+    (["pipeline", "--preset", "tiny", "--pp", "3"], 3, "error: --pp = 3 stages does not divide the 4 layers of the tiny preset"),
+    (["pipeline", "--preset", "tiny", "--region", "0"], 2, "error: --region must be between 1 and 3"),
+    (["pipeline", "--preset", "tiny", "--num-microbatches", "0"], 2, "error: --num-microbatches must be >= 1, got 0"),
+    # decode
+    (["decode", "--preset", "tiny", "--region", "4"], None, "error: --region must be between 1 and 3 for the tiny preset"),
+    (["decode", "--preset", "tiny", "--region", "2"], 2, "error: epas-bench decode runs in one process"),
+    # switch
+    (["switch", "--steps", "1"], None, "error: --steps must be >= 2"),
+    (["switch", "--repeats", "0"], None, "error: --repeats must be >= 1"),
+    (["switch", "--preset", "nope"], None, "error: --preset 'nope' is not a known preset"),
+]
+
+
+@pytest.mark.parametrize("argv, world_size, message", CASES, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_refusal_is_one_error_line_before_any_work(argv, world_size, message, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # nothing may be written (a bench writes nothing but its output)
+    if world_size is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    code = main(argv)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and errors[0].startswith(message), err
+    assert not dist.is_initialized() and not any(tmp_path.iterdir())
