@@ -19,8 +19,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 LAYERS: list[tuple[str, ...]] = [
-    # 0: no project imports but these; used everywhere
-    ("epas_megatron.errors", "epas_megatron.runtime", "epas_megatron.compat", "epas_kernels", "epas_megatron"),
+    # 0: no project imports but these; used everywhere (epas_megatron.hf: the transformers classes an
+    #    EPAS export ships, which import only torch and transformers)
+    ("epas_megatron.errors", "epas_megatron.runtime", "epas_megatron.compat", "epas_kernels", "epas_megatron",
+     "epas_megatron.hf"),
     # 1: the config schema and its command line
     ("epas_megatron.config.schema", "epas_megatron.config.presets", "epas_megatron.config.cli", "epas_megatron.config"),
     # 2: what the model is made of: the sharing schedule and region grammar, Random-LTD's schedule

@@ -5,13 +5,16 @@
     epas-bench train --preset small --method all --kept-tokens 128
     torchrun --nproc-per-node 2 -m epas_megatron.bench.cli pipeline --preset small --region 4
     epas-bench decode --preset 125m --batch 8 --context 2048
+    epas-bench hf-decode --preset 125m --batch 8 --context 2048
     epas-bench quality --scale cpu --output-dir runs/quality
     epas-bench switch --preset 350m --mode both --repeats 2
     epas-bench memory --preset 125m --region 6 --seq-length 512
 
 ``train``: baseline vs EPAS with a fixed region, same model and process (see
 :mod:`epas_megatron.bench.train_bench`). ``decode``: generation throughput, baseline vs EPAS
-with and without probability reuse (see :mod:`epas_megatron.bench.decode_bench`). ``pipeline``: PP=2 baseline vs EPAS without and with
+with and without probability reuse (see :mod:`epas_megatron.bench.decode_bench`). ``hf-decode``:
+transformers ``generate()`` on the EPAS export class, region 0 vs half the layers sharing: tokens/s
+and peak cache bytes (see :mod:`epas_megatron.bench.hf_decode_bench`). ``pipeline``: PP=2 baseline vs EPAS without and with
 stage rebalancing, plus a model-predicted table for 7B on PP=4/8 (see
 :mod:`epas_megatron.bench.pipeline_bench`). ``quality``: the paper's quality claims -- baseline vs
 EPAS from scratch, continual pretraining evaluated at every region, an ablation -- as a recipe
@@ -114,6 +117,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     decode.add_argument("--seed", type=int, default=1234)
     decode.add_argument("--decode-step", default="auto", choices=["auto", "eager", "static", "cuda-graph"],
                         help="how every variant runs a decode step: auto = a replayed CUDA graph on CUDA, eager elsewhere")
+    hf_decode = commands.add_parser("hf-decode", help="transformers generate() on the EPAS export: region 0 vs half the layers")
+    hf_decode.add_argument("--preset", default="125m", help="model shape (random weights)")
+    hf_decode.add_argument("--region", type=int, default=None, help="sharing layers of the EPAS variant (default: half the layers)")
+    hf_decode.add_argument("--batch", type=int, default=8, help="sequences generated together")
+    hf_decode.add_argument("--context", type=int, default=2048, help="prompt tokens cached before the timed generate()")
+    hf_decode.add_argument("--new-tokens", type=int, default=16, help="tokens per timed generate()")
+    hf_decode.add_argument("--blocks", type=int, default=3, help="alternating timed blocks per variant")
+    hf_decode.add_argument("--share", default="qk", choices=["qk", "kv"])
+    hf_decode.add_argument("--reuse-probs", action="store_true", help="the EPAS variant reuses the source's probabilities")
+    hf_decode.add_argument("--seed", type=int, default=1234)
     _quality_parser(commands)
     switch = commands.add_parser("switch", help="one EPAS switch: in memory vs through a checkpoint")
     switch.add_argument("--preset", default="tiny", help="model preset (tiny ... 350m on CPU)")
@@ -142,6 +155,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return ConfigError.exit_code
     if args.command == "decode":
         return _decode(args)
+    if args.command == "hf-decode":
+        return _hf_decode(args)
     if args.command == "switch":
         return _switch(args)
     if args.command == "memory":
@@ -222,6 +237,22 @@ def _decode(args) -> int:
         print(format_record(run_decode_bench(cfg)), flush=True)
     finally:
         destroy_distributed()
+    return 0
+
+
+def _hf_decode(args) -> int:
+    from epas_megatron.bench.hf_decode_bench import HfDecodeBenchConfig, check_config, run_hf_decode_bench
+    from epas_megatron.bench.train_bench import format_record
+    from epas_megatron.config.presets import get_preset
+
+    try:
+        cfg = HfDecodeBenchConfig(args.preset, args.region, args.batch, args.context, args.new_tokens, args.blocks,
+                                  args.share, args.reuse_probs, args.seed)
+        check_config(cfg, get_preset(args.preset).num_layers)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return ConfigError.exit_code
+    print(format_record(run_hf_decode_bench(cfg, log=lambda line: print(line, flush=True))), flush=True)
     return 0
 
 

@@ -4,6 +4,18 @@
     epas-train --preset 1b --pretrained ckpts/tinyllama --tokenizer-model ckpts/tinyllama/tokenizer.model \\
                --data data/corpus --epas-target-layers 5 ...          # continual pretraining with EPAS
     epas-convert hf-export --load runs/x/checkpoints --output hf/x       # any sharing region -> plain LLaMA
+    epas-convert hf-export --load runs/x/checkpoints --output hf/x-epas --region max   # EPAS for transformers
+
+Without ``--region`` the export is a plain ``LlamaForCausalLM`` (region 0: every sharing layer's
+frozen Q/K rows fused back). With ``--region R`` (an int up to the trained region, or 'max') it
+is an ``EpasLlamaForCausalLM`` whose last R layers (where the checkpoint's regions end) share:
+config (``model_type='epas_llama'``, the sharing layers, the share kind), the modeling,
+configuration, cache and tokenizer code of :mod:`epas_megatron.hf` copied next to safetensors
+weights (``auto_map``; loads with ``trust_remote_code=True``, offline), the sharing layers'
+frozen rows as ``frozen_*_proj`` (so any region 0..R runs), and a ``tokenizer_config.json`` for
+the copied ``tokenizer.model``. ``hf-import`` reads either kind; an EPAS directory comes back as
+a checkpoint saved at its region (``sharing_layers`` and ``epas_share`` in its metadata, so
+``epas-eval`` and ``epas-generate`` default to it).
 
 Both run as one process (whole tensors, TP=1/PP=1); the checkpoint then loads into any layout.
 Import checks what the architecture supports (no RoPE scaling, no biases, SiLU). The vocabulary
@@ -57,40 +69,70 @@ def _shape(model_cfg):
 
 
 def hf_import(hf_dir: Path, output: Path) -> Path:
-    """Hugging Face directory -> checkpoint root with iteration 0 (model weights only)."""
+    """Hugging Face directory (plain LLaMA or an EPAS export) -> checkpoint root with iteration 0
+    (model weights only; an EPAS export's region is the checkpoint's)."""
     import torch
     from transformers import AutoConfig, LlamaForCausalLM
 
+    import epas_megatron.hf  # noqa: F401  (registers model_type 'epas_llama' with AutoConfig)
     from epas_megatron.assembly import checkpoint_meta_for_import
     from epas_megatron.checkpointing.checkpoint import save_checkpoint
     from epas_megatron.config.schema import RunConfig
-    from epas_megatron.convert.hf_llama import hf_to_megatron
+    from epas_megatron.convert.hf_llama import from_epas_hf, hf_to_megatron
+    from epas_megatron.hf import EpasLlamaForCausalLM
     from epas_megatron.model.architecture import architecture_from_config
     from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import build_model
     from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
 
-    model_cfg = _model_config_from_hf(AutoConfig.from_pretrained(hf_dir))
-    hf_state = LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).state_dict()
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    model_cfg = _model_config_from_hf(hf_config)
+    epas = hf_config.model_type == "epas_llama"
+    if epas:
+        hf_state = from_epas_hf(EpasLlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).state_dict())
+        sharing, share = tuple(hf_config.epas_sharing_layers), hf_config.epas_share
+    else:
+        hf_state = LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).state_dict()
+        sharing, share = (), "qk"
+    exclude_last = model_cfg.num_layers - 1 - sharing[-1] if sharing else 0
     tokenizer = hf_dir / "tokenizer.model"
     cfg = replace(RunConfig(), model=model_cfg)
-    cfg = replace(cfg, training=replace(cfg.training, seq_length=model_cfg.max_position_embeddings))
+    cfg = replace(cfg, training=replace(cfg.training, seq_length=model_cfg.max_position_embeddings),
+                  epas=replace(cfg.epas, epas_share=share, epas_exclude_last=exclude_last, epas_target_layers=str(len(sharing))))
     init_distributed(1, 1, None, seed=0)
     try:
         arch = architecture_from_config(model_cfg)
-        model = build_model(BuildPlan.for_region(arch)).chunks[0]
+        # Built at the region it is saved with; the plain state dict loads into any region.
+        model = build_model(BuildPlan.for_region(arch, sharing, share=share, exclude_last=exclude_last)).chunks[0]
         model.load_state_dict(hf_to_megatron(hf_state, _shape(model_cfg), arch.vocab_size), strict=False)
         output.mkdir(parents=True, exist_ok=True)
         if tokenizer.is_file():
             shutil.copy(tokenizer, output / "tokenizer.model")
         meta = checkpoint_meta_for_import(cfg, str(output / "tokenizer.model") if tokenizer.is_file() else None, str(hf_dir))
+        meta = replace(meta, sharing_layers=sharing, epas_share=share)
         return save_checkpoint(output, 0, [model], None, None, {"iteration": 0}, meta.to_dict())
     finally:
         destroy_distributed()
 
 
-def hf_export(load: Path, output: Path) -> Path:
-    """Checkpoint (any sharing region) -> Hugging Face LlamaForCausalLM directory."""
+def export_region(meta, text: str) -> int:
+    """``--region``: an int from 0 to the checkpoint's trained region, or 'max' (that region)."""
+    if text == "max":
+        return meta.trained_region
+    try:
+        region = int(text)
+    except ValueError:
+        raise ConfigError(f"--region {text!r}: give a number of sharing layers or 'max'") from None
+    if not 0 <= region <= meta.trained_region:
+        raise ConfigError(f"--region {region}: must be between 0 and {meta.trained_region}, the sharing region this "
+                          f"checkpoint was trained with (its frozen Q/K rows exist only up to there)")
+    return region
+
+
+def hf_export(load: Path, output: Path, region: Optional[str] = None) -> Path:
+    """Checkpoint (any sharing region) -> Hugging Face directory: a plain ``LlamaForCausalLM``
+    (``region`` None), or an ``EpasLlamaForCausalLM`` with ``region`` ('max' or an int up to the
+    trained region) sharing layers (see the module notes)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from epas_megatron.assembly import plan_for_checkpoint
@@ -101,6 +143,7 @@ def hf_export(load: Path, output: Path) -> Path:
     from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
 
     checkpoint, meta = open_checkpoint(load, "--load", needs_config=True)
+    size = None if region is None else export_region(meta, region)
     m = meta.run_config().model
     init_distributed(1, 1, None, seed=0)
     try:
@@ -111,9 +154,12 @@ def hf_export(load: Path, output: Path) -> Path:
         hf_state = megatron_to_hf(strip_extra_state(model.state_dict()), _shape(m))
     finally:
         destroy_distributed()
-    config = LlamaConfig(**hf_config_kwargs(m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups,
-                                            m.ffn_hidden_size, m.vocab_size, m.max_position_embeddings, m.rotary_base,
-                                            m.norm_epsilon, not m.untie_embeddings_and_output_weights))
+    kwargs = hf_config_kwargs(m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size,
+                              m.vocab_size, m.max_position_embeddings, m.rotary_base, m.norm_epsilon,
+                              not m.untie_embeddings_and_output_weights)
+    if size is not None:
+        return _write_epas(meta, kwargs, hf_state, size, output)
+    config = LlamaConfig(**kwargs)
     hf = LlamaForCausalLM(config)
     hf.load_state_dict(hf_state, strict=not config.tie_word_embeddings)
     output.mkdir(parents=True, exist_ok=True)
@@ -122,6 +168,45 @@ def hf_export(load: Path, output: Path) -> Path:
     if tokenizer and Path(tokenizer).is_file():
         shutil.copy(tokenizer, output / "tokenizer.model")
     return output
+
+
+def _write_epas(meta, config_kwargs: dict, hf_state: dict, region: int, output: Path) -> Path:
+    """The EPAS directory of ``hf-export --region``: config, shipped code, weights, tokenizer."""
+    import json
+
+    import epas_megatron.hf as epas_hf
+    from epas_megatron.convert.hf_llama import to_epas_hf
+    from epas_megatron.sharing.schedule import region_layers
+
+    sharing = region_layers(meta.num_layers, region, flag="--region", exclude_last=meta.exclude_last)
+    config = epas_hf.EpasLlamaConfig(**config_kwargs, epas_share=meta.epas_share, epas_sharing_layers=list(sharing),
+                                     epas_region=len(sharing))
+    config.auto_map = dict(epas_hf.AUTO_MAP)
+    model = epas_hf.EpasLlamaForCausalLM(config)
+    model.load_state_dict(to_epas_hf(hf_state, sharing, meta.epas_share), strict=not config.tie_word_embeddings)
+    output.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(output, safe_serialization=True)
+    for name in epas_hf.SHIPPED_FILES:
+        shutil.copy(epas_hf.SOURCE_DIR / name, output / name)
+    tokenizer = meta.tokenizer_model
+    if tokenizer and Path(tokenizer).is_file():
+        shutil.copy(tokenizer, output / "tokenizer.model")
+        (output / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(Path(tokenizer), config), indent=2) + "\n")
+    return output
+
+
+def _tokenizer_config(model_file: Path, config) -> dict:
+    """``tokenizer_config.json`` for :class:`~epas_megatron.hf.tokenization_epas.EpasTokenizer`: the
+    SentencePiece model's own unk / eos / pad pieces, no BOS (see that module)."""
+    import sentencepiece
+
+    from epas_megatron.hf import TOKENIZER_AUTO_MAP
+
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+    piece = lambda i: processor.id_to_piece(i) if i >= 0 else None
+    return {"tokenizer_class": "EpasTokenizer", "auto_map": TOKENIZER_AUTO_MAP, "unk_token": piece(processor.unk_id()),
+            "eos_token": piece(processor.eos_id()), "pad_token": piece(processor.pad_id()), "bos_token": None,
+            "model_max_length": config.max_position_embeddings, "clean_up_tokenization_spaces": False}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -136,6 +221,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     exp = commands.add_parser("hf-export", help="checkpoint -> Hugging Face LLaMA directory")
     exp.add_argument("--load", required=True, type=Path, help="checkpoint root or iter_ directory")
     exp.add_argument("--output", required=True, type=Path, help="directory to write")
+    exp.add_argument("--region", default=None,
+                     help="write an EPAS model for transformers (trust_remote_code) with this many sharing layers, up to "
+                          "the trained region ('max': that region); default: a plain LlamaForCausalLM (region 0)")
     args = parser.parse_args(argv)
     try:
         if args.command == "hf-import":
@@ -145,7 +233,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise ConfigError(f"--output {args.output} is not empty")
             path = hf_import(args.hf_dir, args.output)
         else:
-            path = hf_export(args.load, args.output)
+            path = hf_export(args.load, args.output, args.region)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return ConfigError.exit_code

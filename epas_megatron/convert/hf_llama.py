@@ -7,6 +7,11 @@ value head; SwiGLU's ``linear_fc1`` is ``[gate; up]``. The vocabulary is padded 
 side (multiple of 128) and cut back on export. A model with a sharing region exports like the
 plain model: the frozen Q/K rows and the trained V (or Q) rows are fused back, so the exported
 model runs with region 0 (plain LLaMA) and can be re-imported with any region.
+
+The EPAS export (``hf-export --region R``, :mod:`epas_megatron.hf`) names the same tensors, except
+that a layer of its sharing region keeps only what it owns under the usual names (``v_proj``
+for share 'qk', ``q_proj`` for 'kv') and the frozen rows as ``frozen_{q,k}_proj`` ('qk') or
+``frozen_{k,v}_proj`` ('kv'): :func:`to_epas_hf` and :func:`from_epas_hf` rename between the two.
 """
 
 from __future__ import annotations
@@ -111,6 +116,26 @@ def hf_to_megatron(hf: dict, shape: LlamaShape, padded_vocab_size: int) -> dict[
             f"{p}pre_mlp_layernorm.weight": hf[f"{h}post_attention_layernorm.weight"],
         })
     return {k: v.detach().clone().contiguous() for k, v in out.items()}
+
+
+def frozen_parts(share: str) -> tuple[str, str]:
+    """The projections a sharing layer keeps frozen: ('q', 'k') for share 'qk', ('k', 'v') for 'kv'."""
+    return _OWN_FROZEN["linear_v" if share == "qk" else "linear_q"][1]
+
+
+def to_epas_hf(hf: dict, sharing_layers, share: str) -> dict[str, torch.Tensor]:
+    """``LlamaForCausalLM`` state dict -> ``EpasLlamaForCausalLM``'s for ``sharing_layers``: the
+    frozen projections of those layers renamed ``frozen_*_proj``."""
+    out = dict(hf)
+    for i in sharing_layers:
+        for part in frozen_parts(share):
+            out[f"model.layers.{i}.self_attn.frozen_{part}_proj.weight"] = out.pop(f"model.layers.{i}.self_attn.{part}_proj.weight")
+    return out
+
+
+def from_epas_hf(state: dict) -> dict[str, torch.Tensor]:
+    """``EpasLlamaForCausalLM`` state dict -> ``LlamaForCausalLM``'s (every layer's full q/k/v)."""
+    return {re.sub(r"\.frozen_([qkv])_proj\.", r".\1_proj.", key): value for key, value in state.items()}
 
 
 def hf_config_kwargs(num_layers, hidden_size, num_attention_heads, num_query_groups, ffn_hidden_size, vocab_size,

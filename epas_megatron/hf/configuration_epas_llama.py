@@ -1,0 +1,79 @@
+"""``EpasLlamaConfig``: a LLaMA configuration that also records an EPAS sharing region.
+
+A model exported with ``epas-convert hf-export --region R`` is a LLaMA whose last ``R`` layers
+(``epas_sharing_layers``; the block ends where the trained regions end) run in *sharing mode*:
+with ``epas_share='qk'`` such a layer reuses the post-RoPE Q and K of the last computing layer
+before it (its *source*) and computes only its own V; with ``'kv'`` it computes its own Q and
+reuses the source's K and V. ``epas_region`` (0 .. ``len(epas_sharing_layers)``) picks how many
+of those layers share when the model runs: the deepest ``epas_region`` of them. A smaller
+region runs the other layers with their own (frozen during training) Q/K (K/V) projections,
+which the export keeps. It can be chosen at load time without a new export::
+
+    AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, epas_region=1)
+
+This file ships inside every exported model directory: it imports only ``transformers`` and
+``huggingface_hub`` (a dependency of transformers, whose config classes use its ``strict``).
+"""
+
+from __future__ import annotations
+
+from huggingface_hub.dataclasses import strict
+from transformers import LlamaConfig
+
+SHARE_KINDS = ("qk", "kv")
+"""What a sharing layer reuses from its source: post-RoPE Q and K, or K and V."""
+
+
+@strict
+class EpasLlamaConfig(LlamaConfig):
+    """LLaMA plus the EPAS region (see the module notes)."""
+
+    model_type = "epas_llama"
+
+    epas_share: str = "qk"
+    """'qk': sharing layers reuse the source's post-RoPE Q and K and own V (the paper's EPAS);
+    'kv': they own Q and reuse the source's K and V (cross-layer KV sharing)."""
+
+    epas_sharing_layers: list[int] | None = None
+    """The exported (largest) sharing region, ascending and contiguous: these layers hold only
+    what they own in sharing mode, plus their frozen projections (``frozen_*_proj``)."""
+
+    epas_region: int | None = None
+    """Layers that share when the model runs: the deepest ``epas_region`` of
+    ``epas_sharing_layers`` (None: all of them)."""
+
+    epas_reuse_probs: bool = False
+    """'qk' only: a sharing layer applies its source's attention probabilities to its own V
+    instead of recomputing ``softmax(Q Kᵀ)`` from the same Q, K and mask (exact, and no K read;
+    the source then runs eager attention to have the probabilities)."""
+
+    def __post_init__(self, **kwargs):
+        self.epas_sharing_layers = [int(i) for i in (self.epas_sharing_layers or [])]
+        if self.epas_region is None:
+            self.epas_region = len(self.epas_sharing_layers)
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        super().validate_architecture()
+        layers = self.epas_sharing_layers
+        if self.epas_share not in SHARE_KINDS:
+            raise ValueError(f"epas_share must be one of {SHARE_KINDS}, got {self.epas_share!r}")
+        if layers and layers != list(range(layers[0], layers[0] + len(layers))):
+            raise ValueError(f"epas_sharing_layers must be one ascending block of layers, got {layers}")
+        if layers and not 1 <= layers[0] <= layers[-1] < self.num_hidden_layers:
+            raise ValueError(f"epas_sharing_layers {layers}: a sharing layer needs a computing layer before it "
+                             f"and the model has {self.num_hidden_layers} layers")
+        if not 0 <= int(self.epas_region) <= len(layers):
+            raise ValueError(f"epas_region must be between 0 and {len(layers)} (the exported sharing region), "
+                             f"got {self.epas_region}")
+        if self.epas_reuse_probs and self.epas_share != "qk":
+            raise ValueError("epas_reuse_probs needs epas_share='qk' (kv-sharing layers have their own Q)")
+
+    @property
+    def epas_active_layers(self) -> tuple[int, ...]:
+        """The layers that share at ``epas_region``: the deepest ones of ``epas_sharing_layers``."""
+        layers = self.epas_sharing_layers
+        return tuple(layers[len(layers) - int(self.epas_region):])
+
+
+__all__ = ["EpasLlamaConfig", "SHARE_KINDS"]
