@@ -58,3 +58,21 @@ def tiny_arch():
     # GQA (4 query heads, 2 KV groups), a large init so attention is far from uniform.
     return LlamaArchitecture(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                              ffn_hidden_size=176, vocab_size=256, max_sequence_length=32, init_method_std=0.2)
+
+
+TINY_EPAS_ARGS = ["--preset", "tiny", "--no-tensorboard", "--log-interval", "1", "--train-iters", "8",
+                  "--global-batch-size", "4", "--micro-batch-size", "2", "--epas-target-layers", "2", "--epas-interval", "3",
+                  "--eval-interval", "8", "--eval-iters", "2", "--init-method-std", "0.1"]
+"""The session's shared EPAS checkpoint: the tiny preset, 8 iterations, region [3] from 3 and
+[2, 3] from 6 (trained region 2), validation at the end."""
+
+
+@pytest.fixture(scope="session")
+def tiny_epas_run(tmp_path_factory):
+    """One trained tiny EPAS run (:data:`TINY_EPAS_ARGS`) that evaluation, generation and
+    lm-eval tests read (none of them writes into it)."""
+    from epas_testing import run_trainer
+
+    run = run_trainer(TINY_EPAS_ARGS, tmp_path_factory.mktemp("tiny-epas") / "run")
+    assert [s["sharing_layers"] for s in run.switches] == [[3], [2, 3]]
+    return run

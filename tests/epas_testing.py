@@ -72,6 +72,77 @@ code as the command, without an interpreter start and a re-import of torch and M
 ``EPAS_TEST_TRAINER_PROCESSES=1`` starts a process for every run instead."""
 
 
+FORKED = os.environ.get("EPAS_TEST_TORCHRUN") != "1"
+"""Multi-rank trainer runs and test scripts fork their ranks from one server process that
+imported torch, Megatron-Core and epas-megatron once (tests/fork_server.py), instead of
+starting torchrun and an interpreter per rank; ``EPAS_TEST_TORCHRUN=1`` uses torchrun. Tests
+of the launch itself (launcher, Slurm, README, the pipeline bench) always start real torchrun."""
+
+
+class ForkServer:
+    """The client side of tests/fork_server.py (one server per test session, started on first
+    use and restarted after a run it had to kill)."""
+
+    def __init__(self):
+        self.proc: Optional[subprocess.Popen] = None
+
+    def _start(self) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("fork_server.py"))], cwd=REPO, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                     start_new_session=True)
+        ready = self.proc.stdout.readline()
+        if not ready.startswith('{"ready"'):
+            self.close()
+            raise RuntimeError(f"the fork server did not start: {ready!r}")
+
+    def run(self, target: dict, argv: Sequence[str], nproc: int, env: dict, timeout: float) -> tuple[int, str, str]:
+        """(exit status as torchrun's, stdout, stderr) of ``nproc`` ranks running ``target``."""
+        import tempfile
+
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        with tempfile.TemporaryDirectory(prefix="epas-fork-") as folder:
+            out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+            request = {**target, "argv": list(argv), "nproc": nproc, "env": env, "cwd": str(REPO),
+                       "stdout": str(out), "stderr": str(err), "timeout": timeout}
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            answer = self.proc.stdout.readline()
+            stdout = out.read_text() if out.exists() else ""
+            stderr = err.read_text() if err.exists() else ""
+        if not answer:
+            self.close()
+            raise RuntimeError(f"the fork server died during a run\n--- stderr\n{stderr[-4000:]}")
+        result = json.loads(answer)
+        if result["timed_out"]:
+            raise subprocess.TimeoutExpired(["fork-server", *argv], timeout, stdout, stderr)
+        return result["returncode"], stdout, stderr
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc = None
+
+
+_FORK_SERVER: Optional[ForkServer] = None
+
+
+def fork_server() -> ForkServer:
+    """The session's fork server (closed when the interpreter exits)."""
+    global _FORK_SERVER
+    if _FORK_SERVER is None:
+        import atexit
+
+        _FORK_SERVER = ForkServer()
+        atexit.register(_FORK_SERVER.close)
+    return _FORK_SERVER
+
+
 def run_trainer(
     args: Sequence[str],
     output_dir: Path,
@@ -86,14 +157,18 @@ def run_trainer(
     """Run the trainer to completion and collect stdout, SUMMARY and metrics.jsonl.
 
     One process with no extra environment runs in this process (:func:`_main_in_process`) unless
-    ``in_process=False``; torchrun launches, an installed ``command``, another ``module`` and runs
-    that need ``env`` start processes."""
+    ``in_process=False``; several ranks fork from the session's fork server (:data:`FORKED`);
+    an installed ``command``, another ``module`` or ``env`` with one process start a process."""
     argv = [*args, "--output-dir", str(output_dir)]
     if in_process is None:
         in_process = IN_PROCESS and nproc == 1 and command is None and module == "epas_megatron.train" and not env
     if in_process:
         returncode, stdout, stderr = _main_in_process(argv)
         cmd = ["epas_megatron.train.main", *argv]
+    elif FORKED and nproc > 1 and command is None:
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        cmd = ["fork-server", f"--nproc-per-node={nproc}", "-m", module, *argv]
+        returncode, stdout, stderr = fork_server().run({"module": module}, argv, nproc, full_env, timeout)
     else:
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         cmd = trainer_command(argv, nproc, module, command)
@@ -154,10 +229,16 @@ def _main_in_process(argv: Sequence[str]) -> tuple[int, str, str]:
 
 def run_script(script: Path, args: Sequence[str] = (), nproc: int = 2, timeout: int = 900,
                env: Optional[dict] = None) -> subprocess.CompletedProcess:
-    """Run a test script under torchrun; raise with its output if it fails."""
+    """Run a test script with ``nproc`` ranks (forked from the fork server, :data:`FORKED`, else
+    torchrun); raise with its output if it fails."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script), *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if FORKED:
+        cmd = ["fork-server", f"--nproc-per-node={nproc}", str(script), *args]
+        code, stdout, stderr = fork_server().run({"script": str(script)}, list(args), nproc, full_env, timeout)
+        proc = subprocess.CompletedProcess(cmd, code, stdout, stderr)
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script), *args]
+        proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"script failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}"
                              f"\n--- stderr\n{proc.stderr[-6000:]}")

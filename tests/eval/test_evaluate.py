@@ -5,16 +5,11 @@ import json
 import pytest
 
 from epas_megatron.evaluate import main
-from epas_testing import TINY, run_trainer
-
-ARGS = [*TINY, "--train-iters", "8", "--global-batch-size", "4", "--micro-batch-size", "2",
-        "--epas-target-layers", "2", "--epas-interval", "3", "--eval-interval", "8", "--eval-iters", "2",
-        "--init-method-std", "0.1"]
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    return run_trainer(ARGS, tmp_path_factory.mktemp("eval") / "run")
+def trained(tiny_epas_run):
+    return tiny_epas_run  # tests/conftest.py: TINY_EPAS_ARGS
 
 
 def evaluate(capsys, *argv):

@@ -12,13 +12,10 @@ import pytest
 import torch
 
 from epas_megatron.evaluate import main
-from epas_testing import TINY, run_trainer
 from llama_reference import forward, weights_from_hf_style
 
 TASKS = Path(__file__).resolve().parent / "tasks"
 TASK = "epas_tiny_mc"
-ARGS = [*TINY, "--train-iters", "8", "--global-batch-size", "4", "--micro-batch-size", "2",
-        "--epas-target-layers", "2", "--epas-interval", "3", "--init-method-std", "0.1"]
 MAX_LENGTH = 64  # the tiny preset's context
 LONG_TEXT = (
     "Return a new list containing all items from the iterable in ascending order. A custom key "
@@ -38,8 +35,8 @@ def offline():
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return run_trainer(ARGS, tmp_path_factory.mktemp("lm_eval") / "run").output_dir / "checkpoints"
+def checkpoint(tiny_epas_run):
+    return tiny_epas_run.output_dir / "checkpoints"  # tests/conftest.py: trained region 2 of 4 layers
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,11 @@ import pytest
 import torch
 
 from epas_megatron.generate import main
-from epas_testing import TINY, run_trainer
-
-ARGS = [*TINY, "--train-iters", "6", "--global-batch-size", "4", "--micro-batch-size", "2",
-        "--epas-target-layers", "2", "--epas-interval", "2", "--init-method-std", "0.1"]
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    run = run_trainer(ARGS, tmp_path_factory.mktemp("generate") / "run")
-    return run.output_dir / "checkpoints"
+def checkpoint(tiny_epas_run):
+    return tiny_epas_run.output_dir / "checkpoints"  # tests/conftest.py: trained region 2 of 4 layers
 
 
 def generate(capsys, *argv):
