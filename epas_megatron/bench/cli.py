@@ -320,14 +320,14 @@ def _switch(args) -> int:
 
 
 def _quality_parser(commands) -> None:
-    from epas_megatron.experiments.quality import SCALES
+    from epas_megatron.experiments.quality import DEFAULT_PARTS, PARTS, SCALES
 
     quality = commands.add_parser("quality", help="the paper's quality claims: loss gap, continual pretraining, ablation")
     quality.add_argument("--scale", default="cpu", choices=list(SCALES),
                          help="recipe size: smoke (CI), cpu (~40 min on 2 cores), 125m / 1b (GPUs), tinyllama (continual only)")
     quality.add_argument("--output-dir", default="runs/quality", help="runs, quality.md, quality.json and plots go here")
-    quality.add_argument("--parts", default="scratch,continual,ablation",
-                         help="experiments to run (comma-separated): scratch, continual, ablation, random_ltd")
+    quality.add_argument("--parts", default=",".join(DEFAULT_PARTS),
+                         help=f"experiments to run (comma-separated): {', '.join(PARTS)}")
     quality.add_argument("--nproc", type=int, default=1, help="processes per training run (torchrun when > 1)")
     quality.add_argument("--base-checkpoint", default=None,
                          help="continual pretraining from this checkpoint (default: the from-scratch baseline)")
@@ -340,13 +340,13 @@ def _quality_parser(commands) -> None:
 def _quality(args) -> int:
     from pathlib import Path
 
-    from epas_megatron.experiments.quality import SCALES, QualityRecipe
+    from epas_megatron.experiments.quality import PARTS, SCALES, QualityRecipe
 
     try:
         parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
-        unknown = sorted(set(parts) - {"scratch", "continual", "ablation", "random_ltd"})
+        unknown = sorted(set(parts) - set(PARTS))
         if unknown or not parts:
-            raise ConfigError(f"--parts {args.parts!r}: choose among scratch, continual, ablation, random_ltd")
+            raise ConfigError(f"--parts {args.parts!r}: choose among {', '.join(PARTS)}")
         scale = SCALES[args.scale]
         if scale.continual_only and args.base_checkpoint is None:
             raise ConfigError(f"--scale {args.scale} is continual pretraining only: "

@@ -354,6 +354,15 @@ class EpasConfig:
     checkpoint saved to <output-dir>/.switch_staging and loaded back). Both are exact and give
     bit-identical runs; 'memory' is faster and writes nothing."""
 
+    epas_switch_rewarm: int = 0
+    """Learning-rate re-warm after each switch: the N steps from a switch at iteration t run
+    with the scheduler's LR times (k+1)/(N+1) at iteration t+k (k = 0..N-1), back to the
+    scheduler's LR at t+N; every parameter group, on top of any LR schedule (also Random-LTD's
+    LayerToken LR). 0: off. Must be smaller than --epas-interval. A pure function of the
+    iteration and the schedule (resumes continue it exactly; stored in checkpoints, a resume
+    with another value is refused). Costs no FLOPs: the same steps run on the same tokens.
+    The logged lr of iteration i is, as always, the LR the step of i+1 uses."""
+
 
 @dataclass
 class RandomLTDConfig:

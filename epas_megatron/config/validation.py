@@ -21,6 +21,7 @@ from epas_megatron.errors import ConfigError
 from epas_megatron.model.build_plan import normalise_vpp
 from epas_megatron.model.fusions import choose_precision, transformer_engine_importable
 from epas_megatron.sharing.regions import RegionSpec
+from epas_megatron.sharing.rewarm import SwitchRewarm
 from epas_megatron.sharing.schedule import SharingSchedule
 
 if TYPE_CHECKING:
@@ -293,6 +294,9 @@ def _resolve_epas(cfg: RunConfig, m, t) -> tuple[SharingSchedule, bool, list[str
     warnings = schedule.check_against_training(t.train_iters) if schedule.enabled else []
     if e.epas_exclude_last and not schedule.enabled:
         warnings.append(f"--epas-exclude-last {e.epas_exclude_last} has no effect: EPAS is off (--epas-target-layers 0)")
+    SwitchRewarm(schedule, e.epas_switch_rewarm)  # --epas-switch-rewarm: >= 0 and < --epas-interval
+    if e.epas_switch_rewarm and not schedule.enabled:
+        warnings.append(f"--epas-switch-rewarm {e.epas_switch_rewarm} has no effect: EPAS is off (--epas-target-layers 0)")
     rebalance = {"on": True, "off": False, "auto": p.pp > 1 and p.pipeline_layout is None}[e.epas_rebalance]
     if rebalance and p.pipeline_layout is not None:
         raise ConfigError("--epas-rebalance on conflicts with a fixed --pipeline-layout; drop one of them")

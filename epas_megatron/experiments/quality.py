@@ -1,6 +1,6 @@
 """``epas-bench quality``: the paper's quality claims, reproduced with this framework.
 
-Three experiments, each a set of ordinary ``epas-train`` / ``epas-eval`` runs (one process each,
+Experiments, each a set of ordinary ``epas-train`` / ``epas-eval`` runs (one process each,
 or torchrun with ``--nproc``) whose outputs the report reads back:
 
 1. **From scratch** (for every seed): the baseline and EPAS growing to the target region (half
@@ -21,6 +21,18 @@ or torchrun with ``--nproc``) whose outputs the report reads back:
    LayerToken LR) and EPAS with Random-LTD, at the same token budget and LR schedule. Reported:
    final validation loss, throughput and training time in the runs, and each run's FLOP-limit
    ratio (the baseline's model FLOPs over the arm's, summed over the run).
+5. **Progressive vs fixed** (``--parts`` ``fixed``, not in the default set), for every seed: EPAS
+   with the whole target region from the first step (``--epas-first-switch 1 --epas-growth
+   <target layers>``: one switch, before the step of iteration 1) against the progressive EPAS
+   run and the baseline, same tokens, seed and LR schedule. Reported: the final validation loss
+   of each, fixed minus progressive beside the paper's claim (progressive growth is what keeps
+   the quality: the difference should be positive) and the seed spreads.
+6. **LR re-warm after each switch** (``--parts`` ``rewarm``, not in the default set), for every
+   seed: EPAS with ``--epas-switch-rewarm N`` (:attr:`QualityScale.rewarm_steps`, default a
+   quarter of the interval: 12 at the ``cpu`` scale) against plain EPAS and the baseline.
+   Reported: final validation loss and gap, the gap against the baseline's seed spread, the
+   training time to the baseline's final loss, and the validation jump around each switch
+   (:func:`~epas_megatron.experiments.quality_report.switch_jumps`). The re-warm costs no FLOPs.
 
 Every arm writes ``<output-dir>/<arm>/`` (the run directory, ``train.log``, ``summary.json``
 once it finished); an arm whose ``summary.json`` exists is not run again, so an interrupted
@@ -30,6 +42,7 @@ the exact commands), ``quality.json`` (every number), ``loss_vs_tokens.png``,
 
     epas-bench quality                                   # CPU: ~40 minutes on 2 cores
     epas-bench quality --scale 125m --nproc 8            # 8 GPUs
+    epas-bench quality --parts fixed,rewarm              # the two ablations (shares baseline and EPAS runs)
     epas-bench quality --scale tinyllama --nproc 8 --base-checkpoint ckpts/tinyllama \\
         --data data/slimpajama_text_document --tokenizer-model ckpts/tinyllama/tokenizer.model
 """
@@ -109,6 +122,23 @@ class QualityScale:
     continual_only: bool = False
     """Skip the from-scratch runs and the ablation (a large pretrained base model)."""
 
+    rewarm_steps: Optional[int] = None
+    """``--parts rewarm``: the ``--epas-switch-rewarm`` of its EPAS runs. Default: a quarter of
+    :attr:`epas_interval` (at least 1)."""
+
+    @property
+    def switch_rewarm(self) -> int:
+        """The re-warm iterations of the ``rewarm`` arms (:attr:`rewarm_steps` resolved)."""
+        return self.rewarm_steps if self.rewarm_steps is not None else max(1, self.epas_interval // 4)
+
+    def target_layer_count(self) -> int:
+        """The from-scratch target region in layers (:attr:`target_layers` resolved for the preset's
+        layers, as the trainer resolves it)."""
+        from epas_megatron.config.presets import get_preset
+        from epas_megatron.sharing.schedule import resolve_target_layers
+
+        return resolve_target_layers(self.target_layers, get_preset(self.preset).num_layers)
+
 
 SCALES: dict[str, QualityScale] = {
     # CI: the whole recipe in about a minute (numbers meaningless).
@@ -132,6 +162,13 @@ SCALES: dict[str, QualityScale] = {
                               final_eval_iters=200, seeds=(), extra_args=("--precision", "bf16"), continual_only=True),
 }
 """Recipe sizes (``--scale``)."""
+
+
+PARTS = ("scratch", "continual", "ablation", "random_ltd", "fixed", "rewarm")
+"""Every experiment ``--parts`` can name, in the order of the module doc."""
+
+DEFAULT_PARTS = ("scratch", "continual", "ablation")
+"""The experiments run without ``--parts``."""
 
 
 @dataclass
@@ -159,7 +196,7 @@ def _common_args(scale: QualityScale, iters: int, lr: float, warmup: int, seed: 
 
 
 def plan_arms(scale: QualityScale, out: Path, base_checkpoint: Optional[str] = None,
-              data_args: Sequence[str] = (), parts: Sequence[str] = ("scratch", "continual", "ablation")) -> list[ArmSpec]:
+              data_args: Sequence[str] = (), parts: Sequence[str] = DEFAULT_PARTS) -> list[ArmSpec]:
     """The runs of the recipe, in the order they run (an arm after the arm it starts from)."""
     arms: list[ArmSpec] = []
     epas = ["--epas-target-layers", scale.target_layers, "--epas-interval", str(scale.epas_interval)]
@@ -182,6 +219,22 @@ def plan_arms(scale: QualityScale, out: Path, base_checkpoint: Optional[str] = N
                     ArmSpec("scratch_epas_random_ltd", [*common, *epas, "--random-ltd"])):
             if arm.name not in planned:
                 arms.append(arm)
+    if not scale.continual_only and ("fixed" in parts or "rewarm" in parts):
+        planned = {arm.name for arm in arms}
+        for number, seed in enumerate(scale.seeds):
+            suffix = "" if number == 0 else f"_seed{seed}"
+            common = _common_args(scale, scale.scratch_iters, scale.lr, scale.warmup_iters, seed, data_args)
+            candidates = [ArmSpec(f"scratch_baseline{suffix}", [*common, "--epas-target-layers", "0"]),
+                          ArmSpec(f"scratch_epas{suffix}", [*common, *epas, "--eval-regions", "0,half,max"])]
+            if "fixed" in parts:  # the whole region switches before the first step
+                candidates.append(ArmSpec(f"scratch_fixed{suffix}", [*common, *epas, "--epas-first-switch", "1", "--epas-growth",
+                                                                    str(scale.target_layer_count())]))
+            if "rewarm" in parts:
+                candidates.append(ArmSpec(f"scratch_rewarm{suffix}", [*common, *epas, "--epas-switch-rewarm", str(scale.switch_rewarm)]))
+            for arm in candidates:
+                if arm.name not in planned:
+                    arms.append(arm)
+                    planned.add(arm.name)
     if "continual" in parts:
         base = base_checkpoint or str(out / "scratch_baseline" / "run" / "checkpoints")
         needs = None if base_checkpoint else "scratch_baseline"
@@ -243,8 +296,8 @@ class QualityRecipe:
     data_args: list[str] = field(default_factory=list)
     """--data / --tokenizer-model flags for every run."""
 
-    parts: tuple[str, ...] = ("scratch", "continual", "ablation")
-    """Experiments to run."""
+    parts: tuple[str, ...] = DEFAULT_PARTS
+    """Experiments to run (among :data:`PARTS`)."""
 
     force: bool = False
     """Rerun arms that already finished."""
@@ -349,6 +402,29 @@ class QualityRecipe:
                                str(self.out / "random_ltd_loss_vs_tokens.png"), str(self.out / "random_ltd_loss_vs_time.png"),
                                scale.seq_length * scale.global_batch_size)
             plots += ["random_ltd_loss_vs_tokens.png", "random_ltd_loss_vs_time.png"]
+        if "fixed" in self.parts and not scale.continual_only:
+            per_seed = [{"seed": seed, **report.fixed_comparison(arm(f"scratch_baseline{suffix}"), arm(f"scratch_epas{suffix}"),
+                                                                 arm(f"scratch_fixed{suffix}"))}
+                        for seed, suffix in self._seed_suffixes()]
+            numbers["fixed"] = per_seed
+            numbers["fixed_summary"] = report.fixed_summary(per_seed)
+            sections.append(f"### Progressive vs fixed region (the full region of {scale.target_layer_count()} layers from "
+                            f"iteration 1)\n\n{report.fixed_table(per_seed)}\n\n{report.fixed_summary_text(numbers['fixed_summary'])}")
+        if "rewarm" in self.parts and not scale.continual_only:
+            per_seed = []
+            for seed, suffix in self._seed_suffixes():
+                comparison = report.rewarm_comparison(arm(f"scratch_baseline{suffix}"), arm(f"scratch_epas{suffix}"),
+                                                      arm(f"scratch_rewarm{suffix}"))
+                per_seed.append({"seed": seed, **comparison})
+                sections.append(f"### LR re-warm after each switch (--epas-switch-rewarm {scale.switch_rewarm}), seed {seed}\n\n"
+                                + report.rewarm_table(comparison))
+            numbers["rewarm"] = per_seed
+            numbers["rewarm_summary"] = {"steps": scale.switch_rewarm, **report.rewarm_summary(per_seed)}
+            sections.append(report.rewarm_summary_text(numbers["rewarm_summary"], scale.switch_rewarm))
+            report.plot_curves([arm("scratch_baseline"), arm("scratch_epas"), arm("scratch_rewarm")],
+                               str(self.out / "rewarm_loss_vs_tokens.png"), str(self.out / "rewarm_loss_vs_time.png"),
+                               scale.seq_length * scale.global_batch_size)
+            plots += ["rewarm_loss_vs_tokens.png", "rewarm_loss_vs_time.png"]
         if "continual" in self.parts:
             comparison = report.continual_comparison(self.evaluate_regions("continual_epas", scale.continual_region),
                                                      self.evaluate_regions("continual_baseline", scale.continual_region))
@@ -365,6 +441,10 @@ class QualityRecipe:
         (self.out / "quality.md").write_text(markdown)
         self.echo(markdown)
         return numbers
+
+    def _seed_suffixes(self) -> list[tuple[int, str]]:
+        """(seed, arm-name suffix) of every from-scratch seed (the first seed has none)."""
+        return [(seed, "" if number == 0 else f"_seed{seed}") for number, seed in enumerate(self.scale.seeds)]
 
     def _full_region_iteration(self) -> int:
         """First iteration trained with the full from-scratch region."""

@@ -18,6 +18,13 @@ Definitions (the README states them with the measured tables):
 * **Throughput**: tokens per second over the whole run (``SUMMARY``: the first step and the
   first step after each rebuild left out) and, for EPAS, over the iterations trained with the
   final region only (steady state), against the baseline over the same iterations.
+* **Post-switch jump**: for a switch at iteration ``t`` (the ``"kind": "switch"`` records), the
+  first validation at an iteration ``>= t`` (after the switch) minus the last one at an
+  iteration ``< t`` (before it), both with the region in training. The evaluations around a
+  switch are ``--eval-interval`` apart, so the raw jump also contains that much training; the
+  jump *against the baseline* subtracts the baseline's change between the same two iterations.
+* **Seed spread**: the largest minus the smallest final validation loss of one method over the
+  seeds; a difference smaller than it cannot be told apart from seed noise.
 """
 
 from __future__ import annotations
@@ -28,6 +35,11 @@ from typing import Optional, Sequence
 
 PAPER_GAP_BOUND = 0.05
 """The largest final-validation-loss gap the paper reports between EPAS and the baseline."""
+
+PAPER_PROGRESSIVE_CLAIM = ("progressive growth of the region is what keeps EPAS's quality (the abstract: \"emphasizing the "
+                           "significance of progressive training\"), so fixed minus progressive should be > 0; no figure of "
+                           "the paper's is compared here.")
+"""What the progressive-vs-fixed ablation checks (the sign of fixed minus progressive)."""
 
 
 @dataclass
@@ -67,6 +79,11 @@ class ArmResult:
         if not rows:
             raise ValueError(f"arm {self.name!r} has no validation record (is --eval-interval set?)")
         return rows[-1]["lm_loss"]
+
+    @property
+    def switch_iterations(self) -> list[int]:
+        """Iterations of the run's EPAS switches (its ``"kind": "switch"`` records)."""
+        return sorted(r["iteration"] for r in self.records if r.get("kind") == "switch")
 
     @property
     def train_time_s(self) -> float:
@@ -335,3 +352,177 @@ def continual_verdict(result: dict) -> str:
     return (f"At region {top}, EPAS continual pretraining is {e:+.4f} from its own region-0 loss; the baseline with "
             f"inference-time sharing is {b:+.4f} from its own{ratio}. The paper's claim (EPAS keeps its quality when "
             f"run with a sharing region, inference-time sharing does not) {holds}.")
+
+
+def _spread(values: Sequence[float]) -> Optional[float]:
+    return max(values) - min(values) if len(values) > 1 else None
+
+
+def _mean(values: Sequence[Optional[float]]) -> Optional[float]:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def switch_jumps(arm: ArmResult, baseline: Optional[ArmResult] = None) -> list[dict]:
+    """The validation loss around each switch of ``arm`` (see the module doc): per switch its
+    ``iteration``, the ``before`` / ``after`` evaluations (iteration and loss), ``jump`` = after
+    - before and, given ``baseline``, ``jump_vs_baseline`` = the jump minus the baseline's change
+    between the same iterations (None where the baseline has no evaluation there). A switch
+    without an evaluation on both sides is left out (one before the first evaluation, e.g.)."""
+    valid = arm.valid_in_training
+    base = {r["iteration"]: r["lm_loss"] for r in baseline.valid_in_training} if baseline is not None else {}
+    rows = []
+    for t in arm.switch_iterations:
+        before = [r for r in valid if r["iteration"] < t]
+        after = [r for r in valid if r["iteration"] >= t]
+        if not before or not after:
+            continue
+        b, a = before[-1], after[0]
+        row = {"iteration": t, "before_iteration": b["iteration"], "before": b["lm_loss"], "after_iteration": a["iteration"],
+               "after": a["lm_loss"], "jump": a["lm_loss"] - b["lm_loss"]}
+        if baseline is not None:
+            known = b["iteration"] in base and a["iteration"] in base
+            row["jump_vs_baseline"] = row["jump"] - (base[a["iteration"]] - base[b["iteration"]]) if known else None
+        rows.append(row)
+    return rows
+
+
+def fixed_comparison(baseline: ArmResult, progressive: ArmResult, fixed: ArmResult) -> dict:
+    """Progressive vs fixed region (one seed): final losses, their difference (fixed minus
+    progressive: positive when progressive growth is better, the paper's claim) and each gap to
+    the baseline."""
+    target = baseline.final_valid_loss
+    return {
+        "baseline_final_valid_loss": target,
+        "progressive_final_valid_loss": progressive.final_valid_loss,
+        "fixed_final_valid_loss": fixed.final_valid_loss,
+        "fixed_minus_progressive": fixed.final_valid_loss - progressive.final_valid_loss,
+        "progressive_gap": progressive.final_valid_loss - target,
+        "fixed_gap": fixed.final_valid_loss - target,
+        "progressive_train_time_s": progressive.train_time_s,
+        "fixed_train_time_s": fixed.train_time_s,
+    }
+
+
+def fixed_summary(per_seed: Sequence[dict]) -> dict:
+    """:func:`fixed_comparison` over seeds: the mean difference against the seed spreads."""
+    differences = [r["fixed_minus_progressive"] for r in per_seed]
+    mean = sum(differences) / len(differences)
+    spreads = {key: _spread([r[f"{key}_final_valid_loss"] for r in per_seed]) for key in ("baseline", "progressive", "fixed")}
+    largest = max((v for v in spreads.values() if v is not None), default=None)
+    return {
+        "seeds": [r["seed"] for r in per_seed],
+        "fixed_minus_progressive": differences,
+        "mean_fixed_minus_progressive": mean,
+        "agrees_with_paper": mean > 0,
+        **{f"{key}_seed_spread": value for key, value in spreads.items()},
+        "exceeds_seed_spread": None if largest is None else abs(mean) > largest,
+        "paper_claim": PAPER_PROGRESSIVE_CLAIM,
+    }
+
+
+def fixed_table(per_seed: Sequence[dict]) -> str:
+    """Markdown: one row per seed of :func:`fixed_comparison`."""
+    lines = ["| seed | baseline | progressive EPAS (gap) | fixed region from iteration 1 (gap) | fixed - progressive |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['seed']} | {r['baseline_final_valid_loss']:.4f} | {r['progressive_final_valid_loss']:.4f} "
+              f"({r['progressive_gap']:+.4f}) | {r['fixed_final_valid_loss']:.4f} ({r['fixed_gap']:+.4f}) | "
+              f"{r['fixed_minus_progressive']:+.4f} |" for r in per_seed]
+    return "\n".join(lines)
+
+
+def fixed_summary_text(summary: dict) -> str:
+    """One paragraph: the measured difference beside the paper's claim and the seed spread."""
+    differences = ", ".join(f"{d:+.4f} (seed {s})" for d, s in zip(summary["fixed_minus_progressive"], summary["seeds"]))
+    text = (f"Fixed minus progressive final validation loss: {differences}; mean {summary['mean_fixed_minus_progressive']:+.4f}. "
+            f"The paper's claim: {summary['paper_claim']} Measured: "
+            + ("progressive is better (agrees)." if summary["agrees_with_paper"] else "progressive is NOT better (disagrees)."))
+    if summary["exceeds_seed_spread"] is not None:
+        text += (f" Seed spread of the final loss: baseline {summary['baseline_seed_spread']:.4f}, progressive "
+                 f"{summary['progressive_seed_spread']:.4f}, fixed {summary['fixed_seed_spread']:.4f}; the mean difference is "
+                 + ("larger than every spread." if summary["exceeds_seed_spread"] else "within the seed noise."))
+    else:
+        text += " One seed: no spread to compare with."
+    return text
+
+
+def rewarm_comparison(baseline: ArmResult, epas: ArmResult, rewarm: ArmResult) -> dict:
+    """EPAS with the LR re-warm after each switch against plain EPAS and the baseline (one seed):
+    final losses and gaps, the training time to the baseline's final loss, the post-switch jumps."""
+    target = baseline.final_valid_loss
+    curve = lambda arm: [(r["train_time_s"], r["lm_loss"]) for r in arm.valid_in_training]
+    jumps = {name: switch_jumps(arm, baseline) for name, arm in (("epas", epas), ("rewarm", rewarm))}
+    result = {
+        "baseline_final_valid_loss": target,
+        "epas_final_valid_loss": epas.final_valid_loss,
+        "rewarm_final_valid_loss": rewarm.final_valid_loss,
+        "epas_gap": epas.final_valid_loss - target,
+        "rewarm_gap": rewarm.final_valid_loss - target,
+        "rewarm_minus_epas": rewarm.final_valid_loss - epas.final_valid_loss,
+        "baseline_time_to_target_s": time_to_target(curve(baseline), target),
+        "epas_time_to_target_s": time_to_target(curve(epas), target),
+        "rewarm_time_to_target_s": time_to_target(curve(rewarm), target),
+        "epas_train_time_s": epas.train_time_s,
+        "rewarm_train_time_s": rewarm.train_time_s,
+    }
+    for name, rows in jumps.items():
+        result[f"{name}_jumps"] = rows
+        result[f"{name}_max_jump"] = max((r["jump"] for r in rows), default=None)
+        result[f"{name}_mean_jump_vs_baseline"] = _mean([r["jump_vs_baseline"] for r in rows])
+    return result
+
+
+def rewarm_summary(per_seed: Sequence[dict]) -> dict:
+    """:func:`rewarm_comparison` over seeds: mean gaps and jumps against the baseline's seed spread."""
+    mean = lambda key: _mean([r[key] for r in per_seed])
+    spread = _spread([r["baseline_final_valid_loss"] for r in per_seed])
+    rewarm_gap = mean("rewarm_gap")
+    return {
+        "seeds": [r["seed"] for r in per_seed],
+        "epas_gaps": [r["epas_gap"] for r in per_seed],
+        "rewarm_gaps": [r["rewarm_gap"] for r in per_seed],
+        "mean_epas_gap": mean("epas_gap"),
+        "mean_rewarm_gap": rewarm_gap,
+        "mean_rewarm_minus_epas": mean("rewarm_minus_epas"),
+        "baseline_seed_spread": spread,
+        "rewarm_gap_within_seed_spread": None if spread is None else abs(rewarm_gap) <= spread,
+        "mean_epas_max_jump": mean("epas_max_jump"),
+        "mean_rewarm_max_jump": mean("rewarm_max_jump"),
+        "mean_epas_jump_vs_baseline": mean("epas_mean_jump_vs_baseline"),
+        "mean_rewarm_jump_vs_baseline": mean("rewarm_mean_jump_vs_baseline"),
+        "rewarm_reaches_target": [r["rewarm_time_to_target_s"] is not None for r in per_seed],
+    }
+
+
+def rewarm_table(result: dict) -> str:
+    """Markdown: baseline, EPAS and EPAS with the re-warm of one seed, with the jump after each switch."""
+    def jumps(rows: Sequence[dict]) -> str:
+        return ", ".join(f"{r['iteration']}: {r['jump']:+.4f}" + (f" ({r['jump_vs_baseline']:+.4f})" if r.get("jump_vs_baseline")
+                                                                is not None else "") for r in rows) or "n/a"
+
+    r = result
+    lines = ["| arm | final val loss | gap vs baseline | time to baseline's final loss | jump after each switch (vs baseline) |",
+             "|---|---|---|---|---|",
+             f"| baseline | {r['baseline_final_valid_loss']:.4f} | | {_time(r['baseline_time_to_target_s'])} | |",
+             f"| EPAS | {r['epas_final_valid_loss']:.4f} | {r['epas_gap']:+.4f} | {_time(r['epas_time_to_target_s'])} | "
+             f"{jumps(r['epas_jumps'])} |",
+             f"| EPAS + LR re-warm | {r['rewarm_final_valid_loss']:.4f} | {r['rewarm_gap']:+.4f} | "
+             f"{_time(r['rewarm_time_to_target_s'])} | {jumps(r['rewarm_jumps'])} |"]
+    return "\n".join(lines)
+
+
+def rewarm_summary_text(summary: dict, steps: int) -> str:
+    """One paragraph: the re-warm's gap and jumps against plain EPAS and the seed spread."""
+    gaps = ", ".join(f"{g:+.4f} (seed {s})" for g, s in zip(summary["rewarm_gaps"], summary["seeds"]))
+    text = (f"EPAS with --epas-switch-rewarm {steps} (no FLOPs change): gap to the baseline {gaps}; mean "
+            f"{summary['mean_rewarm_gap']:+.4f} against plain EPAS's {summary['mean_epas_gap']:+.4f} (re-warm minus plain "
+            f"{summary['mean_rewarm_minus_epas']:+.4f}). Largest jump after a switch, mean over seeds: "
+            f"{_num(summary['mean_rewarm_max_jump'], '+.4f')} with the re-warm, {_num(summary['mean_epas_max_jump'], '+.4f')} "
+            f"without; against the baseline {_num(summary['mean_rewarm_jump_vs_baseline'], '+.4f')} vs "
+            f"{_num(summary['mean_epas_jump_vs_baseline'], '+.4f')} (mean over switches).")
+    if summary["baseline_seed_spread"] is not None:
+        inside = "within" if summary["rewarm_gap_within_seed_spread"] else "outside"
+        text += f" The re-warm's mean gap is {inside} the baseline's seed spread ({summary['baseline_seed_spread']:.4f})."
+    reached = sum(summary["rewarm_reaches_target"])
+    text += f" It reaches the baseline's final loss in {reached} of {len(summary['seeds'])} seed(s)."
+    return text

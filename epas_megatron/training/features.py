@@ -1,5 +1,6 @@
 """Optional training features as objects with hooks: what the trainer asks of a feature that changes
-how a run trains (today Random-LTD, :class:`epas_megatron.random_ltd.feature.RandomLTDFeature`).
+how a run trains (Random-LTD, :class:`epas_megatron.random_ltd.feature.RandomLTDFeature`; the LR re-warm
+after EPAS switches, :class:`epas_megatron.training.rewarm.SwitchRewarmFeature`).
 
 The trainer never branches on a feature. It holds a :class:`TrainingFeatures` -- every feature
 *kind* it knows, and the enabled instances of them (none without the feature's flag) -- and calls
@@ -13,7 +14,8 @@ How the hooks combine over several enabled features:
 * records (:meth:`~TrainingFeature.record`) are merged; two
   features supplying the same key is an error;
 * a single value the trainer needs (:meth:`~TrainingFeature.lr_increment`,
-  :meth:`~TrainingFeature.lr_schedule_units`, :meth:`~TrainingFeature.flop_tokens`) is supplied by
+  :meth:`~TrainingFeature.lr_schedule_units`, :meth:`~TrainingFeature.lr_factor`,
+  :meth:`~TrainingFeature.flop_tokens`) is supplied by
   at most one feature -- a feature that does not supply it returns None -- and the default of a
   plain run applies when none does; two suppliers are an error, since the trainer could not tell
   how their values should compose;
@@ -40,6 +42,10 @@ class TrainingFeature:
 
     flag: ClassVar[str]
     """The command-line switch that turns it on (named in messages)."""
+
+    resume_flags: ClassVar[str] = ""
+    """What a resume must repeat, in the refusal of a checkpoint trained with the feature by a
+    run without it ("" : the ``flag`` and its ``-*`` flags)."""
 
     @classmethod
     def from_run(cls, run: ResolvedRun) -> Optional["TrainingFeature"]:
@@ -69,6 +75,11 @@ class TrainingFeature:
     def lr_schedule_units(self, warmup_iters: int, train_iters: int) -> Optional[tuple[int, int]]:
         """(warm-up, decay) lengths of the LR schedule in the units of :meth:`lr_increment`
         (None: iterations)."""
+        return None
+
+    def lr_factor(self, iteration: int) -> Optional[float]:
+        """A factor on the LR schedule's learning rate for the step of ``iteration`` (1-based),
+        every parameter group (None: not this feature's to say)."""
         return None
 
     def flop_tokens(self, iteration: int) -> Optional[list[int]]:
@@ -134,8 +145,9 @@ class TrainingFeatures:
             if feature is not None:
                 feature.check_resume(saved, meta.iteration)
             elif saved is not None:
+                same = kind.resume_flags or f"{kind.flag}-* flags"
                 raise ConfigError(f"--load: the checkpoint at iteration {meta.iteration} was trained with {kind.flag}; resume "
-                                  f"with the same {kind.flag}-* flags (or start from its weights with --pretrained)")
+                                  f"with the same {same} (or start from its weights with --pretrained)")
 
     def describe(self, train_iters: int) -> list[str]:
         return [line for line in (f.describe(train_iters) for f in self) if line is not None]
@@ -148,6 +160,11 @@ class TrainingFeatures:
         """The LR schedule's advance at ``step``: one iteration unless a feature supplies it."""
         value = _single([(f, f.lr_increment(step)) for f in self], "lr_increment")
         return 1 if value is None else value
+
+    def lr_factor(self, iteration: int) -> Optional[float]:
+        """The factor on the scheduler's LR for the step of ``iteration``; None when no feature
+        supplies one (the scheduler's LR is then left alone, not multiplied by 1)."""
+        return _single([(f, f.lr_factor(iteration)) for f in self], "lr_factor")
 
     def lr_schedule_units(self, warmup_iters: int, train_iters: int) -> Optional[tuple[int, int]]:
         return _single([(f, f.lr_schedule_units(warmup_iters, train_iters)) for f in self], "lr_schedule_units")

@@ -121,13 +121,31 @@ def _run_schedule(model_chunks, data_iterators, num_microbatches, seq_length, mi
     )
 
 
+def scale_lr(optimizer, scheduler, factor: Optional[float]) -> None:
+    """Set every parameter group's LR to the scheduler's LR at its current count times ``factor``
+    (what the scheduler's own step sets, scaled: with 1, exactly its value); ``None``: nothing is
+    touched."""
+    if factor is None:
+        return
+    for group in optimizer.param_groups:
+        lr = scheduler.get_lr(group) * factor
+        if isinstance(group.get("lr"), torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
 def train_step(model_chunks, optimizer, scheduler, data_iterators, *, num_microbatches: int, seq_length: int, micro_batch_size: int,
-               lr_increment: int = 1) -> StepResult:
+               lr_increment: int = 1, lr_factor: Optional[float] = None, next_lr_factor: Optional[float] = None) -> StepResult:
     """Forward/backward over a global batch, optimizer step, LR schedule step.
 
     ``seq_length`` is what Megatron's schedules size p2p tensors with (see
     ``BuiltModel.schedule_seq_length``). ``lr_increment``: how far the LR schedule advances
-    (1 iteration; the step's layer tokens under Random-LTD's LayerToken LR)."""
+    (1 iteration; the step's layer tokens under Random-LTD's LayerToken LR). ``lr_factor``: the
+    step runs with the scheduler's LR times it; ``next_lr_factor``: the next step's, set on the
+    parameter groups after the schedule's step (so they hold, and the logs show, the LR the next
+    step uses; also after a skipped fp16 step, whose LR count stands still). None (the default):
+    the scheduler's LR untouched (``--epas-switch-rewarm``, :mod:`epas_megatron.sharing.rewarm`)."""
     for chunk in model_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -136,11 +154,13 @@ def train_step(model_chunks, optimizer, scheduler, data_iterators, *, num_microb
     loss, tokens = _reduce_losses(losses)
     if not math.isfinite(loss):  # before the step: the weights stay as they were
         raise NonFiniteError(f"the loss is {loss} (the weights were not updated)")
+    scale_lr(optimizer, scheduler, lr_factor)  # a fresh value from the scheduler: right after a load or a switch too
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful and grad_norm is not None and not math.isfinite(float(grad_norm)):
         raise NonFiniteError(f"the gradient norm is {float(grad_norm)} (loss {loss:.6g})")
     if update_successful:  # as Megatron-LM: a skipped (overflowing fp16) step does not advance the LR
         scheduler.step(increment=lr_increment)
+    scale_lr(optimizer, scheduler, next_lr_factor)
     return StepResult(
         lm_loss=loss,
         tokens=tokens,

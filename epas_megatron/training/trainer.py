@@ -9,7 +9,7 @@ sequences it; the rest is delegated, as in torchtitan: the switch event to
 :class:`~epas_megatron.training.switch.SwitchExecutor` (whose module documents it), everything
 printed or logged to :class:`~epas_megatron.training.reporting.Reporter`, one training step to
 :func:`~epas_megatron.training.step.train_step`, the loop's bookkeeping to
-:class:`~epas_megatron.training.progress.TrainingProgress`. Optional features (Random-LTD) are
+:class:`~epas_megatron.training.progress.TrainingProgress`. Optional features (Random-LTD, the LR re-warm after switches) are
 :class:`~epas_megatron.training.features.TrainingFeature` objects whose hooks the trainer calls
 at fixed points without knowing which features are on (:data:`FEATURES` lists the kinds).
 """
@@ -39,10 +39,11 @@ from epas_megatron.training.exit_signal import ExitSignal
 from epas_megatron.training.features import TrainingFeature, TrainingFeatures
 from epas_megatron.training.progress import TrainingProgress
 from epas_megatron.training.reporting import Reporter, peak_name, throughput_line
+from epas_megatron.training.rewarm import SwitchRewarmFeature
 from epas_megatron.training.run_data import RunData
 from epas_megatron.training.switch import SwitchExecutor
 
-FEATURES: tuple[type[TrainingFeature], ...] = (RandomLTDFeature,)
+FEATURES: tuple[type[TrainingFeature], ...] = (RandomLTDFeature, SwitchRewarmFeature)
 """The optional features a run may turn on (each has its checkpoint-metadata entry, on or off)."""
 
 
@@ -286,7 +287,8 @@ class Trainer:
         self.features.before_step(self.model, step)
         result = train_step(self.model, self.optimizer, self.scheduler, self.data.train_iterators,
                             num_microbatches=self.run.num_microbatches, seq_length=self.schedule_seq_length,
-                            micro_batch_size=self.cfg.training.micro_batch_size, lr_increment=self.features.lr_increment(step))
+                            micro_batch_size=self.cfg.training.micro_batch_size, lr_increment=self.features.lr_increment(step),
+                            lr_factor=self.features.lr_factor(step + 1), next_lr_factor=self.features.lr_factor(step + 2))
         if self.layer_timer is not None and self.layer_timer.attached:
             self.timed_iterations += 1
             if self.timed_iterations >= self.cfg.epas.epas_cost_timing_iters:

@@ -104,6 +104,13 @@ def test_bad_epas_schedule(isolated, capsys):
     fails(["--epas-exclude-last", "-1"], isolated, capsys, "--epas-exclude-last")
 
 
+def test_bad_switch_rewarm(isolated, capsys):
+    fails(["--epas-target-layers", "2", "--epas-interval", "4", "--epas-switch-rewarm", "4"], isolated, capsys, "--epas-switch-rewarm",
+          match="must be smaller than --epas-interval 4: the re-warm after a switch must end before the next switch; use at most 3")
+    fails(["--epas-target-layers", "2", "--epas-interval", "4", "--epas-switch-rewarm", "-1"], isolated, capsys, "--epas-switch-rewarm",
+          match=">= 0")
+
+
 def test_output_dir_holding_another_run(isolated, capsys):
     out = isolated / "out"
     out.mkdir()

@@ -1,0 +1,143 @@
+"""epas-bench quality --parts fixed,rewarm: the commands its dry run prints, and every number of its
+report recomputed by hand from synthetic run files (metrics.jsonl records and summaries the recipe
+reads back as finished arms, so no model runs)."""
+
+import json
+
+import pytest
+
+from epas_megatron.bench.cli import main
+from epas_megatron.experiments import quality_report as report
+from epas_megatron.experiments.quality import DEFAULT_PARTS, SCALES, QualityRecipe, plan_arms
+
+
+def dry_run(capsys, *argv) -> dict[str, str]:
+    assert main(["quality", "--dry-run", "--output-dir", "/tmp/q", *argv]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if ": " in line]
+    return {name: command for name, command in (line.split(": ", 1) for line in lines)}
+
+
+def test_dry_run_of_the_fixed_and_rewarm_parts(capsys):
+    commands = dry_run(capsys, "--parts", "fixed,rewarm")
+    assert list(commands) == [f"scratch_{kind}{suffix}" for suffix in ("", "_seed4321")
+                              for kind in ("baseline", "epas", "fixed", "rewarm")]
+    for suffix, seed in (("", 1234), ("_seed4321", 4321)):
+        epas = commands[f"scratch_epas{suffix}"].split(" --output-dir ")[0]
+        assert f"--seed {seed} " in epas and "--epas-target-layers 0.5 --epas-interval 50" in epas
+        plain = epas.replace(" --eval-regions 0,half,max", "")
+        # Fixed: the same run with the whole region (4 of the small preset's 8 layers) switched before step 1.
+        assert commands[f"scratch_fixed{suffix}"] == (f"{plain} --epas-first-switch 1 --epas-growth 4 "
+                                                      f"--output-dir /tmp/q/scratch_fixed{suffix}/run")
+        # Re-warm: the same run with a quarter of the interval re-warmed after each switch.
+        assert commands[f"scratch_rewarm{suffix}"] == f"{plain} --epas-switch-rewarm 12 --output-dir /tmp/q/scratch_rewarm{suffix}/run"
+    # Neither is in the default set; with the from-scratch part the shared arms run once.
+    assert not {"fixed", "rewarm"} & set(DEFAULT_PARTS)
+    assert not any("fixed" in name or "rewarm" in name for name in dry_run(capsys))
+    both = dry_run(capsys, "--parts", "scratch,fixed,rewarm")
+    assert sorted(both) == sorted(commands)
+    # The smoke scale's interval of 2 re-warms 1 iteration (a quarter, at least 1).
+    assert "--epas-switch-rewarm 1 " in dry_run(capsys, "--scale", "smoke", "--parts", "rewarm")["scratch_rewarm"]
+
+
+def test_an_unknown_part_names_the_new_ones(capsys):
+    assert main(["quality", "--dry-run", "--parts", "scratch,speed"]) == 2
+    assert "choose among scratch, continual, ablation, random_ltd, fixed, rewarm" in capsys.readouterr().err
+
+
+# Synthetic runs: evaluations at iterations 25, 50, 75, 100 (training seconds 10/20/30/40 for the
+# baseline, 9/18/27/36 for the EPAS arms), switches at 50 and 100 (the fixed arm's at 1).
+ITERATIONS = (25, 50, 75, 100)
+SEED_1234 = {
+    "scratch_baseline": ([5.0, 4.6, 4.4, 4.2], 10.0, []),
+    "scratch_epas": ([5.0, 4.8, 4.45, 4.35], 9.0, [50, 100]),
+    "scratch_fixed": ([5.1, 4.9, 4.6, 4.5], 9.0, [1]),
+    "scratch_rewarm": ([5.0, 4.7, 4.4, 4.15], 9.0, [50, 100]),
+}
+# Seed 4321: every loss of an arm shifted by a constant.
+SHIFT_4321 = {"scratch_baseline": 0.05, "scratch_epas": 0.02, "scratch_fixed": -0.2, "scratch_rewarm": 0.10}
+
+
+def write_arm(out, name, losses, seconds_per_eval, switches):
+    run = out / name / "run"
+    run.mkdir(parents=True)
+    records = [{"kind": "switch", "iteration": t} for t in switches]
+    records += [{"kind": "valid", "iteration": i, "region": 0, "in_training": True, "lm_loss": loss,
+                 "train_time_s": seconds_per_eval * (n + 1)} for n, (i, loss) in enumerate(zip(ITERATIONS, losses))]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = {"train_time_s": seconds_per_eval * len(ITERATIONS), "final_valid_lm_loss": losses[-1], "exit_reason": "completed"}
+    (out / name / "summary.json").write_text(json.dumps(summary))
+
+
+@pytest.fixture
+def numbers(tmp_path):
+    out = tmp_path / "quality"
+    for name, (losses, seconds, switches) in SEED_1234.items():
+        write_arm(out, name, losses, seconds, switches)
+        write_arm(out, f"{name}_seed4321", [loss + SHIFT_4321[name] for loss in losses], seconds, switches)
+    lines = []
+    result = QualityRecipe("cpu", out, parts=("fixed", "rewarm"), echo=lines.append).run()
+    assert sum("finished before; reusing" in line for line in lines) == 8  # nothing trained
+    written = json.loads((out / "quality.json").read_text())
+    assert written["rewarm_summary"] == result["rewarm_summary"] and written["fixed_summary"] == result["fixed_summary"]
+    result["markdown"] = (out / "quality.md").read_text()
+    return result
+
+
+def test_fixed_report_by_hand(numbers):
+    first, second = numbers["fixed"]
+    assert (first["seed"], second["seed"]) == (1234, 4321)
+    assert first["fixed_minus_progressive"] == pytest.approx(4.5 - 4.35)  # 0.15
+    assert second["fixed_minus_progressive"] == pytest.approx(4.30 - 4.37)  # -0.07
+    assert first["fixed_gap"] == pytest.approx(0.3) and second["progressive_gap"] == pytest.approx(4.37 - 4.25)
+    summary = numbers["fixed_summary"]
+    assert summary["mean_fixed_minus_progressive"] == pytest.approx(0.04) and summary["agrees_with_paper"]
+    assert summary["baseline_seed_spread"] == pytest.approx(0.05) and summary["progressive_seed_spread"] == pytest.approx(0.02)
+    assert summary["fixed_seed_spread"] == pytest.approx(0.2) and summary["exceeds_seed_spread"] is False
+    assert "| 1234 | 4.2000 | 4.3500 (+0.1500) | 4.5000 (+0.3000) | +0.1500 |" in numbers["markdown"]
+    assert "mean +0.0400. The paper's claim: progressive growth of the region is what keeps" in numbers["markdown"]
+    assert "the mean difference is within the seed noise" in numbers["markdown"]
+
+
+def test_rewarm_report_by_hand(numbers):
+    first, second = numbers["rewarm"]
+    assert first["epas_gap"] == pytest.approx(0.15) and first["rewarm_gap"] == pytest.approx(-0.05)
+    assert second["epas_gap"] == pytest.approx(0.12) and second["rewarm_gap"] == pytest.approx(0.0, abs=1e-12)
+    # Jumps: after (first evaluation at >= t) minus before (last at < t); against the baseline, minus
+    # the baseline's change between the same evaluations (-0.4 from 25 to 50, -0.2 from 75 to 100).
+    expected_epas = [(50, 25, 50, -0.2, 0.2), (100, 75, 100, -0.1, 0.1)]
+    expected_rewarm = [(50, 25, 50, -0.3, 0.1), (100, 75, 100, -0.25, -0.05)]
+    for result in (first, second):
+        for key, expected in (("epas_jumps", expected_epas), ("rewarm_jumps", expected_rewarm)):
+            got = [(r["iteration"], r["before_iteration"], r["after_iteration"], r["jump"], r["jump_vs_baseline"])
+                   for r in result[key]]
+            assert got == [(t, b, a, pytest.approx(j), pytest.approx(v)) for t, b, a, j, v in expected]
+        assert result["epas_max_jump"] == pytest.approx(-0.1) and result["rewarm_max_jump"] == pytest.approx(-0.25)
+        assert result["epas_mean_jump_vs_baseline"] == pytest.approx(0.15)
+        assert result["rewarm_mean_jump_vs_baseline"] == pytest.approx(0.025)
+    # Time to the baseline's final loss: seed 1234's re-warm crosses 4.2 between 4.4 at 27 s and 4.15
+    # at 36 s (27 + 9 x 0.2 / 0.25); seed 4321's reaches 4.25 exactly at its last evaluation.
+    assert first["rewarm_time_to_target_s"] == pytest.approx(34.2) and second["rewarm_time_to_target_s"] == pytest.approx(36.0)
+    assert first["epas_time_to_target_s"] is None and first["baseline_time_to_target_s"] == 40.0
+    summary = numbers["rewarm_summary"]
+    assert summary["steps"] == 12
+    assert summary["mean_epas_gap"] == pytest.approx(0.135) and summary["mean_rewarm_gap"] == pytest.approx(-0.025)
+    assert summary["mean_rewarm_minus_epas"] == pytest.approx(-0.16)
+    assert summary["baseline_seed_spread"] == pytest.approx(0.05) and summary["rewarm_gap_within_seed_spread"]
+    assert summary["rewarm_reaches_target"] == [True, True]
+    markdown = numbers["markdown"]
+    assert "| EPAS + LR re-warm | 4.1500 | -0.0500 | 34.2 s | 50: -0.3000 (+0.1000), 100: -0.2500 (-0.0500) |" in markdown
+    assert "| EPAS | 4.3500 | +0.1500 | not reached | 50: -0.2000 (+0.2000), 100: -0.1000 (+0.1000) |" in markdown
+    assert "mean -0.0250 against plain EPAS's +0.1350" in markdown and "within the baseline's seed spread (0.0500)" in markdown
+
+
+def test_a_switch_without_an_evaluation_before_it_is_left_out():
+    valid = [{"kind": "valid", "iteration": i, "lm_loss": loss, "in_training": True} for i, loss in ((25, 5.0), (50, 4.0))]
+    fixed = report.ArmResult("fixed", {}, [{"kind": "switch", "iteration": 1}, *valid])
+    assert report.switch_jumps(fixed) == []
+    late = report.ArmResult("late", {}, [{"kind": "switch", "iteration": 60}, *valid])
+    assert report.switch_jumps(late) == []  # no evaluation after it
+
+
+def test_plan_arms_has_each_new_arm_once_per_seed(tmp_path):
+    names = [a.name for a in plan_arms(SCALES["cpu"], tmp_path, parts=("scratch", "ablation", "fixed", "rewarm"))]
+    assert len(names) == len(set(names)) == 9
