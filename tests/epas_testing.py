@@ -188,19 +188,21 @@ def run_trainer(
     return run
 
 
-def _main_in_process(argv: Sequence[str]) -> tuple[int, str, str]:
-    """(exit status, stdout, stderr) of ``epas-train argv`` run by its ``main`` in this process, as
-    a process of its own would run it: one intra-op thread (the subprocesses' OMP_NUM_THREADS=1),
+def _main_in_process(argv: Sequence[str], module: str = "epas_megatron.train") -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of ``python -m module argv`` (``epas-train`` by default) run
+    by the module's ``main`` in this process, as a process of its own would run it: one intra-op
+    thread (the subprocesses' OMP_NUM_THREADS=1),
     and the process-wide settings a run may change (threads, deterministic algorithms, the
     environment) restored, the process group torn down even after a crash."""
     import contextlib
+    import importlib
     import io
     import traceback
 
     import torch
     import torch.distributed as dist
 
-    from epas_megatron.train import main
+    main = importlib.import_module(module).main
 
     stdout, stderr = io.StringIO(), io.StringIO()
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()

@@ -2,15 +2,13 @@
 end at the smoke scale (every number of the report recomputed from the runs' own files)."""
 
 import json
-import os
+import shlex
 import subprocess
-import sys
 
 import pytest
 
 from epas_megatron.experiments import quality_report as report
 from epas_megatron.experiments.quality import SCALES, plan_arms
-from epas_testing import REPO
 
 
 def arm(name, valid, train=(), **summary):
@@ -109,9 +107,41 @@ def test_methods_comparison_by_hand():
     assert "| random-ltd | 512 | 3.1000 | +0.1000 | 120 (1.200x) | 8.0 s (0.800x) | 1.250 |" in report.methods_table(rows)
 
 
-def run_bench(*argv):
-    return subprocess.run([sys.executable, "-m", "epas_megatron.bench.cli", "quality", *argv], cwd=REPO, capture_output=True,
-                          text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+def run_bench(*argv, launched=None):
+    """``epas-bench quality argv`` through its ``main`` in this process: (exit status, stdout, stderr)
+    as a CompletedProcess. Every arm's command after the first -- ``python -m epas_megatron.train``
+    or ``epas_megatron.evaluate`` -- runs through that module's ``main`` in this process too
+    (:func:`epas_testing._main_in_process`), its output written to the arm's log as the recipe
+    writes it; the first command still runs as the recipe runs it, a process of its own, so the
+    recipe's own launching stays under test. ``launched`` collects (command, in process?)."""
+    import contextlib
+    import io
+
+    from epas_megatron.bench.cli import main
+    from epas_megatron.experiments import quality
+    from epas_testing import _main_in_process
+
+    run_logged = quality._run_logged
+    launched = [] if launched is None else launched
+
+    def run_in_process(cmd, log_path, prefix, echo):
+        if not launched or cmd[1:3] != ["-m", cmd[2]] or cmd[2] not in ("epas_megatron.train", "epas_megatron.evaluate"):
+            launched.append((cmd, False))
+            return run_logged(cmd, log_path, prefix, echo)
+        launched.append((cmd, True))
+        status, stdout, stderr = _main_in_process(cmd[3:], module=cmd[2])
+        with open(log_path, "a") as log:
+            log.write(f"$ {shlex.join(cmd)}\n{stdout}{stderr}")
+        return status, stdout + stderr
+
+    out, err = io.StringIO(), io.StringIO()
+    quality._run_logged = run_in_process
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["quality", *argv])
+    finally:
+        quality._run_logged = run_logged
+    return subprocess.CompletedProcess(["epas-bench", "quality", *argv], code, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -126,8 +156,12 @@ def test_bad_input(argv, message):
 
 def test_smoke_recipe_end_to_end(tmp_path):
     out = tmp_path / "quality"
-    proc = run_bench("--scale", "smoke", "--output-dir", str(out), "--parts", "scratch,continual,ablation,random_ltd")
+    launched = []
+    proc = run_bench("--scale", "smoke", "--output-dir", str(out), "--parts", "scratch,continual,ablation,random_ltd",
+                     launched=launched)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # The first arm ran as a process of its own (the recipe's launch), the other 6 arms and the 2 evaluations in process.
+    assert [in_process for _, in_process in launched] == [False] + [True] * 8
     numbers = json.loads((out / "quality.json").read_text())
     summaries = {p.parent.name: json.loads(p.read_text()) for p in out.glob("*/summary.json")}
     assert set(summaries) == {"scratch_baseline", "scratch_epas", "ablation_exclude_last", "continual_epas", "continual_baseline",
