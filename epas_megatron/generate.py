@@ -138,7 +138,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"{generated} tokens in {seconds:.2f} s ({generated / seconds:.1f} tokens/s, prefill included)", file=sys.stderr)
     if args.json:
         payload = {"checkpoint": str(generator.checkpoint), "region": generator.region, "trained_region": generator.trained_region,
-                   "decode_attention": generator.engine.decode_attention, "seconds": seconds,
+                   "decode_attention": generator.engine.decode_attention, "region_kernel": generator.engine.region_kernel,
+                   "seconds": seconds,
                    "results": [{"prompt": p, "prompt_tokens": r.prompt_tokens, "tokens": r.tokens, "text": r.text,
                                 "finish_reason": r.finish_reason} for p, r in zip(prompts, results)]}
         print("GENERATE " + json.dumps(payload), flush=True)

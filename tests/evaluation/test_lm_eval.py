@@ -258,3 +258,36 @@ def test_markdown_table_rows_columns_and_average():
         "| wiki | word_perplexity | 12.5000 | 2500.0 |",
         "| average (2 tasks) | acc | 0.3750 | 0.6250 |",
     ]
+
+
+def test_lm_evals_own_command_line_with_the_epas_model(checkpoint, include_dir, reference, items, tmp_path):
+    """``python -m epas_megatron.evaluation.lm_eval_model --model epas ...`` (README), as a
+    command: lm_eval's own command line parses the model arguments and writes its results file,
+    whose accuracies at region 2 are the hand computation's."""
+    import os
+    import subprocess
+
+    out = tmp_path / "results"
+    proc = subprocess.run([sys.executable, "-m", "epas_megatron.evaluation.lm_eval_model", "--model", "epas", "--model_args",
+                           f"load={checkpoint},region=2", "--tasks", TASK, "--include_path", str(include_dir), "--batch_size", "4",
+                           "--output_path", str(out)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (results_file,) = out.rglob("results*.json")
+    metrics = json.loads(results_file.read_text())["results"][TASK]
+    assert (metrics["acc,none"], metrics["acc_norm,none"]) == hand_accuracy(reference, items, 2)
+
+
+def test_num_fewshot_reaches_the_harness(checkpoint, include_dir, capsys):
+    """--lm-eval-num-fewshot 2 reaches the harness: lm_eval reports 2 shots for the task (0
+    without the flag, the task's own default)."""
+    def run(*extra):
+        code = main(["--load", str(checkpoint), "--regions", "max", "--lm-eval-tasks", TASK, "--lm-eval-include-path",
+                     str(include_dir), "--lm-eval-batch-size", "4", *extra])
+        captured = capsys.readouterr()
+        assert code == 0, captured.err
+        (region,) = json.loads([l for l in captured.out.splitlines() if l.startswith("LM_EVAL ")][-1][len("LM_EVAL "):])["regions"]
+        return region
+
+    zero, two = run(), run("--lm-eval-num-fewshot", "2")
+    assert zero["n_shot"][TASK] == 0 and two["n_shot"][TASK] == 2
