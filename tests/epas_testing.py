@@ -72,6 +72,17 @@ code as the command, without an interpreter start and a re-import of torch and M
 ``EPAS_TEST_TRAINER_PROCESSES=1`` starts a process for every run instead."""
 
 
+RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""What ``init_distributed`` puts into this process's environment while a world of one is alive
+in it (an in-process run or fixture): a child must not inherit them (it would join, or try to
+bind, this process's rendezvous port)."""
+
+
+def child_environ() -> dict:
+    """This process's environment for a child process, without :data:`RENDEZVOUS_VARIABLES`."""
+    return {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARIABLES}
+
+
 FORKED = os.environ.get("EPAS_TEST_TORCHRUN") != "1"
 """Multi-rank trainer runs and test scripts fork their ranks from one server process that
 imported torch, Megatron-Core and epas-megatron once (tests/fork_server.py), instead of
@@ -87,7 +98,7 @@ class ForkServer:
         self.proc: Optional[subprocess.Popen] = None
 
     def _start(self) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**child_environ(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("fork_server.py"))], cwd=REPO, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                      start_new_session=True)
@@ -166,11 +177,11 @@ def run_trainer(
         returncode, stdout, stderr = _main_in_process(argv)
         cmd = ["epas_megatron.train.main", *argv]
     elif FORKED and nproc > 1 and command is None:
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        full_env = {**child_environ(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         cmd = ["fork-server", f"--nproc-per-node={nproc}", "-m", module, *argv]
         returncode, stdout, stderr = fork_server().run({"module": module}, argv, nproc, full_env, timeout)
     else:
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        full_env = {**child_environ(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         cmd = trainer_command(argv, nproc, module, command)
         proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
         returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
@@ -233,7 +244,7 @@ def run_script(script: Path, args: Sequence[str] = (), nproc: int = 2, timeout: 
                env: Optional[dict] = None) -> subprocess.CompletedProcess:
     """Run a test script with ``nproc`` ranks (forked from the fork server, :data:`FORKED`, else
     torchrun); raise with its output if it fails."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = {**child_environ(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     if FORKED:
         cmd = ["fork-server", f"--nproc-per-node={nproc}", str(script), *args]
         code, stdout, stderr = fork_server().run({"script": str(script)}, list(args), nproc, full_env, timeout)

@@ -264,14 +264,15 @@ def test_lm_evals_own_command_line_with_the_epas_model(checkpoint, include_dir, 
     """``python -m epas_megatron.evaluation.lm_eval_model --model epas ...`` (README), as a
     command: lm_eval's own command line parses the model arguments and writes its results file,
     whose accuracies at region 2 are the hand computation's."""
-    import os
     import subprocess
+
+    from epas_testing import child_environ
 
     out = tmp_path / "results"
     proc = subprocess.run([sys.executable, "-m", "epas_megatron.evaluation.lm_eval_model", "--model", "epas", "--model_args",
                            f"load={checkpoint},region=2", "--tasks", TASK, "--include_path", str(include_dir), "--batch_size", "4",
                            "--output_path", str(out)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**child_environ(), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     (results_file,) = out.rglob("results*.json")
     metrics = json.loads(results_file.read_text())["results"][TASK]
