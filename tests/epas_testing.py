@@ -369,3 +369,15 @@ def train_in_process(args: Sequence[str], output_dir: Path, *, after_load=None, 
     text = stdout.getvalue()
     return TrainerRun(returncode=returncode, stdout=text, stderr="", output_dir=Path(output_dir),
                       summary=parse_summary(text), metrics=read_metrics(output_dir))
+
+
+def hf_offline():
+    """A context in which Hugging Face datasets and the hub never reach the network (lm_eval and
+    transformers would otherwise try to); the tests build everything they load."""
+    import pytest
+
+    patch = pytest.MonkeyPatch.context()
+    with patch as env:
+        env.setenv("HF_DATASETS_OFFLINE", "1")
+        env.setenv("HF_HUB_OFFLINE", "1")
+        yield

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from epas_megatron.evaluate import main
+from epas_testing import hf_offline
 from llama_reference import forward, weights_from_hf_style
 
 TASKS = Path(__file__).resolve().parent / "tasks"
@@ -26,12 +27,7 @@ LONG_TEXT = (
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def offline():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HF_DATASETS_OFFLINE", "1")
-        patch.setenv("HF_HUB_OFFLINE", "1")
-        yield
+offline = pytest.fixture(scope="module", autouse=True)(hf_offline)  # epas_testing.hf_offline
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from epas_megatron.convert.cli import main as convert
-from epas_testing import TINY, run_trainer
+from epas_testing import TINY, hf_offline, run_trainer
 
 LAYERS, HEADS, GROUPS = 4, 4, 2
 """The tiny preset's shape."""
@@ -21,12 +21,7 @@ TRAINED = (2, 3)
 """The trained sharing region of the fixture run."""
 
 
-@pytest.fixture(scope="package", autouse=True)
-def offline():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HF_DATASETS_OFFLINE", "1")
-        patch.setenv("HF_HUB_OFFLINE", "1")
-        yield
+offline = pytest.fixture(scope="package", autouse=True)(hf_offline)  # epas_testing.hf_offline
 
 
 @pytest.fixture(scope="package")
