@@ -17,7 +17,49 @@ def pytest_configure(config):
     config.addinivalue_line("markers", f"cpu_only: skipped where torch sees a CUDA device ({CPU_ONLY_REASON})")
 
 
+SLURM_FILES = "tests/launch/test_slurm_"
+"""Every ``slurm`` test lives in a file whose path starts with this: with ``-n N`` they form one
+unit of work (one session cluster, on one worker)."""
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    _slurm_tests_first(items)
+    _skip_cpu_only_where_cuda_works(items)
+
+
+def _slurm_tests_first(items):
+    """The ``slurm`` tests go first: with ``-n 2`` (pytest-xdist) they are the longest unit of work
+    (about two and a half minutes, mostly waiting on Slurm), and the other worker fills that time
+    with the rest of the suite. The order of every other test stays as collected."""
+    items.sort(key=lambda item: not item.nodeid.startswith(SLURM_FILES))
+
+
+def pytest_runtest_setup(item):
+    """A ``slurm`` test outside :data:`SLURM_FILES` fails: under ``-n 2`` it would bring up a
+    second cluster on the other worker, whose jobs take the same rendezvous ports."""
+    if item.get_closest_marker("slurm") and not item.nodeid.startswith(SLURM_FILES):
+        pytest.fail(f"slurm tests must live in {SLURM_FILES}*.py (one unit of work under -n, one cluster); "
+                    f"move {item.nodeid} there", pytrace=False)
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """With ``-n N`` a worker takes whole files, never single tests: module fixtures (a trained run,
+    a two-rank world of variants) are built once, as without xdist, and session fixtures at most
+    once per worker. The Slurm files are one unit (one cluster per session)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            path = nodeid.split("::", 1)[0]
+            return SLURM_FILES if path.startswith(SLURM_FILES) else path
+
+    config.option.loadscopereorder = False  # the collection's order: Slurm first (see _slurm_tests_first)
+    return FileScheduling(config, log)
+
+
+def _skip_cpu_only_where_cuda_works(items):
     """``cpu_only`` tests skip where CUDA is usable, so the suite runs on a GPU node too; so do the
     CPU suite's ``distributed`` tests (two gloo ranks per launch; on a GPU node the trainer would
     take NCCL and one GPU per rank)."""
