@@ -77,6 +77,7 @@ def plan_for_run(run: ResolvedRun, sharing_layers: Sequence[int] = ()) -> BuildP
         share=e.epas_share,
         detach_shared=e.epas_detach_shared,
         exclude_last=e.epas_exclude_last,
+        blocks=e.epas_blocks,
         deterministic=cfg.training.deterministic,
         random_ltd=random_ltd_settings(run),
     )
@@ -171,9 +172,9 @@ def checkpoint_meta_for_import(cfg, tokenizer_model: Optional[str], imported_fro
 
 def checkpoint_regions(meta: CheckpointMeta, text: str, allow_untrained: bool = False, flag: str = "--regions") -> list[int]:
     """Region sizes (``'0,half,max'``) to run a checkpoint at, checked against its layers, its
-    trained region and its ``--epas-exclude-last`` (:func:`~epas_megatron.sharing.regions.parse_regions`)."""
+    trained region, its ``--epas-exclude-last`` and ``--epas-blocks`` (:func:`~epas_megatron.sharing.regions.parse_regions`)."""
     return parse_regions(text, meta.trained_region, meta.num_layers, allow_untrained, flag=flag,
-                         exclude_last=meta.exclude_last)
+                         exclude_last=meta.exclude_last, blocks=meta.blocks)
 
 
 def plan_for_checkpoint(meta: CheckpointMeta, region: Optional[int] = None, *, flag: str = "--regions", tp: int = 1, pp: int = 1,
@@ -185,7 +186,7 @@ def plan_for_checkpoint(meta: CheckpointMeta, region: Optional[int] = None, *, f
     cuda = torch.cuda.is_available() if cuda is None else cuda
     cfg = meta.run_config()
     size = meta.trained_region if region is None else region
-    sharing = region_layers(cfg.model.num_layers, size, flag=flag, exclude_last=meta.exclude_last)
+    sharing = region_layers(cfg.model.num_layers, size, flag=flag, exclude_last=meta.exclude_last, blocks=meta.blocks)
     return BuildPlan.for_region(
         architecture_from_config(cfg.model),
         sharing,
@@ -197,6 +198,7 @@ def plan_for_checkpoint(meta: CheckpointMeta, region: Optional[int] = None, *, f
         backend=backend or choose_backend(cfg.model.transformer_impl, cuda),
         core_attention=cfg.model.core_attention,
         exclude_last=meta.exclude_last,
+        blocks=meta.blocks,
     )
 
 

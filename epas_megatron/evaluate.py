@@ -104,7 +104,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         destroy_distributed()
     if dims.is_logging_rank:
         payload = {"checkpoint": str(checkpoint), "iteration": meta.iteration, "trained_region": trained,
-                   "exclude_last": meta.exclude_last, "results": results}
+                   "exclude_last": meta.exclude_last, "blocks": meta.blocks, "results": results}
         print(f"checkpoint {checkpoint} (iteration {meta.iteration}, trained region {trained} layers)")
         print(markdown_table(results, trained))
         print("EVAL " + json.dumps(payload), flush=True)

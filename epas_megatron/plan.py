@@ -90,7 +90,8 @@ def report(run, gpu_memory_gb: Optional[float]) -> tuple[list[str], bool]:
                                    _settings(run, first.arch.vocab_size), p.pp, run.vpp or 1, float("inf"))
     for label, sharing in (("first region (0 layers sharing)", ()), (f"final region ({len(final)} layers sharing)", final)):
         layout = region_plan(sharing).layout or StageLayout.even(n, p.pp, run.vpp or 1)
-        per_rank = measure.layout_bytes(layout, layer_modes(n, sharing, exclude_last=cfg.epas.epas_exclude_last))
+        modes = layer_modes(n, sharing, exclude_last=cfg.epas.epas_exclude_last, blocks=cfg.epas.epas_blocks)
+        per_rank = measure.layout_bytes(layout, modes)
         lines.append(f"memory per GPU at the {label}, layout {layout.to_layout_string()}"
                      + (f" (budget {budget / GIB:.1f} GiB)" if budget else "") + ":")
         lines.append("  pp rank  parameters+grads+Adam  activations (in flight)       total")

@@ -279,14 +279,14 @@ def assert_close(a: dict, b: dict, rel: float = 1e-5, what: str = "") -> None:
         assert abs(a[k] - b[k]) <= rel * max(abs(a[k]), abs(b[k]), 1e-12), f"{what} at {k}: {a[k]!r} vs {b[k]!r}"
 
 
-def build(arch, sharing=(), share="qk", seed=11, detach=False, core_attention="sdpa", precision="fp32", exclude_last=0):
-    """One in-process model chunk (needs an initialised world of one); ``sharing`` must end
-    ``exclude_last`` layers before the last."""
+def build(arch, sharing=(), share="qk", seed=11, detach=False, core_attention="sdpa", precision="fp32", exclude_last=0, blocks=1):
+    """One in-process model chunk (needs an initialised world of one); ``sharing`` must be a region
+    of ``blocks`` blocks, the deepest ending ``exclude_last`` layers before the last."""
     from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import build_model
 
     plan = BuildPlan.for_region(arch, sharing, precision=precision, share=share, detach_shared=detach,
-                                core_attention=core_attention, exclude_last=exclude_last)
+                                core_attention=core_attention, exclude_last=exclude_last, blocks=blocks)
     return build_model(plan, seed=seed).chunks[0]
 
 

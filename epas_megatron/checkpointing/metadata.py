@@ -7,6 +7,7 @@ with its own defaults. Compatibility with older checkpoints lives in that one me
 * ``epas_share`` absent (before the KV-sharing ablation): 'qk';
 * ``exclude_last`` absent from the saved schedule (before ``--epas-exclude-last`` existed): the
   saved config's, else 0 -- those regions ended at the last layer;
+* ``blocks`` absent likewise (before ``--epas-blocks``): the saved config's, else 1 (one block);
 * ``parallel`` / ``precision`` / ``backend`` / ``config`` absent (a Hugging Face import): None;
 * ``has_optimizer_state`` absent (before weights-only checkpoints): True.
 * ``epas_switch_rewarm`` absent (before ``--epas-switch-rewarm``): None, trained without it.
@@ -176,6 +177,15 @@ class CheckpointMeta:
         if "exclude_last" in schedule:
             return int(schedule["exclude_last"])
         return int((self.config or {}).get("epas", {}).get("epas_exclude_last", 0))
+
+    @property
+    def blocks(self) -> int:
+        """The ``--epas-blocks`` it was trained with: every region built from it has that many
+        blocks (:func:`~epas_megatron.sharing.schedule.region_layers`); 1 for older checkpoints."""
+        schedule = self.epas_schedule or {}
+        if "blocks" in schedule:
+            return int(schedule["blocks"])
+        return int((self.config or {}).get("epas", {}).get("epas_blocks", 1))
 
     def run_config(self):
         """The saved run config as a :class:`~epas_megatron.config.schema.RunConfig` (needs

@@ -319,6 +319,13 @@ class EpasConfig:
     The region still grows from its end toward shallower layers, and at most
     num_layers - 1 - N layers can be targets (a source must remain before the region)."""
 
+    epas_blocks: int = 1
+    """Sharing blocks the target region is split into (the paper's "one block vs several"
+    ablation). 1 (the paper's method) is one block at the deep end; K > 1 splits the target into
+    K equal blocks, each at the deep end of its 1/K of the depth with its own source layer before
+    it (the deepest still ends where one block would), growing round-robin, deepest block first.
+    K must divide the target, and the target plus K must not exceed num_layers - N."""
+
     epas_share: str = "qk"
     """What sharing layers reuse from the source layer: 'qk' (the paper: own V) or 'kv'
     (own Q, source's K and V; CLA-like)."""

@@ -22,7 +22,7 @@ from epas_megatron.model.build_plan import normalise_vpp
 from epas_megatron.model.fusions import choose_precision, transformer_engine_importable
 from epas_megatron.sharing.regions import RegionSpec
 from epas_megatron.sharing.rewarm import SwitchRewarm
-from epas_megatron.sharing.schedule import SharingSchedule
+from epas_megatron.sharing.schedule import SharingSchedule, largest_region
 
 if TYPE_CHECKING:
     from epas_megatron.parallel.layout import StageLayout
@@ -290,10 +290,12 @@ def _resolve_epas(cfg: RunConfig, m, t) -> tuple[SharingSchedule, bool, list[str
     """(sharing schedule, whether stages are rebalanced at switches, warnings)."""
     p, e = cfg.parallel, cfg.epas
     schedule = SharingSchedule.from_flags(m.num_layers, e.epas_interval, e.epas_growth, e.epas_target_layers, e.epas_first_switch,
-                                          exclude_last=e.epas_exclude_last)
+                                          exclude_last=e.epas_exclude_last, blocks=e.epas_blocks)
     warnings = schedule.check_against_training(t.train_iters) if schedule.enabled else []
     if e.epas_exclude_last and not schedule.enabled:
         warnings.append(f"--epas-exclude-last {e.epas_exclude_last} has no effect: EPAS is off (--epas-target-layers 0)")
+    if e.epas_blocks != 1 and not schedule.enabled:
+        warnings.append(f"--epas-blocks {e.epas_blocks} has no effect: EPAS is off (--epas-target-layers 0)")
     SwitchRewarm(schedule, e.epas_switch_rewarm)  # --epas-switch-rewarm: >= 0 and < --epas-interval
     if e.epas_switch_rewarm and not schedule.enabled:
         warnings.append(f"--epas-switch-rewarm {e.epas_switch_rewarm} has no effect: EPAS is off (--epas-target-layers 0)")
@@ -349,7 +351,8 @@ def _resolve_eval_regions(t, schedule: SharingSchedule) -> Optional[RegionSpec]:
     if not t.eval_interval:
         raise ConfigError("--eval-regions needs --eval-interval > 0 (regions are evaluated at every evaluation)")
     spec = RegionSpec.parse(t.eval_regions, "--eval-regions")
-    spec.check_limit(schedule.num_layers - 1 - schedule.exclude_last, "--eval-regions", schedule.exclude_last)
+    spec.check_limit(largest_region(schedule.num_layers, schedule.exclude_last, schedule.blocks), "--eval-regions",
+                     schedule.exclude_last, schedule.blocks)
     return spec
 
 

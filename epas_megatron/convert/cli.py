@@ -117,6 +117,10 @@ def hf_import(hf_dir: Path, output: Path) -> Path:
 
 def export_region(meta, text: str) -> int:
     """``--region``: an int from 0 to the checkpoint's trained region, or 'max' (that region)."""
+    if meta.blocks != 1:
+        raise ConfigError(f"--region: this checkpoint was trained with --epas-blocks {meta.blocks}, but the exported model's "
+                          "code (epas_megatron/hf) holds one sharing block; export it as a plain LLaMA (no --region: "
+                          "every layer computes) or run it in the framework (epas-eval, epas-generate)")
     if text == "max":
         return meta.trained_region
     try:

@@ -52,11 +52,23 @@ def kv_bytes_per_token(modes: Sequence[LayerMode | str], share: str, num_query_g
 
 
 def source_layer(modes: Sequence[LayerMode | str]) -> Optional[int]:
-    """Index of the source layer (the last computing layer before the region), None if no region."""
+    """Index of the first source layer (the last computing layer before the region, or before its
+    shallowest block with ``--epas-blocks``), None if no region."""
     for index, mode in enumerate(modes):
         if mode == LayerMode.SOURCE:
             return index
     return None
+
+
+def sources_of(modes: Sequence[LayerMode | str]) -> dict[int, int]:
+    """Each sharing layer's source: the last source layer before it (one per block)."""
+    owners, source = {}, None
+    for index, mode in enumerate(modes):
+        if mode == LayerMode.SOURCE:
+            source = index
+        elif mode == LayerMode.SHARE:
+            owners[index] = source
+    return owners
 
 
 class KVCache:
@@ -68,6 +80,7 @@ class KVCache:
         self.share = share
         self.batch, self.max_length = batch, max_length
         self.source = source_layer(self.modes)
+        self._source_of = sources_of(self.modes)
         computing = [i for i, m in enumerate(self.modes) if "k" in cached_parts(m, share)]
         v_only = [i for i, m in enumerate(self.modes) if cached_parts(m, share) == ("v",)]
         shape = (batch, num_query_groups, max_length, head_dim)
@@ -93,7 +106,7 @@ class KVCache:
 
     def keys(self, layer: int) -> Tensor:
         """``[b, g, T, hn]`` keys ``layer`` attends over: its own, or its source's when it shares."""
-        owner = self.source if self.modes[layer] == LayerMode.SHARE else layer
+        owner = self._source_of.get(layer, layer)
         return self.computing_keys[self._computing_slot[owner]]
 
     def values(self, layer: int) -> Tensor:
@@ -102,7 +115,7 @@ class KVCache:
             return self.computing_values[self._computing_slot[layer]]
         if layer in self._sharing_slot:
             return self.sharing_values[self._sharing_slot[layer]]
-        return self.computing_values[self._computing_slot[self.source]]
+        return self.computing_values[self._computing_slot[self._source_of[layer]]]
 
     def write(self, layer: int, slots: int | Tensor, key: Optional[Tensor], value: Optional[Tensor]) -> None:
         """Store ``[n, b, g, hn]`` key/value of ``layer`` at slots ``slots .. slots + n`` (an int)

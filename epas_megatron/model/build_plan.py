@@ -122,15 +122,20 @@ class BuildPlan:
     ends at layer ``num_layers - 1 - exclude_last``. Kept on the plan so that those regions are
     derived and validated in one place (:meth:`region_layers`, :meth:`with_region`)."""
 
+    blocks: int = 1
+    """Sharing blocks (``--epas-blocks``): every region of this plan has that many blocks, each
+    with its own source (:func:`~epas_megatron.sharing.schedule.region_layers`); kept on the plan
+    for the same reason as :attr:`exclude_last`."""
+
     random_ltd: Optional[RandomLTDSettings] = None
     """Random-LTD layers (None: every layer sees every token)."""
 
     def __post_init__(self):
         if len(self.modes) != self.arch.num_layers:
             raise ValueError(f"BuildPlan: {len(self.modes)} layer modes for {self.arch.num_layers} layers")
-        # The modes must be those of a region this plan's exclude_last allows (layer_modes
-        # raises a ConfigError otherwise).
-        expected = layer_modes(self.arch.num_layers, self.sharing_layers, exclude_last=self.exclude_last)
+        # The modes must be those of a region this plan's exclude_last and blocks allow
+        # (layer_modes raises a ConfigError otherwise).
+        expected = self._modes(self.sharing_layers)
         if list(self.modes) != expected:
             raise ValueError(
                 f"BuildPlan: layer modes {[str(m) for m in self.modes]} are not those of their sharing region ({expected})"
@@ -157,39 +162,46 @@ class BuildPlan:
         vpp: Optional[int] = None,
         layout: Optional["StageLayout"] = None,
         exclude_last: int = 0,
+        blocks: int = 1,
         **settings,
     ) -> BuildPlan:
-        """The plan for ``sharing_layers`` (validated against ``exclude_last``) with ``vpp``
-        normalised; ``seq_length`` defaults to the architecture's longest sequence;
+        """The plan for ``sharing_layers`` (validated against ``exclude_last`` and ``blocks``)
+        with ``vpp`` normalised; ``seq_length`` defaults to the architecture's longest sequence;
         ``settings`` are the other fields."""
         return cls(
             arch=arch,
-            modes=tuple(layer_modes(arch.num_layers, sharing_layers, exclude_last=exclude_last)),
+            modes=tuple(layer_modes(arch.num_layers, sharing_layers, exclude_last=exclude_last, blocks=blocks)),
             seq_length=arch.max_sequence_length if seq_length is None else seq_length,
             vpp=normalise_vpp(vpp, layout),
             layout=layout,
             exclude_last=exclude_last,
+            blocks=blocks,
             **settings,
         )
 
+    def _modes(self, sharing_layers: Sequence[int]) -> list[LayerMode]:
+        return layer_modes(self.arch.num_layers, sharing_layers, exclude_last=self.exclude_last, blocks=self.blocks)
+
     def with_region(self, sharing_layers: Sequence[int], layout: Optional["StageLayout"] = None) -> BuildPlan:
-        """The same plan (``exclude_last`` included) for another sharing region (and pipeline
-        layout), as at a switch."""
+        """The same plan (``exclude_last`` and ``blocks`` included) for another sharing region
+        (and pipeline layout), as at a switch."""
         return dataclasses.replace(
             self,
-            modes=tuple(layer_modes(self.arch.num_layers, sharing_layers, exclude_last=self.exclude_last)),
+            modes=tuple(self._modes(sharing_layers)),
             layout=layout,
             vpp=normalise_vpp(self.vpp, layout),
         )
 
     def region_layers(self, size: int, flag: str = "--regions") -> tuple[int, ...]:
         """The sharing layers of a region of ``size`` layers under this plan's ``exclude_last``
-        (what :meth:`with_region` takes); a ``ConfigError`` naming ``flag`` if it cannot exist."""
-        return region_layers(self.arch.num_layers, size, flag=flag, exclude_last=self.exclude_last)
+        and ``blocks`` (what :meth:`with_region` takes); a ``ConfigError`` naming ``flag`` if it
+        cannot exist."""
+        return region_layers(self.arch.num_layers, size, flag=flag, exclude_last=self.exclude_last, blocks=self.blocks)
 
     @property
     def sharing_layers(self) -> tuple[int, ...]:
-        """The layers in sharing mode (a block ending ``exclude_last`` layers before the end)."""
+        """The layers in sharing mode (``blocks`` blocks, the deepest ending ``exclude_last``
+        layers before the end)."""
         return tuple(i for i, mode in enumerate(self.modes) if mode == LayerMode.SHARE)
 
     @property

@@ -166,12 +166,13 @@ def balance_region(
     virtual_pipeline_parallel_size: int = 1,
     *,
     exclude_last: int = 0,
+    blocks: int = 1,
     memory=None,
 ) -> StageLayout:
-    """The balanced layout while ``sharing_layers`` (a deep block ending ``exclude_last`` layers
-    before the end, see :func:`~epas_megatron.sharing.schedule.layer_modes`) share Q/K;
+    """The balanced layout while ``sharing_layers`` (``blocks`` blocks, the deepest ending
+    ``exclude_last`` layers before the end, see :func:`~epas_megatron.sharing.schedule.layer_modes`) share Q/K;
     ``memory``: a :class:`~epas_megatron.parallel.memory_budget.MemoryLimit` every rank must fit."""
-    modes = layer_modes(num_layers, sharing_layers, exclude_last=exclude_last)
+    modes = layer_modes(num_layers, sharing_layers, exclude_last=exclude_last, blocks=blocks)
     return balance_layout(
         costs_for_modes(layer_costs, modes),
         pipeline_parallel_size,

@@ -21,10 +21,11 @@ def even_layout(
     v: int = 1,
     *,
     exclude_last: int = 0,
+    blocks: int = 1,
 ) -> StageLayout:
     """Megatron's even split, priced while ``sharing_layers`` share (the hand-off charged when
     the split crosses the region)."""
-    modes = layer_modes(num_layers, sharing_layers, exclude_last=exclude_last)
+    modes = layer_modes(num_layers, sharing_layers, exclude_last=exclude_last, blocks=blocks)
     return priced_layout(
         StageLayout.even(num_layers, p, v).stage_sizes,
         p,
@@ -46,6 +47,7 @@ def format_layouts(
     layouts: Sequence[tuple[int, StageLayout]] | None = None,
     *,
     exclude_last: int = 0,
+    blocks: int = 1,
 ) -> str:
     """A readable table of a schedule's layouts.
 
@@ -62,7 +64,7 @@ def format_layouts(
     sharing_sets = [(iteration, sorted(set(sharing))) for iteration, sharing in sharing_sets]
     if layouts is None:
         layouts = [
-            (iteration, balance_region(layer_costs, num_layers, sharing, p, v, exclude_last=exclude_last))
+            (iteration, balance_region(layer_costs, num_layers, sharing, p, v, exclude_last=exclude_last, blocks=blocks))
             for iteration, sharing in sharing_sets
         ]
     if len(layouts) != len(sharing_sets):
@@ -75,8 +77,8 @@ def format_layouts(
     for (iteration, sharing), (layout_iteration, layout) in zip(sharing_sets, layouts):
         if iteration != layout_iteration:
             raise ValueError("format_layouts: layouts and sharing_sets differ in iterations")
-        fixed = even_layout(layer_costs, num_layers, sharing, p, v, exclude_last=exclude_last)
-        crossing = crosses_region(layout.stage_sizes, layer_modes(num_layers, sharing, exclude_last=exclude_last))
+        fixed = even_layout(layer_costs, num_layers, sharing, p, v, exclude_last=exclude_last, blocks=blocks)
+        crossing = crosses_region(layout.stage_sizes, layer_modes(num_layers, sharing, exclude_last=exclude_last, blocks=blocks))
         notes = "; Q/K cross a stage boundary" if crossing else ""
         if not layout.optimal:
             notes += " (search budget hit: best found, not proven optimal)"
@@ -174,23 +176,24 @@ def predict_pipeline_speedup(
     region_size: int = 0,
     *,
     exclude_last: int = 0,
+    blocks: int = 1,
 ) -> PipelineSpeedup:
     """Predicted pipeline throughput gain of EPAS with ``region_size`` layers in sharing mode,
-    the block ending ``exclude_last`` layers before the end (their source is the layer just
-    before the region), with and without rebalancing the stages; see :class:`PipelineSpeedup`
+    in ``blocks`` blocks, the deepest ending ``exclude_last`` layers before the end (each with its
+    source, the layer just before it), with and without rebalancing the stages; see :class:`PipelineSpeedup`
     for the model."""
     p, v = pipeline_parallel_size, virtual_pipeline_parallel_size
-    sharing = region_layers(num_layers, region_size, flag="sharing region size", exclude_last=exclude_last)
+    sharing = region_layers(num_layers, region_size, flag="sharing region size", exclude_last=exclude_last, blocks=blocks)
     fixed_costs = layer_costs.embedding + layer_costs.output_layer
 
     def total(region) -> float:
-        layers = costs_for_modes(layer_costs, layer_modes(num_layers, region, exclude_last=exclude_last))
+        layers = costs_for_modes(layer_costs, layer_modes(num_layers, region, exclude_last=exclude_last, blocks=blocks))
         return math.fsum(layers) + fixed_costs
 
     return PipelineSpeedup(
         baseline_bottleneck=even_layout(layer_costs, num_layers, (), p, v).bottleneck,
         baseline_rebalanced_bottleneck=balance_region(layer_costs, num_layers, (), p, v).bottleneck,
-        fixed_bottleneck=even_layout(layer_costs, num_layers, sharing, p, v, exclude_last=exclude_last).bottleneck,
-        rebalanced_bottleneck=balance_region(layer_costs, num_layers, sharing, p, v, exclude_last=exclude_last).bottleneck,
+        fixed_bottleneck=even_layout(layer_costs, num_layers, sharing, p, v, exclude_last=exclude_last, blocks=blocks).bottleneck,
+        rebalanced_bottleneck=balance_region(layer_costs, num_layers, sharing, p, v, exclude_last=exclude_last, blocks=blocks).bottleneck,
         ideal_speedup=total(()) / total(sharing),
     )

@@ -64,14 +64,16 @@ def region_layout(
     vpp: Optional[int],
     sharing_layers: Sequence[int],
     exclude_last: int = 0,
+    blocks: int = 1,
 ) -> StageLayout:
-    """The balanced layout for one sharing region (ending ``exclude_last`` layers before the end)."""
-    return balance_region(layer_costs, num_layers, sharing_layers, pp, vpp or 1, exclude_last=exclude_last)
+    """The balanced layout for one sharing region (``blocks`` blocks, the deepest ending
+    ``exclude_last`` layers before the end)."""
+    return balance_region(layer_costs, num_layers, sharing_layers, pp, vpp or 1, exclude_last=exclude_last, blocks=blocks)
 
 
 def balanced_layout(plan, sharing_layers: Sequence[int], timer=None, memory=None) -> StageLayout:
     """The layout for ``sharing_layers`` given a :class:`~epas_megatron.model.build_plan.BuildPlan`
-    (its architecture, sequence length, share mode, PP/VPP and ``exclude_last``).
+    (its architecture, sequence length, share mode, PP/VPP, ``exclude_last`` and ``blocks``).
 
     With a :class:`~epas_megatron.parallel.layer_timing.LayerTimer` (``--epas-cost-model
     measured``) the FLOPs costs are calibrated by its measurements (a collective call). With a
@@ -88,10 +90,11 @@ def balanced_layout_noted(plan, sharing_layers: Sequence[int], timer=None, memor
 
     costs = calibrated_costs(flops_layer_costs(plan.arch, plan.seq_length, plan.share), timer)
     n = plan.arch.num_layers
+    region = dict(exclude_last=plan.exclude_last, blocks=plan.blocks)
     return layout_within_budget(
-        lambda: balance_region(costs, n, sharing_layers, plan.pp, plan.vpp or 1, exclude_last=plan.exclude_last),
-        lambda: balance_region(costs, n, sharing_layers, plan.pp, plan.vpp or 1, exclude_last=plan.exclude_last, memory=memory),
-        memory, layer_modes(n, sharing_layers, exclude_last=plan.exclude_last))
+        lambda: balance_region(costs, n, sharing_layers, plan.pp, plan.vpp or 1, **region),
+        lambda: balance_region(costs, n, sharing_layers, plan.pp, plan.vpp or 1, **region, memory=memory),
+        memory, layer_modes(n, sharing_layers, **region))
 
 
 def describe_schedule_layouts(plan, schedule, memory=None) -> str:
@@ -106,5 +109,5 @@ def describe_schedule_layouts(plan, schedule, memory=None) -> str:
         if notice:
             notices.append(f"  memory budget at iteration {iteration}: {notice}")
     table = format_layouts(costs, plan.arch.num_layers, plan.pp, plan.vpp or 1, regions, layouts=layouts,
-                           exclude_last=schedule.exclude_last)
+                           exclude_last=schedule.exclude_last, blocks=schedule.blocks)
     return "\n".join([table, *notices])

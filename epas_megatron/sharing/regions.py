@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from epas_megatron.errors import ConfigError
+from epas_megatron.sharing.schedule import largest_region
 
 WORDS = ("max", "half")
 """Region names that follow the current region."""
@@ -47,14 +48,16 @@ class RegionSpec:
                 raise ConfigError(f"{flag}: {raw.strip()!r} is not a region size (a non-negative integer), 'half' or 'max'")
         return cls(tuple(items))
 
-    def check_limit(self, largest: int, flag: str = "--eval-regions", exclude_last: int = 0) -> None:
+    def check_limit(self, largest: int, flag: str = "--eval-regions", exclude_last: int = 0, blocks: int = 1) -> None:
         """Every integer is a region this model can have: at most ``largest`` sharing layers (one
-        layer before the region computes Q/K, and ``exclude_last`` layers after it never share)."""
+        layer before the region -- before each of its ``blocks`` blocks -- computes Q/K, and
+        ``exclude_last`` layers after it never share)."""
         for item in self.items:
             if isinstance(item, int) and item > largest:
                 excluded = f", and --epas-exclude-last {exclude_last} layers after it never share" if exclude_last else ""
+                before = f"each of its --epas-blocks {blocks} blocks" if blocks > 1 else "the region"
                 raise ConfigError(f"{flag}: {item} sharing layers is more than this model can have: at most {largest} "
-                                  f"(one layer before the region must compute Q/K{excluded})")
+                                  f"(one layer before {before} must compute Q/K{excluded})")
 
     def sizes(self, current: int) -> list[int]:
         """Every item as a region size when ``current`` layers share, in the order given."""
@@ -73,7 +76,7 @@ class RegionSpec:
 
 
 def parse_regions(text: str, trained: int, num_layers: int, allow_untrained: bool, flag: str = "--regions",
-                  exclude_last: int = 0) -> list[int]:
+                  exclude_last: int = 0, blocks: int = 1) -> list[int]:
     """Region sizes to run a trained model at: '0,half,2,max' -> [0, trained // 2, 2, trained],
     in the order given; a ``ConfigError`` naming ``flag`` for bad or impossible values (the
     grammar of :class:`RegionSpec`), and for regions larger than the ``trained`` one unless
@@ -81,9 +84,10 @@ def parse_regions(text: str, trained: int, num_layers: int, allow_untrained: boo
 
     ``exclude_last`` is the checkpoint's ``--epas-exclude-last``
     (:attr:`~epas_megatron.checkpointing.metadata.CheckpointMeta.exclude_last`): its regions end
-    that many layers before the last, so at most ``num_layers - 1 - exclude_last`` layers can share."""
+    that many layers before the last, so at most ``num_layers - 1 - exclude_last`` layers can share;
+    ``blocks`` (its ``--epas-blocks``) lowers that limit (:func:`~epas_megatron.sharing.schedule.largest_region`)."""
     spec = RegionSpec.parse(text, flag)
-    spec.check_limit(num_layers - 1 - exclude_last, flag, exclude_last)
+    spec.check_limit(largest_region(num_layers, exclude_last, blocks), flag, exclude_last, blocks)
     regions = spec.sizes(trained)
     for r in regions:
         if r > trained and not allow_untrained:

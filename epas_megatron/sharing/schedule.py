@@ -68,6 +68,7 @@ from epas_megatron.errors import ConfigError
 __all__ = [
     "LayerMode",
     "SharingSchedule",
+    "largest_region",
     "layer_modes",
     "region_layers",
     "resolve_target_layers",
@@ -299,6 +300,15 @@ def _resolve_target(
             f"{target_layers} region its blocks are placed for; use at most {target_layers}"
         )
     return target_layers, "--epas-target-layers"
+
+
+def largest_region(num_layers: int, exclude_last: int = 0, blocks: int = 1) -> int:
+    """The most layers that can share in a ``num_layers`` model: every block keeps a computing
+    source inside its span, so ``blocks * (E // blocks - 1)`` with ``E = num_layers -
+    exclude_last`` (``num_layers - 1 - exclude_last`` for one block)."""
+    _check_exclude_last(num_layers, exclude_last)
+    _check_blocks_value(blocks)
+    return max(0, blocks * ((num_layers - exclude_last) // blocks - 1))
 
 
 def region_layers(

@@ -85,20 +85,23 @@ def iteration_flops(shape: ModelShape, modes: Sequence[LayerMode], share: str, g
     return float(3 * global_batch_size * forward)
 
 
-def switch_line(iteration: int, sharing_layers: Sequence[int], source: Optional[int], info: dict,
+def switch_line(iteration: int, sharing_layers: Sequence[int], sources: Sequence[int], info: dict,
                 cost_iterations: Optional[float]) -> str:
     """The console line of a switch (``info``: :meth:`~epas_megatron.training.switch.SwitchExecutor.apply`'s record)."""
     cost = f" (= {cost_iterations:.1f} iterations)" if cost_iterations is not None else ""
     relayout = f"; pipeline layout {info['previous_layout']} -> {info['layout']}" if info["layout"] != info["previous_layout"] else ""
     how = "in-memory rebuild" if info["mode"] == "memory" else "save/rebuild/load"
-    return (f"EPAS switch at iteration {iteration}: sharing layers {list(sharing_layers)} (source layer {source}); "
+    named = f"source layer {sources[0]}" if len(sources) == 1 else f"source layers {', '.join(map(str, sources))}"
+    return (f"EPAS switch at iteration {iteration}: sharing layers {list(sharing_layers)} ({named}); "
             f"{how} took {info['seconds']:.2f}s{cost}{relayout}")
 
 
-def switch_record(iteration: int, sharing_layers: Sequence[int], source: Optional[int], info: dict,
+def switch_record(iteration: int, sharing_layers: Sequence[int], sources: Sequence[int], info: dict,
                   cost_iterations: Optional[float]) -> dict:
-    """The ``"kind": "switch"`` metrics record of a switch."""
-    return {"kind": "switch", "iteration": iteration, "sharing_layers": list(sharing_layers), "source_layer": source,
+    """The ``"kind": "switch"`` metrics record of a switch: ``source_layers`` has one source per
+    sharing block, ``source_layer`` the deepest block's (the only one without ``--epas-blocks``)."""
+    return {"kind": "switch", "iteration": iteration, "sharing_layers": list(sharing_layers), "source_layer": sources[-1],
+            "source_layers": list(sources),
             "layout": info["layout"], "previous_layout": info["previous_layout"], "switch_seconds": info["seconds"],
             "switch_mode": info["mode"], "switch_bytes_written": info["bytes_written"],
             "switch_bytes_between_ranks": info.get("bytes_between_ranks"), "switch_cost_iterations": cost_iterations}
@@ -172,10 +175,10 @@ class Reporter:
         self.metrics.log(record, step=iteration)
         self.print(progress.console_line(record))
 
-    def log_switch(self, iteration: int, sharing_layers: Sequence[int], source: Optional[int], info: dict,
+    def log_switch(self, iteration: int, sharing_layers: Sequence[int], sources: Sequence[int], info: dict,
                    cost_iterations: Optional[float]) -> None:
-        self.print(switch_line(iteration, sharing_layers, source, info, cost_iterations))
-        self.metrics.log(switch_record(iteration, sharing_layers, source, info, cost_iterations), step=iteration, prefix="epas")
+        self.print(switch_line(iteration, sharing_layers, sources, info, cost_iterations))
+        self.metrics.log(switch_record(iteration, sharing_layers, sources, info, cost_iterations), step=iteration, prefix="epas")
 
     def log_validation(self, progress: TrainingProgress, iteration: int, consumed_samples: int, current: int,
                        evaluate: Callable[[int], float], region_layers: Callable[[int], tuple[int, ...]]) -> tuple[int, dict[int, float]]:

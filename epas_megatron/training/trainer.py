@@ -206,8 +206,8 @@ class Trainer:
     def _switch(self, target: tuple[int, ...], iteration: int, progress: TrainingProgress) -> None:
         """Carry out the switch before ``iteration``'s step, and report it."""
         info = self.apply_switch(target)
-        source = self.run.schedule.source_layer(iteration)
-        self.reporter.log_switch(iteration, target, source, info, progress.switch(info["seconds"]))
+        sources = self.run.schedule.source_layers(iteration)
+        self.reporter.log_switch(iteration, target, sources, info, progress.switch(info["seconds"]))
 
     # ------------------------------------------------------------------ loop
     def evaluate(self, region: Optional[int] = None) -> float:

@@ -121,6 +121,23 @@ def test_engine_refuses_reuse_for_kv_models(tiny_arch):
 
 
 @pytest.mark.parametrize("share, attention, kernel", [("qk", "qk", None), ("qk", "reuse", "torch"), ("kv", "qk", None)])
+def test_several_blocks_decode_like_full_forwards(tiny_arch, share, attention, kernel):
+    """--epas-blocks 2 on 4 layers: layers 1 and 3 share, each with its own source (0 and 2); each
+    sharing layer attends over its own source's cached K (and V for 'kv'), and the reused
+    probabilities are its own block's; cached decoding equals full forward passes."""
+    model = build(tiny_arch, (1, 3), share=share, blocks=2).eval()
+    engine = DecodeEngine(model, attention, region_kernel=kernel)
+    assert engine.modes == ("source", "share", "source", "share")
+    batch = prompts(tiny_arch.vocab_size, seed=3)
+    tokens, logits, cache = cached_greedy(engine, batch, chunk=3)
+    for row, ids in enumerate(batch):
+        expected_tokens, expected_logits = full_forward_greedy(model, ids)
+        assert tokens[row] == expected_tokens, f"row {row}"
+        torch.testing.assert_close(logits[row], expected_logits, rtol=1e-4, atol=1e-4)
+    assert cache.computing_keys.size(0) == 2 and cache.sharing_values.size(0) == (2 if share == "qk" else 0)
+
+
+@pytest.mark.parametrize("share, attention, kernel", [("qk", "qk", None), ("qk", "reuse", "torch"), ("kv", "qk", None)])
 @pytest.mark.parametrize("sharing, exclude_last", [((1, 2), 1), ((2,), 1)])
 def test_region_before_computing_layers_decodes_like_full_forwards(tiny_arch, sharing, exclude_last, share, attention, kernel):
     """--epas-exclude-last: the computing layer after the region caches its own K and V and

@@ -79,6 +79,48 @@ def test_model_with_sharing_matches_reference(tiny_arch, sharing, exclude_last, 
         assert attention.frozen_projection.weight.grad is None
 
 
+@pytest.mark.parametrize("share", ["qk", "kv"])
+@pytest.mark.parametrize("num_layers, blocks, sharing, sources", [
+    (4, 2, (1, 3), (0, 2)),               # spans 0-1 | 2-3
+    (6, 2, (1, 2, 4, 5), (0, 3)),         # spans 0-2 | 3-5
+    (6, 2, (2, 4, 5), (1, 3)),            # mid-growth: the deeper block one layer ahead
+    (6, 3, (1, 3, 5), (0, 2, 4)),         # spans 0-1 | 2-3 | 4-5
+])
+def test_several_blocks_match_reference(tiny_arch, num_layers, blocks, sharing, sources, share):
+    """--epas-blocks: each block reuses the Q/K (K/V) of its own source, the reference's 'last
+    computing layer before it'; a negative control: one block of the same size computes something else."""
+    import dataclasses
+
+    from epas_megatron.model.attention import split_qkv_rows
+    from epas_megatron.sharing.schedule import LayerMode
+
+    arch = dataclasses.replace(tiny_arch, num_layers=num_layers)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, arch.vocab_size, (2, 24))
+    labels = torch.randint(0, arch.vocab_size, (2, 24))
+    position_ids = torch.arange(24).unsqueeze(0).expand(2, -1)
+    model = build(arch, sharing, share=share, blocks=blocks)
+    assert tuple(i for i, layer in enumerate(model.decoder.layers) if layer.epas_mode == LayerMode.SOURCE) == sources
+
+    ours = model(tokens, position_ids, None, labels=labels)  # [b, s] per-token loss
+    ours.sum().backward()
+    hf, w = reference_weights(model, arch, requires_grad=True)
+    expected = per_token_loss(ref.forward(w, tokens, num_layers, 4, 2, set(sharing), share), labels)
+    expected.sum().backward()
+    torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-6)
+    one_block = set(range(num_layers - len(sharing), num_layers))
+    assert not torch.allclose(ours, per_token_loss(ref.forward(w, tokens, num_layers, 4, 2, one_block, share), labels),
+                              rtol=1e-4, atol=1e-4)
+    own = "v" if share == "qk" else "q"
+    for layer in sharing:
+        attention = model.decoder.layers[layer].self_attention
+        assert_same_gradient(attention.own_projection.weight.grad, hf[f"model.layers.{layer}.self_attn.{own}_proj.weight"].grad)
+    for layer in sources:  # every source receives its own block's gradients through its Q/K (K/V)
+        got = split_qkv_rows(model.decoder.layers[layer].self_attention.linear_qkv.weight.grad, ("q", "k", "v"), 2, 2, 16)
+        for part in "qkv":
+            assert_same_gradient(got[part], hf[f"model.layers.{layer}.self_attn.{part}_proj.weight"].grad)
+
+
 def test_sharing_layer_output_matches_reference_attention(tiny_arch):
     """One sharing layer in isolation: attention(Q_src, K_src, V_own), then its own projection."""
     model = build(tiny_arch, (3,))

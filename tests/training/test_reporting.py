@@ -39,21 +39,29 @@ INFO = {"seconds": 1.234, "layout": "t|t", "previous_layout": "tt|", "mode": "me
 
 
 def test_switch_line():
-    assert switch_line(6, (2, 3), 1, INFO, 2.5) == ("EPAS switch at iteration 6: sharing layers [2, 3] (source layer 1); "
+    assert switch_line(6, (2, 3), (1,), INFO, 2.5) == ("EPAS switch at iteration 6: sharing layers [2, 3] (source layer 1); "
                                                     "in-memory rebuild took 1.23s (= 2.5 iterations); pipeline layout tt| -> t|t")
     staged = {**INFO, "mode": "checkpoint", "layout": "tt|", "bytes_written": 10}
     del staged["bytes_between_ranks"]
-    assert switch_line(1, (3,), 2, staged, None) == ("EPAS switch at iteration 1: sharing layers [3] (source layer 2); "
+    assert switch_line(1, (3,), (2,), staged, None) == ("EPAS switch at iteration 1: sharing layers [3] (source layer 2); "
                                                      "save/rebuild/load took 1.23s")
 
 
 def test_switch_record():
-    assert switch_record(6, (2, 3), 1, INFO, 2.5) == {
-        "kind": "switch", "iteration": 6, "sharing_layers": [2, 3], "source_layer": 1, "layout": "t|t", "previous_layout": "tt|",
+    assert switch_record(6, (2, 3), (1,), INFO, 2.5) == {
+        "kind": "switch", "iteration": 6, "sharing_layers": [2, 3], "source_layer": 1, "source_layers": [1],
+        "layout": "t|t", "previous_layout": "tt|",
         "switch_seconds": 1.234, "switch_mode": "memory", "switch_bytes_written": 0, "switch_bytes_between_ranks": 100,
         "switch_cost_iterations": 2.5}
     staged = {key: value for key, value in INFO.items() if key != "bytes_between_ranks"}
-    assert switch_record(6, (2, 3), 1, staged, None)["switch_bytes_between_ranks"] is None
+    assert switch_record(6, (2, 3), (1,), staged, None)["switch_bytes_between_ranks"] is None
+
+
+def test_switch_line_and_record_with_several_blocks():
+    line = switch_line(8, (3, 4, 5, 9, 10, 11), (2, 8), INFO, None)
+    assert line.startswith("EPAS switch at iteration 8: sharing layers [3, 4, 5, 9, 10, 11] (source layers 2, 8); ")
+    record = switch_record(8, (3, 4, 5, 9, 10, 11), (2, 8), INFO, None)
+    assert record["source_layers"] == [2, 8] and record["source_layer"] == 8  # the deepest block's
 
 
 def test_peak_name(monkeypatch):

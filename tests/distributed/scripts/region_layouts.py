@@ -1,7 +1,7 @@
 """Under torchrun (2 processes): one training step of an 8-layer model for every sharing-region
 size 0..7 under several pipeline layouts, plus one region that ends before the last layer
-(--epas-exclude-last: layers 3-5 share, 6-7 compute); prints one RESULT line per (layout, region,
-exclude_last) from rank 0.
+(--epas-exclude-last: layers 3-5 share, 6-7 compute) and regions of several blocks (--epas-blocks);
+prints one RESULT line per (layout, region, exclude_last, blocks) from rank 0.
 
 The data-parallel layout (PP=1, DP=2) is the reference: with a per-token loss over the global
 batch it computes exactly what one process computes."""
@@ -23,10 +23,13 @@ LAYOUTS = {
     "uneven_vpp_2_3_1_2": dict(pp=2, layout="Ett|ttt|t|ttL"),
 }
 GLOBAL_BATCH, SEQ = 4, 32
-REGIONS = [(size, 0) for size in range(8)] + [(3, 2)]
-"""(region size, exclude_last): every region at the deep end, and layers 3-5 with a computing
+REGIONS = [(size, 0, 1) for size in range(8)] + [(3, 2, 1), (4, 0, 2), (6, 0, 2), (4, 0, 4)]
+"""(region size, exclude_last, blocks): every region at the deep end; layers 3-5 with a computing
 tail -- under pp2 the region crosses the stage boundary and the tail receives the hand-off, under
-uneven_6_2 a boundary lies right after the region (no hand-off)."""
+uneven_6_2 a boundary lies right after the region (no hand-off); and --epas-blocks regions: two
+blocks 2-3 and 6-7 (sources 1 and 5: uneven_vpp_2_3_1_2's boundaries before layers 2 and 6 each
+carry a different source's hand-off), 1-3 and 5-7 (sources 0 and 4), four one-layer blocks 1, 3,
+5, 7 (sources 0, 2, 4, 6)."""
 
 
 def batches(dp_rank, dp_size, vocab):
@@ -63,11 +66,11 @@ def main():
             virtual_pipeline_model_parallel_size=spec.get("vpp") or (2 if spec.get("layout", "").count("|") == 3 else None))
         seed_everything(0)
         dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-        for region, exclude_last in REGIONS:
-            sharing = region_layers(8, region, exclude_last=exclude_last)
+        for region, exclude_last, blocks in REGIONS:
+            sharing = region_layers(8, region, exclude_last=exclude_last, blocks=blocks)
             layout = StageLayout.from_layout_string(spec["layout"], spec["pp"]) if "layout" in spec else None
             plan = BuildPlan.for_region(arch, sharing, seq_length=SEQ, pp=spec["pp"], vpp=spec.get("vpp"), layout=layout,
-                                        exclude_last=exclude_last)
+                                        exclude_last=exclude_last, blocks=blocks)
             built = build_model(plan, seed=7)
             seq = built.schedule_seq_length
             model = wrap_ddp(built.chunks, built.config, settings)
@@ -77,7 +80,8 @@ def main():
             result = train_step(model, optimizer, scheduler, iterators, num_microbatches=GLOBAL_BATCH // dp,
                                 seq_length=seq, micro_batch_size=1)
             if dist.get_rank() == 0:
-                print("RESULT " + json.dumps({"layout": name, "region": region, "exclude_last": exclude_last, "loss": result.lm_loss,
+                print("RESULT " + json.dumps({"layout": name, "region": region, "exclude_last": exclude_last, "blocks": blocks,
+                                              "loss": result.lm_loss,
                                               "grad_norm": result.grad_norm, "p2p_rows": seq}), flush=True)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
