@@ -33,6 +33,11 @@ or torchrun with ``--nproc``) whose outputs the report reads back:
    Reported: final validation loss and gap, the gap against the baseline's seed spread, the
    training time to the baseline's final loss, and the validation jump around each switch
    (:func:`~epas_megatron.experiments.quality_report.switch_jumps`). The re-warm costs no FLOPs.
+7. **One block vs several** (``--parts`` ``blocks``, not in the default set), for every seed:
+   EPAS with the target region split into :attr:`QualityScale.ablation_blocks` blocks
+   (``--epas-blocks 2``: the same number of sharing layers, interval and growth) against the
+   one-block EPAS run and the baseline. Reported as the progressive-vs-fixed ablation: blocks
+   minus one block beside the paper's claim (one block is better: positive) and the seed spreads.
 
 Every arm writes ``<output-dir>/<arm>/`` (the run directory, ``train.log``, ``summary.json``
 once it finished); an arm whose ``summary.json`` exists is not run again, so an interrupted
@@ -42,7 +47,7 @@ the exact commands), ``quality.json`` (every number), ``loss_vs_tokens.png``,
 
     epas-bench quality                                   # CPU: ~40 minutes on 2 cores
     epas-bench quality --scale 125m --nproc 8            # 8 GPUs
-    epas-bench quality --parts fixed,rewarm              # the two ablations (shares baseline and EPAS runs)
+    epas-bench quality --parts fixed,rewarm,blocks       # three ablations (shares baseline and EPAS runs)
     epas-bench quality --scale tinyllama --nproc 8 --base-checkpoint ckpts/tinyllama \\
         --data data/slimpajama_text_document --tokenizer-model ckpts/tinyllama/tokenizer.model
 """
@@ -126,6 +131,10 @@ class QualityScale:
     """``--parts rewarm``: the ``--epas-switch-rewarm`` of its EPAS runs. Default: a quarter of
     :attr:`epas_interval` (at least 1)."""
 
+    ablation_blocks: int = 2
+    """``--parts blocks``: the ``--epas-blocks`` of its EPAS runs (the same target region and
+    schedule as plain EPAS, split into that many blocks)."""
+
     @property
     def switch_rewarm(self) -> int:
         """The re-warm iterations of the ``rewarm`` arms (:attr:`rewarm_steps` resolved)."""
@@ -164,7 +173,7 @@ SCALES: dict[str, QualityScale] = {
 """Recipe sizes (``--scale``)."""
 
 
-PARTS = ("scratch", "continual", "ablation", "random_ltd", "fixed", "rewarm")
+PARTS = ("scratch", "continual", "ablation", "random_ltd", "fixed", "rewarm", "blocks")
 """Every experiment ``--parts`` can name, in the order of the module doc."""
 
 DEFAULT_PARTS = ("scratch", "continual", "ablation")
@@ -219,7 +228,7 @@ def plan_arms(scale: QualityScale, out: Path, base_checkpoint: Optional[str] = N
                     ArmSpec("scratch_epas_random_ltd", [*common, *epas, "--random-ltd"])):
             if arm.name not in planned:
                 arms.append(arm)
-    if not scale.continual_only and ("fixed" in parts or "rewarm" in parts):
+    if not scale.continual_only and {"fixed", "rewarm", "blocks"} & set(parts):
         planned = {arm.name for arm in arms}
         for number, seed in enumerate(scale.seeds):
             suffix = "" if number == 0 else f"_seed{seed}"
@@ -229,6 +238,8 @@ def plan_arms(scale: QualityScale, out: Path, base_checkpoint: Optional[str] = N
             if "fixed" in parts:  # the whole region switches before the first step
                 candidates.append(ArmSpec(f"scratch_fixed{suffix}", [*common, *epas, "--epas-first-switch", "1", "--epas-growth",
                                                                     str(scale.target_layer_count())]))
+            if "blocks" in parts:  # the same target and schedule, in several blocks
+                candidates.append(ArmSpec(f"scratch_blocks{suffix}", [*common, *epas, "--epas-blocks", str(scale.ablation_blocks)]))
             if "rewarm" in parts:
                 candidates.append(ArmSpec(f"scratch_rewarm{suffix}", [*common, *epas, "--epas-switch-rewarm", str(scale.switch_rewarm)]))
             for arm in candidates:
@@ -402,14 +413,24 @@ class QualityRecipe:
                                str(self.out / "random_ltd_loss_vs_tokens.png"), str(self.out / "random_ltd_loss_vs_time.png"),
                                scale.seq_length * scale.global_batch_size)
             plots += ["random_ltd_loss_vs_tokens.png", "random_ltd_loss_vs_time.png"]
-        if "fixed" in self.parts and not scale.continual_only:
-            per_seed = [{"seed": seed, **report.fixed_comparison(arm(f"scratch_baseline{suffix}"), arm(f"scratch_epas{suffix}"),
-                                                                 arm(f"scratch_fixed{suffix}"))}
+        for part, names, claim, title, labels in (
+                ("fixed", report.FIXED, report.PAPER_PROGRESSIVE_CLAIM,
+                 f"Progressive vs fixed region (the full region of {scale.target_layer_count()} layers from iteration 1)",
+                 ("progressive EPAS", "fixed region from iteration 1")),
+                ("blocks", report.BLOCKS, report.PAPER_BLOCKS_CLAIM,
+                 f"One sharing block vs {scale.ablation_blocks} (--epas-blocks {scale.ablation_blocks}, "
+                 f"{scale.target_layer_count()} sharing layers in all)",
+                 ("EPAS, one block", f"EPAS, {scale.ablation_blocks} blocks"))):
+            if part not in self.parts or scale.continual_only:
+                continue
+            per_seed = [{"seed": seed, **report.paired_comparison(arm(f"scratch_baseline{suffix}"), arm(f"scratch_epas{suffix}"),
+                                                                  arm(f"scratch_{part}{suffix}"), names)}
                         for seed, suffix in self._seed_suffixes()]
-            numbers["fixed"] = per_seed
-            numbers["fixed_summary"] = report.fixed_summary(per_seed)
-            sections.append(f"### Progressive vs fixed region (the full region of {scale.target_layer_count()} layers from "
-                            f"iteration 1)\n\n{report.fixed_table(per_seed)}\n\n{report.fixed_summary_text(numbers['fixed_summary'])}")
+            numbers[part] = per_seed
+            numbers[f"{part}_summary"] = report.paired_summary(per_seed, names, claim)
+            difference = f"{names[1].replace('_', ' ').capitalize()} minus {names[0].replace('_', ' ')}"
+            sections.append(f"### {title}\n\n{report.paired_table(per_seed, names, labels)}\n\n"
+                            + report.paired_summary_text(numbers[f"{part}_summary"], names, difference))
         if "rewarm" in self.parts and not scale.continual_only:
             per_seed = []
             for seed, suffix in self._seed_suffixes():

@@ -41,6 +41,10 @@ PAPER_PROGRESSIVE_CLAIM = ("progressive growth of the region is what keeps EPAS'
                            "the paper's is compared here.")
 """What the progressive-vs-fixed ablation checks (the sign of fixed minus progressive)."""
 
+PAPER_BLOCKS_CLAIM = ("one contiguous sharing block beats several smaller ones with the same number of sharing layers "
+                      "(the paper's ablation), so blocks minus one block should be > 0; no figure of the paper's is compared here.")
+"""What the one-block-vs-several ablation checks (the sign of several blocks minus one block)."""
+
 
 @dataclass
 class ArmResult:
@@ -387,63 +391,76 @@ def switch_jumps(arm: ArmResult, baseline: Optional[ArmResult] = None) -> list[d
     return rows
 
 
-def fixed_comparison(baseline: ArmResult, progressive: ArmResult, fixed: ArmResult) -> dict:
-    """Progressive vs fixed region (one seed): final losses, their difference (fixed minus
-    progressive: positive when progressive growth is better, the paper's claim) and each gap to
-    the baseline."""
+def paired_comparison(baseline: ArmResult, reference: ArmResult, variant: ArmResult, names: tuple[str, str]) -> dict:
+    """An ablation (one seed): the final losses of the baseline, the ``reference`` EPAS run and its
+    ``variant``, the variant minus the reference (positive when the reference is better) and each
+    gap to the baseline. ``names`` (reference, variant) prefix the keys."""
+    ref, var = names
     target = baseline.final_valid_loss
     return {
         "baseline_final_valid_loss": target,
-        "progressive_final_valid_loss": progressive.final_valid_loss,
-        "fixed_final_valid_loss": fixed.final_valid_loss,
-        "fixed_minus_progressive": fixed.final_valid_loss - progressive.final_valid_loss,
-        "progressive_gap": progressive.final_valid_loss - target,
-        "fixed_gap": fixed.final_valid_loss - target,
-        "progressive_train_time_s": progressive.train_time_s,
-        "fixed_train_time_s": fixed.train_time_s,
+        f"{ref}_final_valid_loss": reference.final_valid_loss,
+        f"{var}_final_valid_loss": variant.final_valid_loss,
+        f"{var}_minus_{ref}": variant.final_valid_loss - reference.final_valid_loss,
+        f"{ref}_gap": reference.final_valid_loss - target,
+        f"{var}_gap": variant.final_valid_loss - target,
+        f"{ref}_train_time_s": reference.train_time_s,
+        f"{var}_train_time_s": variant.train_time_s,
     }
 
 
-def fixed_summary(per_seed: Sequence[dict]) -> dict:
-    """:func:`fixed_comparison` over seeds: the mean difference against the seed spreads."""
-    differences = [r["fixed_minus_progressive"] for r in per_seed]
+def paired_summary(per_seed: Sequence[dict], names: tuple[str, str], claim: str) -> dict:
+    """:func:`paired_comparison` over seeds: the mean difference against the seed spreads; the paper
+    agrees when the reference is better (a positive mean)."""
+    ref, var = names
+    differences = [r[f"{var}_minus_{ref}"] for r in per_seed]
     mean = sum(differences) / len(differences)
-    spreads = {key: _spread([r[f"{key}_final_valid_loss"] for r in per_seed]) for key in ("baseline", "progressive", "fixed")}
+    spreads = {key: _spread([r[f"{key}_final_valid_loss"] for r in per_seed]) for key in ("baseline", ref, var)}
     largest = max((v for v in spreads.values() if v is not None), default=None)
     return {
         "seeds": [r["seed"] for r in per_seed],
-        "fixed_minus_progressive": differences,
-        "mean_fixed_minus_progressive": mean,
+        f"{var}_minus_{ref}": differences,
+        f"mean_{var}_minus_{ref}": mean,
         "agrees_with_paper": mean > 0,
         **{f"{key}_seed_spread": value for key, value in spreads.items()},
         "exceeds_seed_spread": None if largest is None else abs(mean) > largest,
-        "paper_claim": PAPER_PROGRESSIVE_CLAIM,
+        "paper_claim": claim,
     }
 
 
-def fixed_table(per_seed: Sequence[dict]) -> str:
-    """Markdown: one row per seed of :func:`fixed_comparison`."""
-    lines = ["| seed | baseline | progressive EPAS (gap) | fixed region from iteration 1 (gap) | fixed - progressive |",
+def paired_table(per_seed: Sequence[dict], names: tuple[str, str], labels: tuple[str, str]) -> str:
+    """Markdown: one row per seed of :func:`paired_comparison`; ``labels`` name the two EPAS runs."""
+    ref, var = names
+    lines = [f"| seed | baseline | {labels[0]} (gap) | {labels[1]} (gap) | {var.replace('_', ' ')} - {ref.replace('_', ' ')} |",
              "|---|---|---|---|---|"]
-    lines += [f"| {r['seed']} | {r['baseline_final_valid_loss']:.4f} | {r['progressive_final_valid_loss']:.4f} "
-              f"({r['progressive_gap']:+.4f}) | {r['fixed_final_valid_loss']:.4f} ({r['fixed_gap']:+.4f}) | "
-              f"{r['fixed_minus_progressive']:+.4f} |" for r in per_seed]
+    lines += [f"| {r['seed']} | {r['baseline_final_valid_loss']:.4f} | {r[f'{ref}_final_valid_loss']:.4f} "
+              f"({r[f'{ref}_gap']:+.4f}) | {r[f'{var}_final_valid_loss']:.4f} ({r[f'{var}_gap']:+.4f}) | "
+              f"{r[f'{var}_minus_{ref}']:+.4f} |" for r in per_seed]
     return "\n".join(lines)
 
 
-def fixed_summary_text(summary: dict) -> str:
+def paired_summary_text(summary: dict, names: tuple[str, str], title: str) -> str:
     """One paragraph: the measured difference beside the paper's claim and the seed spread."""
-    differences = ", ".join(f"{d:+.4f} (seed {s})" for d, s in zip(summary["fixed_minus_progressive"], summary["seeds"]))
-    text = (f"Fixed minus progressive final validation loss: {differences}; mean {summary['mean_fixed_minus_progressive']:+.4f}. "
+    ref, var = names
+    differences = ", ".join(f"{d:+.4f} (seed {s})" for d, s in zip(summary[f"{var}_minus_{ref}"], summary["seeds"]))
+    reference = ref.replace("_", " ")
+    text = (f"{title} final validation loss: {differences}; mean {summary[f'mean_{var}_minus_{ref}']:+.4f}. "
             f"The paper's claim: {summary['paper_claim']} Measured: "
-            + ("progressive is better (agrees)." if summary["agrees_with_paper"] else "progressive is NOT better (disagrees)."))
+            + (f"{reference} is better (agrees)." if summary["agrees_with_paper"] else f"{reference} is NOT better (disagrees)."))
     if summary["exceeds_seed_spread"] is not None:
-        text += (f" Seed spread of the final loss: baseline {summary['baseline_seed_spread']:.4f}, progressive "
-                 f"{summary['progressive_seed_spread']:.4f}, fixed {summary['fixed_seed_spread']:.4f}; the mean difference is "
-                 + ("larger than every spread." if summary["exceeds_seed_spread"] else "within the seed noise."))
+        text += (f" Seed spread of the final loss: baseline {summary['baseline_seed_spread']:.4f}, {reference} "
+                 f"{summary[f'{ref}_seed_spread']:.4f}, {var.replace('_', ' ')} {summary[f'{var}_seed_spread']:.4f}; "
+                 "the mean difference is " + ("larger than every spread." if summary["exceeds_seed_spread"] else "within the seed noise."))
     else:
         text += " One seed: no spread to compare with."
     return text
+
+
+FIXED = ("progressive", "fixed")
+"""Key prefixes of the progressive-vs-fixed ablation (``--parts fixed``)."""
+
+BLOCKS = ("one_block", "blocks")
+"""Key prefixes of the one-block-vs-several ablation (``--parts blocks``)."""
 
 
 def rewarm_comparison(baseline: ArmResult, epas: ArmResult, rewarm: ArmResult) -> dict:

@@ -1,4 +1,4 @@
-"""epas-bench quality --parts fixed,rewarm: the commands its dry run prints, and every number of its
+"""epas-bench quality --parts fixed,rewarm,blocks: the commands its dry run prints, and every number of its
 report recomputed by hand from synthetic run files (metrics.jsonl records and summaries the recipe
 reads back as finished arms, so no model runs)."""
 
@@ -39,9 +39,19 @@ def test_dry_run_of_the_fixed_and_rewarm_parts(capsys):
     assert "--epas-switch-rewarm 1 " in dry_run(capsys, "--scale", "smoke", "--parts", "rewarm")["scratch_rewarm"]
 
 
+def test_dry_run_of_the_blocks_part(capsys):
+    commands = dry_run(capsys, "--parts", "blocks")
+    assert list(commands) == [f"scratch_{kind}{suffix}" for suffix in ("", "_seed4321") for kind in ("baseline", "epas", "blocks")]
+    for suffix in ("", "_seed4321"):
+        plain = commands[f"scratch_epas{suffix}"].split(" --output-dir ")[0].replace(" --eval-regions 0,half,max", "")
+        # the same target (4 of 8 layers), interval and growth, in two blocks
+        assert commands[f"scratch_blocks{suffix}"] == f"{plain} --epas-blocks 2 --output-dir /tmp/q/scratch_blocks{suffix}/run"
+    assert "blocks" not in DEFAULT_PARTS
+
+
 def test_an_unknown_part_names_the_new_ones(capsys):
     assert main(["quality", "--dry-run", "--parts", "scratch,speed"]) == 2
-    assert "choose among scratch, continual, ablation, random_ltd, fixed, rewarm" in capsys.readouterr().err
+    assert "choose among scratch, continual, ablation, random_ltd, fixed, rewarm, blocks" in capsys.readouterr().err
 
 
 # Synthetic runs: evaluations at iterations 25, 50, 75, 100 (training seconds 10/20/30/40 for the
@@ -52,9 +62,10 @@ SEED_1234 = {
     "scratch_epas": ([5.0, 4.8, 4.45, 4.35], 9.0, [50, 100]),
     "scratch_fixed": ([5.1, 4.9, 4.6, 4.5], 9.0, [1]),
     "scratch_rewarm": ([5.0, 4.7, 4.4, 4.15], 9.0, [50, 100]),
+    "scratch_blocks": ([5.0, 4.85, 4.5, 4.4], 9.0, [50, 100]),
 }
 # Seed 4321: every loss of an arm shifted by a constant.
-SHIFT_4321 = {"scratch_baseline": 0.05, "scratch_epas": 0.02, "scratch_fixed": -0.2, "scratch_rewarm": 0.10}
+SHIFT_4321 = {"scratch_baseline": 0.05, "scratch_epas": 0.02, "scratch_fixed": -0.2, "scratch_rewarm": 0.10, "scratch_blocks": 0.0}
 
 
 def write_arm(out, name, losses, seconds_per_eval, switches):
@@ -75,8 +86,8 @@ def numbers(tmp_path):
         write_arm(out, name, losses, seconds, switches)
         write_arm(out, f"{name}_seed4321", [loss + SHIFT_4321[name] for loss in losses], seconds, switches)
     lines = []
-    result = QualityRecipe("cpu", out, parts=("fixed", "rewarm"), echo=lines.append).run()
-    assert sum("finished before; reusing" in line for line in lines) == 8  # nothing trained
+    result = QualityRecipe("cpu", out, parts=("fixed", "rewarm", "blocks"), echo=lines.append).run()
+    assert sum("finished before; reusing" in line for line in lines) == 10  # nothing trained
     written = json.loads((out / "quality.json").read_text())
     assert written["rewarm_summary"] == result["rewarm_summary"] and written["fixed_summary"] == result["fixed_summary"]
     result["markdown"] = (out / "quality.md").read_text()
@@ -96,6 +107,22 @@ def test_fixed_report_by_hand(numbers):
     assert "| 1234 | 4.2000 | 4.3500 (+0.1500) | 4.5000 (+0.3000) | +0.1500 |" in numbers["markdown"]
     assert "mean +0.0400. The paper's claim: progressive growth of the region is what keeps" in numbers["markdown"]
     assert "the mean difference is within the seed noise" in numbers["markdown"]
+
+
+def test_blocks_report_by_hand(numbers):
+    first, second = numbers["blocks"]
+    assert first["blocks_minus_one_block"] == pytest.approx(4.40 - 4.35)  # 0.05
+    assert second["blocks_minus_one_block"] == pytest.approx(4.40 - 4.37)  # 0.03
+    assert first["blocks_gap"] == pytest.approx(0.2) and second["one_block_gap"] == pytest.approx(4.37 - 4.25)
+    summary = numbers["blocks_summary"]
+    assert summary["mean_blocks_minus_one_block"] == pytest.approx(0.04) and summary["agrees_with_paper"]
+    assert summary["blocks_seed_spread"] == pytest.approx(0.0) and summary["exceeds_seed_spread"] is False
+    markdown = numbers["markdown"]
+    assert "### One sharing block vs 2 (--epas-blocks 2, 4 sharing layers in all)" in markdown
+    assert "| seed | baseline | EPAS, one block (gap) | EPAS, 2 blocks (gap) | blocks - one block |" in markdown
+    assert "| 1234 | 4.2000 | 4.3500 (+0.1500) | 4.4000 (+0.2000) | +0.0500 |" in markdown
+    assert "Blocks minus one block final validation loss: +0.0500 (seed 1234), +0.0300 (seed 4321); mean +0.0400" in markdown
+    assert "one contiguous sharing block beats several smaller ones" in markdown and "one block is better (agrees)" in markdown
 
 
 def test_rewarm_report_by_hand(numbers):
