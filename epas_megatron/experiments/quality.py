@@ -218,7 +218,12 @@ def plan_arms(scale: QualityScale, out: Path, base_checkpoint: Optional[str] = N
                 arms.append(ArmSpec(f"scratch_epas{suffix}", [*common, *epas, "--eval-regions", "0,half,max"]))
     if not scale.continual_only and "ablation" in parts:
         common = _common_args(scale, scale.scratch_iters, scale.lr, scale.warmup_iters, scale.seeds[0], data_args)
-        arms.append(ArmSpec("ablation_exclude_last", [*common, *epas, "--epas-exclude-last", "1"]))
+        planned = {arm.name for arm in arms}
+        for arm in (ArmSpec("scratch_baseline", [*common, "--epas-target-layers", "0"]),  # what it compares with
+                    ArmSpec("scratch_epas", [*common, *epas, "--eval-regions", "0,half,max"]),
+                    ArmSpec("ablation_exclude_last", [*common, *epas, "--epas-exclude-last", "1"])):
+            if arm.name not in planned:
+                arms.append(arm)
     if not scale.continual_only and "random_ltd" in parts:
         common = _common_args(scale, scale.scratch_iters, scale.lr, scale.warmup_iters, scale.seeds[0], data_args)
         planned = {arm.name for arm in arms}

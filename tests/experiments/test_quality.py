@@ -196,3 +196,19 @@ def test_smoke_recipe_end_to_end(tmp_path):
     again = run_bench("--scale", "smoke", "--output-dir", str(out), "--parts", "scratch,continual,ablation,random_ltd")
     assert again.returncode == 0 and again.stdout.count("finished before; reusing") == 7
     assert json.loads((out / "quality.json").read_text())["scratch"] == numbers["scratch"]
+    # --force trains a finished arm again: its (planted) summary is replaced by the run's own.
+    planted = out / "ablation_exclude_last" / "summary.json"
+    planted.write_text(json.dumps({**summaries["ablation_exclude_last"], "final_valid_lm_loss": 99.0}))
+    forced = run_bench("--scale", "smoke", "--output-dir", str(out), "--parts", "ablation", "--force", launched=[(None, False)])
+    assert forced.returncode == 0 and "finished before" not in forced.stdout, forced.stdout[-3000:]
+    assert json.loads(planted.read_text())["final_valid_lm_loss"] == pytest.approx(
+        summaries["ablation_exclude_last"]["final_valid_lm_loss"], rel=1e-6)
+    # --base-checkpoint: the continual arms start from the given checkpoint and no from-scratch arm
+    # runs; from the same baseline checkpoint they give the default recipe's continual numbers.
+    base = out / "scratch_baseline" / "run" / "checkpoints"
+    given = run_bench("--scale", "smoke", "--output-dir", str(tmp_path / "given"), "--parts", "continual",
+                      "--base-checkpoint", str(base), launched=[(None, False)])
+    assert given.returncode == 0, given.stdout[-3000:] + given.stderr[-3000:]
+    assert sorted(p.parent.name for p in (tmp_path / "given").glob("*/summary.json")) == ["continual_baseline", "continual_epas"]
+    assert f"--pretrained {base}" in given.stdout
+    assert json.loads((tmp_path / "given" / "quality.json").read_text())["continual"] == numbers["continual"]
