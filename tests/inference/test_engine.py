@@ -120,6 +120,17 @@ def test_engine_refuses_reuse_for_kv_models(tiny_arch):
         DecodeEngine(model, "reuse")
 
 
+def assert_decodes_like_full_forwards(model, engine, batch):
+    """Cached greedy decoding (prefill in chunks of 3) gives every row's tokens and logits of full
+    forward passes without a cache; returns the cache."""
+    tokens, logits, cache = cached_greedy(engine, batch, chunk=3)
+    for row, ids in enumerate(batch):
+        expected_tokens, expected_logits = full_forward_greedy(model, ids)
+        assert tokens[row] == expected_tokens, f"row {row}"
+        torch.testing.assert_close(logits[row], expected_logits, rtol=1e-4, atol=1e-4)
+    return cache
+
+
 @pytest.mark.parametrize("share, attention, kernel", [("qk", "qk", None), ("qk", "reuse", "torch"), ("kv", "qk", None)])
 def test_several_blocks_decode_like_full_forwards(tiny_arch, share, attention, kernel):
     """--epas-blocks 2 on 4 layers: layers 1 and 3 share, each with its own source (0 and 2); each
@@ -129,11 +140,7 @@ def test_several_blocks_decode_like_full_forwards(tiny_arch, share, attention, k
     engine = DecodeEngine(model, attention, region_kernel=kernel)
     assert engine.modes == ("source", "share", "source", "share")
     batch = prompts(tiny_arch.vocab_size, seed=3)
-    tokens, logits, cache = cached_greedy(engine, batch, chunk=3)
-    for row, ids in enumerate(batch):
-        expected_tokens, expected_logits = full_forward_greedy(model, ids)
-        assert tokens[row] == expected_tokens, f"row {row}"
-        torch.testing.assert_close(logits[row], expected_logits, rtol=1e-4, atol=1e-4)
+    cache = assert_decodes_like_full_forwards(model, engine, batch)
     assert cache.computing_keys.size(0) == 2 and cache.sharing_values.size(0) == (2 if share == "qk" else 0)
 
 
@@ -146,11 +153,7 @@ def test_region_before_computing_layers_decodes_like_full_forwards(tiny_arch, sh
     engine = DecodeEngine(model, attention, region_kernel=kernel)
     assert engine.modes[-1] == "compute" and engine.source == sharing[0] - 1
     batch = prompts(tiny_arch.vocab_size, seed=2)
-    tokens, logits, cache = cached_greedy(engine, batch, chunk=3)
-    for row, ids in enumerate(batch):
-        expected_tokens, expected_logits = full_forward_greedy(model, ids)
-        assert tokens[row] == expected_tokens, f"row {row}"
-        torch.testing.assert_close(logits[row], expected_logits, rtol=1e-4, atol=1e-4)
+    cache = assert_decodes_like_full_forwards(model, engine, batch)
     # K and V for every computing layer (the tail included), V for each 'qk' sharing layer.
     computing = tiny_arch.num_layers - len(sharing)
     assert cache.computing_keys.size(0) == computing
