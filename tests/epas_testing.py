@@ -168,11 +168,14 @@ def run_trainer(
     """Run the trainer to completion and collect stdout, SUMMARY and metrics.jsonl.
 
     One process with no extra environment runs in this process (:func:`_main_in_process`) unless
-    ``in_process=False``; several ranks fork from the session's fork server (:data:`FORKED`);
-    an installed ``command``, another ``module`` or ``env`` with one process start a process."""
+    ``in_process=False`` or this process already holds a process group (a test's ``world``
+    fixture: the run would find Megatron's groups initialised, and tear them down); several ranks
+    fork from the session's fork server (:data:`FORKED`); an installed ``command``, another
+    ``module`` or ``env`` with one process start a process."""
     argv = [*args, "--output-dir", str(output_dir)]
     if in_process is None:
-        in_process = IN_PROCESS and nproc == 1 and command is None and module == "epas_megatron.train" and not env
+        in_process = (IN_PROCESS and nproc == 1 and command is None and module == "epas_megatron.train" and not env
+                      and not holds_a_process_group())
     if in_process:
         returncode, stdout, stderr = _main_in_process(argv)
         cmd = ["epas_megatron.train.main", *argv]
@@ -197,6 +200,13 @@ def run_trainer(
         raise AssertionError(f"trainer failed ({returncode}): {' '.join(cmd)}\n--- stdout\n{stdout[-4000:]}"
                              f"\n--- stderr\n{stderr[-6000:]}")
     return run
+
+
+def holds_a_process_group() -> bool:
+    """This process has a torch.distributed world of its own (a test's fixture made it)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def _main_in_process(argv: Sequence[str], module: str = "epas_megatron.train") -> tuple[int, str, str]:

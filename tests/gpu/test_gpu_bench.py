@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from epas_testing import REPO, json_lines
+from epas_testing import REPO, child_environ, json_lines
 
 pytestmark = pytest.mark.gpu
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 def _bench(args, nproc=1):
     launcher = [sys.executable, "-m", "epas_megatron.bench.cli"] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "epas_megatron.bench.cli"]
-    proc = subprocess.run([*launcher, *args], cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([*launcher, *args], cwd=REPO, capture_output=True, text=True, timeout=900, env=child_environ())
     assert proc.returncode == 0, proc.stderr[-4000:]
     (record,) = json_lines(proc.stdout, "BENCH")
     return record

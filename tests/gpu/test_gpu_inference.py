@@ -28,7 +28,7 @@ import warnings
 import pytest
 import torch
 
-from epas_testing import REPO, build, json_lines
+from epas_testing import REPO, build, child_environ, json_lines
 
 pytestmark = pytest.mark.gpu
 
@@ -257,7 +257,8 @@ def test_generator_on_cuda_picks_the_fp32_models_top_tokens(world):
 def test_decode_bench_on_cuda_gives_a_sane_record():
     proc = subprocess.run([sys.executable, "-m", "epas_megatron.bench.cli", "decode", "--preset", "small", "--region", "4",
                            "--batch", "2", "--context", "512", "--new-tokens", "8", "--blocks", "2", "--warmup", "2",
-                           "--region-kernel", "triton"], cwd=REPO, capture_output=True, text=True, timeout=900)
+                           "--region-kernel", "triton"], cwd=REPO, capture_output=True, text=True, timeout=900,
+                          env=child_environ())  # not the world fixture's rendezvous (its port is taken)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (record,) = json_lines(proc.stdout, "BENCH")
     assert record["device"] == torch.cuda.get_device_name() and record["precision"] == "bf16"
