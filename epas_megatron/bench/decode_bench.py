@@ -175,6 +175,7 @@ def run_decode_bench(cfg: DecodeBenchConfig, log=print) -> dict:
     from epas_megatron.inference.kv_cache import kv_bytes_per_token
     from epas_megatron.model.attention import split_qkv_rows
     from epas_megatron.model.builder import build_model
+    from epas_megatron.runtime.wrapping import unwrap_model
     from epas_megatron.sharing.schedule import layer_modes, region_layers
 
     preset = get_preset(cfg.preset)
@@ -189,10 +190,11 @@ def run_decode_bench(cfg: DecodeBenchConfig, log=print) -> dict:
     # Same weights: the first sharing layer's own projection is the baseline layer's rows of it.
     first = sharing[0]
     hn = arch.hidden_size // arch.num_attention_heads
-    fused = models["baseline"].decoder.layers[first].self_attention.linear_qkv.weight
+    baseline, epas = (unwrap_model(models[name]).decoder.layers[first].self_attention for name in ("baseline", "epas"))
+    fused = baseline.linear_qkv.weight
     part = "v" if cfg.share == "qk" else "q"
     rows = split_qkv_rows(fused, ("q", "k", "v"), arch.num_query_groups, arch.num_attention_heads // arch.num_query_groups, hn)[part]
-    if not torch.equal(rows, models["epas"].decoder.layers[first].self_attention.own_projection.weight):
+    if not torch.equal(rows, epas.own_projection.weight):
         raise RuntimeError("the baseline and EPAS models were built with different weights")
 
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -206,9 +208,9 @@ def run_decode_bench(cfg: DecodeBenchConfig, log=print) -> dict:
     variants = {name: _variant(model, attention, kernel, cfg.batch, cfg, arch.vocab_size, mode, generator)
                 for name, model, attention, kernel in attentions}
     mode = _same_step_everywhere(variants, mode, log)
-    element = 2 if cuda else 4
-    attention_text = ("matmul attention: Q K^T of bf16 operands to fp32 scores, fp32 softmax, P.V in bf16 with fp32 "
-                      "accumulation" if cuda else "matmul attention in fp32")
+    element = 4 if precision == "fp32" else 2
+    attention_text = (f"matmul attention: Q K^T of {precision} operands to fp32 scores, fp32 softmax, P.V in {precision} with fp32 "
+                      "accumulation" if precision != "fp32" else "matmul attention in fp32")
     log(f"decode bench: {cfg.preset} ({arch.num_layers} layers, h {arch.hidden_size}, {arch.num_attention_heads}/"
         f"{arch.num_query_groups} heads), region {cfg.region} {list(sharing)} ({cfg.share}), batch {cfg.batch}, context "
         f"{cfg.context}, {cfg.new_tokens} decode steps per block, {cfg.blocks} blocks; preallocated in-place KV cache, "

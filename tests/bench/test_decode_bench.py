@@ -53,3 +53,21 @@ def test_decode_bench_runs_every_variant_on_the_fixed_shape_step():
     assert record["reuse_kernel_tokens_per_s"] > 0 and record["reuse_tokens_per_s"] > 0 and record["qk_tokens_per_s"] > 0
     assert (record["kv_bytes_per_token_baseline"], record["kv_bytes_per_token_epas"]) == (1024, 768)
     assert (record["max_batch_baseline"], record["max_batch_epas"]) == (10, 14)
+
+
+@pytest.mark.usefixtures("single_process")
+def test_decode_bench_in_bf16_as_on_a_gpu(monkeypatch):
+    """bf16, the GPU's precision (its models are wrapped in Megatron's Float16Module; the bench
+    read the baseline's weights through the wrapper and failed on the first GPU): the cache holds
+    2-byte elements -- tiny's per-token bytes are half of fp32's 1024 and 768."""
+    import functools
+
+    from epas_megatron import assembly
+    from epas_megatron.bench.decode_bench import DecodeBenchConfig, run_decode_bench
+
+    monkeypatch.setattr(assembly, "plan_for_preset", functools.partial(assembly.plan_for_preset, precision="bf16"))
+    lines = []
+    record = run_decode_bench(DecodeBenchConfig("tiny", 2, batch=2, context=24, new_tokens=2, blocks=2, warmup=1), log=lines.append)
+    assert record["precision"] == "bf16" and "bf16 operands" in lines[0]
+    assert (record["kv_bytes_per_token_baseline"], record["kv_bytes_per_token_epas"]) == (512, 384)
+    assert record["reuse_tokens_per_s"] > 0 and record["qk_tokens_per_s"] > 0
