@@ -37,7 +37,7 @@ from epas_megatron.errors import ConfigError
 from epas_megatron.metrics.memory_model import RankMemorySettings
 from epas_megatron.model.architecture import architecture_from_config, architecture_from_preset
 from epas_megatron.model.build_plan import BuildPlan, RandomLTDSettings, RecomputeSettings
-from epas_megatron.model.fusions import choose_backend, choose_precision
+from epas_megatron.model.fusions import KernelAvailability, activation_kernels, choose_backend, choose_precision
 from epas_megatron.parallel.memory_budget import MemoryLimit, memory_limit_for
 from epas_megatron.parallel.stage_layouts import balanced_layout_noted
 from epas_megatron.sharing.regions import parse_regions
@@ -95,9 +95,22 @@ def plan_after_switch(run: ResolvedRun, current: BuildPlan, sharing_layers: Sequ
     return current.with_region(sharing_layers, layout), notice
 
 
-def stage_memory_limit(run: ResolvedRun, plan: BuildPlan, device_memory_gb: Optional[float] = None) -> Optional[MemoryLimit]:
+def memory_settings(run: ResolvedRun, vocab_size: int, kernels: Optional[KernelAvailability] = None) -> RankMemorySettings:
+    """The memory model's settings for ``run`` on a node with ``kernels`` (default: this
+    process's, :meth:`~epas_megatron.model.fusions.KernelAvailability.detect`)."""
+    kernels = KernelAvailability.detect() if kernels is None else kernels
+    p = run.cfg.parallel
+    return RankMemorySettings(vocab_size=vocab_size, tp=p.tp, dp=run.dp, num_microbatches=run.num_microbatches,
+                              precision=run.precision, distributed_optimizer=run.use_distributed_optimizer,
+                              sequence_parallel=p.sequence_parallel, recompute=p.recompute if p.recompute != "full" else "none",
+                              share=run.cfg.epas.epas_share, **activation_kernels(kernels, run.backend))
+
+
+def stage_memory_limit(run: ResolvedRun, plan: BuildPlan, device_memory_gb: Optional[float] = None,
+                       kernels: Optional[KernelAvailability] = None) -> Optional[MemoryLimit]:
     """The per-rank memory budget of stage rebalancing (None: none): ``--epas-memory-budget-gb``,
-    else 90% of ``device_memory_gb`` (the GPU's memory; None on CPU)."""
+    else 90% of ``device_memory_gb`` (the GPU's memory; None on CPU); ``kernels`` as
+    :func:`memory_settings`."""
     e, p = run.cfg.epas, run.cfg.parallel
     explicit = e.epas_memory_budget_gb is not None
     budget = e.epas_memory_budget_gb if explicit else (0.9 * device_memory_gb if device_memory_gb else None)
@@ -106,10 +119,7 @@ def stage_memory_limit(run: ResolvedRun, plan: BuildPlan, device_memory_gb: Opti
     if p.recompute == "full":
         raise ConfigError("--epas-memory-budget-gb: the memory model does not cover --recompute full yet "
                           "(use --recompute selective or none, or drop the budget)")
-    settings = RankMemorySettings(vocab_size=plan.arch.vocab_size, tp=p.tp, dp=run.dp, num_microbatches=run.num_microbatches,
-                                  precision=run.precision, distributed_optimizer=run.use_distributed_optimizer,
-                                  sequence_parallel=p.sequence_parallel, recompute=p.recompute, share=e.epas_share)
-    return memory_limit_for(plan, settings, run.cfg.training.micro_batch_size, budget)
+    return memory_limit_for(plan, memory_settings(run, plan.arch.vocab_size, kernels), run.cfg.training.micro_batch_size, budget)
 
 
 def optimizer_settings_for_run(run: ResolvedRun, lr_schedule_units=None) -> "OptimizerSettings":

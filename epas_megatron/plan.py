@@ -37,8 +37,9 @@ def _split_argv(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def report(run, gpu_memory_gb: Optional[float]) -> tuple[list[str], bool]:
     """The report's lines and whether every rank fits (always True without a budget)."""
-    from epas_megatron.assembly import plan_after_switch, plan_for_run, stage_memory_limit
+    from epas_megatron.assembly import memory_settings, plan_after_switch, plan_for_run, stage_memory_limit
     from epas_megatron.metrics.flops import Convention, ModelShape, flops_per_iteration
+    from epas_megatron.model.fusions import ASSUMED_GPU, KernelAvailability
     from epas_megatron.parallel.layout import StageLayout
     from epas_megatron.parallel.memory_budget import GIB
     from epas_megatron.runtime.device import device_memory_gb
@@ -50,7 +51,9 @@ def report(run, gpu_memory_gb: Optional[float]) -> tuple[list[str], bool]:
     schedule, n = run.schedule, cfg.model.num_layers
     final = tuple(schedule.sharing_layers(cfg.training.train_iters))
     base = plan_for_run(run, ())
-    limit = stage_memory_limit(run, base, device_memory_gb())
+    # The kernels of the node the run is for: a GPU's defaults when planned for one from here.
+    kernels = ASSUMED_GPU if gpu_memory_gb is not None else KernelAvailability.detect()
+    limit = stage_memory_limit(run, base, device_memory_gb(), kernels)
 
     def region_plan(sharing):
         """The plan the trainer would build for ``sharing`` (its layout rebalanced when stages are)."""
@@ -87,7 +90,7 @@ def report(run, gpu_memory_gb: Optional[float]) -> tuple[list[str], bool]:
     measure = limit or MemoryLimit(LayerShape(first.arch.hidden_size, first.arch.num_attention_heads,
                                               first.arch.num_query_groups, first.arch.ffn_hidden_size,
                                               t.seq_length, t.micro_batch_size),
-                                   _settings(run, first.arch.vocab_size), p.pp, run.vpp or 1, float("inf"))
+                                   memory_settings(run, first.arch.vocab_size, kernels), p.pp, run.vpp or 1, float("inf"))
     for label, sharing in (("first region (0 layers sharing)", ()), (f"final region ({len(final)} layers sharing)", final)):
         layout = region_plan(sharing).layout or StageLayout.even(n, p.pp, run.vpp or 1)
         modes = layer_modes(n, sharing, exclude_last=cfg.epas.epas_exclude_last, blocks=cfg.epas.epas_blocks)
@@ -103,17 +106,6 @@ def report(run, gpu_memory_gb: Optional[float]) -> tuple[list[str], bool]:
     lines.append("fits" if fits else "does NOT fit: raise --pp or --tp, use --recompute selective or --use-distributed-optimizer, "
                                      "or lower --micro-batch-size")
     return lines, fits
-
-
-def _settings(run, vocab_size: int):
-    """Memory-model settings of ``run`` (full recompute is modelled as none: an upper bound)."""
-    from epas_megatron.metrics.memory_model import RankMemorySettings
-
-    p = run.cfg.parallel
-    return RankMemorySettings(vocab_size=vocab_size, tp=p.tp, dp=run.dp, num_microbatches=run.num_microbatches,
-                              precision=run.precision, distributed_optimizer=run.use_distributed_optimizer,
-                              sequence_parallel=p.sequence_parallel, recompute=p.recompute if p.recompute != "full" else "none",
-                              share=run.cfg.epas.epas_share)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -70,3 +70,20 @@ def test_launcher_dry_run_shows_the_report(tmp_path):
                           capture_output=True, text=True, timeout=300, env={**os.environ, **env})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "[launch] command:" in proc.stdout and "memory per GPU at the first region" in proc.stdout
+
+
+def test_a_plan_for_gpus_counts_the_gpus_kernels(tmp_path):
+    """--gpu-memory-gb plans for a GPU node from here: the activations are the memory model's with
+    the GPU's one-kernel RMSNorm and fused SwiGLU (hand-built settings), not this CPU's kernels."""
+    from epas_megatron.metrics.memory_model import LayerShape, RankMemorySettings, rank_memory_bytes
+
+    proc = plan("--world-size", "1", "--gpu-memory-gb", "80", "--preset", "small", "--micro-batch-size", "16",
+                "--output-dir", str(tmp_path / "r"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = next(line for line in proc.stdout.splitlines() if line.strip().startswith("0 "))
+    shown = float(row.split("GiB")[1])
+    shape = LayerShape(384, 6, 2, 1024, 256, 16)
+    activations = {fused: rank_memory_bytes(shape, [["compute"] * 8], 0, 1, 1, RankMemorySettings(
+        vocab_size=8192, precision="bf16", distributed_optimizer=True, fused_norm=fused, fused_swiglu=fused))["activations"] / 2**30
+        for fused in (True, False)}
+    assert f"{shown:.2f}" == f"{activations[True]:.2f}" != f"{activations[False]:.2f}", (row, activations)

@@ -73,6 +73,7 @@ def run_memory_bench(cfg: MemoryBenchConfig, log=print) -> dict:
     from epas_megatron.config.presets import get_preset
     from epas_megatron.metrics.memory_model import LayerShape, layer_activation_terms
     from epas_megatron.model.architecture import architecture_from_preset
+    from epas_megatron.model.fusions import KernelAvailability, activation_kernels
     from epas_megatron.sharing.schedule import region_layers
 
     preset = get_preset(cfg.preset)
@@ -81,7 +82,8 @@ def run_memory_bench(cfg: MemoryBenchConfig, log=print) -> dict:
     shape = LayerShape(arch.hidden_size, arch.num_attention_heads, arch.num_query_groups, arch.ffn_hidden_size,
                        cfg.seq_length, cfg.micro_batch_size)
     e = 4 if cfg.precision == "fp32" else 2
-    parallel = dict(tp=cfg.tp, sequence_parallel=cfg.sequence_parallel)
+    # The model as the kernels of this device keep it (CPU: composite norm, unfused SwiGLU).
+    parallel = dict(tp=cfg.tp, sequence_parallel=cfg.sequence_parallel, **activation_kernels(KernelAvailability.detect()))
     s, b, h, a = cfg.seq_length, cfg.micro_batch_size, arch.hidden_size, arch.num_attention_heads
     mb = 1 / 2**20
     log(f"bench: activation bytes kept for backward, {cfg.preset} ({arch.num_layers} layers, h {h}, {a}/{arch.num_query_groups} heads, "

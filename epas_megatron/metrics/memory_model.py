@@ -56,7 +56,15 @@ backward from Q, K and V, which the layer keeps anyway: it drops only the log-su
 a 4-byte argument) -- Korthikanti's ``5·a·s²·b`` that it was designed to remove is never stored
 by a fused kernel.
 
-Scope: the local backend's kernels (CPU SDPA's flash path; Transformer Engine fuses more and
+GPU kernels keep less (``fused_norm``, ``fused_swiglu``; measured against the CUDA allocator by
+``tests/gpu/test_gpu_memory_and_nccl.py``). torch's CUDA ``rms_norm`` is one kernel that keeps
+its input as it came (``s·b·h``, not an fp32 copy) and ``1 / rms``, and no ``x / rms``: a norm
+keeps ``s·b·h·e`` + ``s·b·4`` + its output instead of ``s·b·h·(8 + e)`` + ``s·b·4``. Megatron's fused
+SwiGLU (``bias_activation_fusion``) keeps only its input (``fc1_output``), so ``swiglu`` is its
+output alone, fc2's input: ``s·b·F``. At the GPU test's shape (h 1024, F 2816, s 1024, b 2, bf16)
+the two take 46 MiB off a computing layer's 111 MiB.
+
+Scope: the local backend's kernels (SDPA's flash path; Transformer Engine fuses more and
 keeps less). Full recompute (each group keeps only its inputs -- for a group that starts inside
 a sharing region, the hand-off Q and K too) and the pipeline's in-flight micro-batches are not
 modelled yet.
@@ -98,9 +106,10 @@ class LayerShape:
 
 
 def layer_activation_terms(shape: LayerShape, role: Role, share: str = "qk", element_bytes: int = 4, *,
-                           tp: int = 1, sequence_parallel: bool = False, recompute: str = "none") -> dict[str, int]:
+                           tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
+                           fused_norm: bool = False, fused_swiglu: bool = False) -> dict[str, int]:
     """Bytes per term (see the module doc) that one layer keeps for backward, per micro-batch,
-    on one tensor-parallel rank."""
+    on one tensor-parallel rank; ``fused_norm`` / ``fused_swiglu``: the GPU kernels (module doc)."""
     if share not in ("qk", "kv"):
         raise ValueError(f"share must be 'qk' or 'kv', got {share!r}")
     if recompute not in ("none", "selective"):
@@ -112,10 +121,14 @@ def layer_activation_terms(shape: LayerShape, role: Role, share: str = "qk", ele
     sn = s // tp if sequence_parallel else s  # tokens of the norms and the GEMM inputs they feed
     e = element_bytes
     terms = {}
-    for norm in ("norm1", "norm2"):  # RMSNorm computes in fp32: its input (an fp32 copy in half precision) and x / rms
-        terms[f"{norm}_input"] = sn * b * h * 4
-        terms[f"{norm}_rstd"] = sn * b * 4
-        terms[f"{norm}_normalized"] = sn * b * h * 4
+    for norm in ("norm1", "norm2"):
+        if fused_norm:  # one kernel: its input as it came and 1 / rms
+            terms[f"{norm}_input"] = sn * b * h * e
+            terms[f"{norm}_rstd"] = sn * b * 4
+        else:  # composite, in fp32: its input (an fp32 copy in half precision) and x / rms
+            terms[f"{norm}_input"] = sn * b * h * 4
+            terms[f"{norm}_rstd"] = sn * b * 4
+            terms[f"{norm}_normalized"] = sn * b * h * 4
         terms[f"{norm}_output"] = sn * b * h * e
     if role == "compute":
         terms["qkv_output"] = s * b * (a + 2 * g) * d * e
@@ -135,7 +148,7 @@ def layer_activation_terms(shape: LayerShape, role: Role, share: str = "qk", ele
     else:
         terms["attention_lse"] = b * a * s * 4
     terms["fc1_output"] = s * b * 2 * f * e
-    terms["swiglu"] = 3 * s * b * f * e
+    terms["swiglu"] = (1 if fused_swiglu else 3) * s * b * f * e
     return terms
 
 
@@ -149,7 +162,7 @@ def layer_activation_tensors(shape: LayerShape, role: Role, share: str = "qk", e
     measurement sees storage by storage."""
     sizes = []
     for name, value in layer_activation_terms(shape, role, share, element_bytes, **parallel).items():
-        count = TENSORS_PER_TERM.get(name, 1)
+        count = TENSORS_PER_TERM.get(name, 1) if not (name == "swiglu" and parallel.get("fused_swiglu")) else 1
         if count is None:
             count = value // (shape.seq_length * shape.head_dim * element_bytes)
         sizes += [value // count] * count
@@ -172,11 +185,11 @@ def region_saving_bytes(shape: LayerShape, num_layers: int, region: int, share: 
 
 # ---------------------------------------------------------------- a whole pipeline rank
 def head_activation_bytes(shape: LayerShape, vocab_size: int, element_bytes: int = 4, *, tp: int = 1,
-                          sequence_parallel: bool = False) -> int:
+                          sequence_parallel: bool = False, fused_norm: bool = False) -> int:
     """The final norm, the LM head's fp32 logits and the loss's integer targets and mask, per
     micro-batch (the last pipeline stage)."""
-    norm = {k: v for k, v in layer_activation_terms(shape, "compute", "qk", element_bytes, tp=tp,
-                                                      sequence_parallel=sequence_parallel).items() if k.startswith("norm1")}
+    norm = {k: v for k, v in layer_activation_terms(shape, "compute", "qk", element_bytes, tp=tp, sequence_parallel=sequence_parallel,
+                                                      fused_norm=fused_norm).items() if k.startswith("norm1")}
     s, b = shape.seq_length, shape.micro_batch_size
     return sum(norm.values()) + s * b * (vocab_size // tp) * 4 + s * b * 9
 
@@ -252,6 +265,18 @@ class RankMemorySettings:
     share: str = "qk"
     """What sharing layers reuse."""
 
+    fused_norm: bool = False
+    """RMSNorm is one kernel keeping its input and 1 / rms (torch's CUDA ``rms_norm``), not the
+    composite fp32 one (CPU): :func:`epas_megatron.model.fusions.activation_kernels`."""
+
+    fused_swiglu: bool = False
+    """SwiGLU is Megatron's fused kernel (``bias_activation_fusion``), which keeps only its input."""
+
+    @property
+    def kernels(self) -> dict[str, bool]:
+        """The kernel keywords of :func:`layer_activation_terms`."""
+        return {"fused_norm": self.fused_norm, "fused_swiglu": self.fused_swiglu}
+
     @property
     def element_bytes(self) -> int:
         return 4 if self.precision == "fp32" else 2
@@ -262,7 +287,8 @@ def layer_memory(shape: LayerShape, role: Role, settings: RankMemorySettings) ->
     trainable, frozen = layer_parameters(shape, role, settings.share, settings.tp)
     static = parameter_state_bytes(trainable, frozen, settings.precision, settings.distributed_optimizer, settings.dp)
     activations = layer_activation_bytes(shape, role, settings.share, settings.element_bytes, tp=settings.tp,
-                                         sequence_parallel=settings.sequence_parallel, recompute=settings.recompute)
+                                         sequence_parallel=settings.sequence_parallel, recompute=settings.recompute,
+                                         **settings.kernels)
     return static, activations
 
 
@@ -289,7 +315,7 @@ def rank_memory_bytes(shape: LayerShape, roles_by_chunk: list[list[Role]], pp_ra
     if pp_rank == pp - 1:
         static += parameter_state_bytes(table + shape.hidden_size, 0, settings.precision, settings.distributed_optimizer, settings.dp)
         activation += head_activation_bytes(shape, settings.vocab_size, settings.element_bytes, tp=settings.tp,
-                                            sequence_parallel=settings.sequence_parallel)
+                                            sequence_parallel=settings.sequence_parallel, fused_norm=settings.fused_norm)
     in_flight = in_flight_microbatches(pp_rank, pp, vpp, settings.num_microbatches)
     return {"parameters": static, "activations": activation * in_flight, "in_flight": in_flight,
             "total": static + activation * in_flight}

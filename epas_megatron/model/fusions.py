@@ -192,6 +192,32 @@ def output_layer_gradient_accumulation_fusion(kernels: KernelAvailability, backe
     return fusion_settings(kernels, backend)["gradient_accumulation_fusion"] and kernels.apex_gradient_accumulation
 
 
+def torch_fuses_rms_norm(version: Optional[str] = None) -> bool:
+    """torch's ``rms_norm`` runs as one CUDA kernel (``aten::_fused_rms_norm``, torch >= 2.8)
+    that keeps its input and ``1 / rms`` for backward; older versions and the CPU compose it in
+    fp32."""
+    from packaging.version import Version
+
+    if version is None:
+        import torch
+
+        version = torch.__version__
+    return Version(Version(version).base_version) >= Version("2.8")
+
+
+def activation_kernels(kernels: KernelAvailability, backend: str = "local") -> dict[str, bool]:
+    """What the memory model (:class:`~epas_megatron.metrics.memory_model.RankMemorySettings`)
+    needs to know of the kernels: ``fused_norm`` (torch's CUDA ``rms_norm``) and ``fused_swiglu``
+    (``bias_activation_fusion``, as :func:`fusion_settings` sets it)."""
+    return {"fused_norm": kernels.cuda and torch_fuses_rms_norm(),
+            "fused_swiglu": fusion_settings(kernels, backend)["bias_activation_fusion"]}
+
+
+ASSUMED_GPU = KernelAvailability(cuda=True, te_rope=False, apex_softmax=False, apex_gradient_accumulation=False)
+"""What a plan made away from the GPU (``epas-plan --gpu-memory-gb``) assumes the GPU node has:
+the default stack (torch with Triton and a C compiler), no apex, no Transformer Engine."""
+
+
 def fusion_off_reasons(kernels: KernelAvailability, backend: str = "local") -> dict[str, str]:
     """Why each fusion that would speed a GPU run up is off (flag name -> reason); empty on a
     CPU (nothing there is fused) and where everything is on. ``masked_softmax_fusion`` is left

@@ -137,3 +137,39 @@ def test_memory_bench_bad_input(argv, message):
     proc = subprocess.run([sys.executable, "-m", "epas_megatron.bench.cli", "memory", "--preset", "tiny", *argv],
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("precision,element_bytes", [("fp32", 4), ("bf16", 2)])
+def test_fused_swiglu_layers_keep_the_models_fused_swiglu_tensors(monkeypatch, precision, element_bytes):
+    """Megatron's fused SwiGLU (``bias_activation_fusion``, on by default on a GPU) keeps only
+    its input: layers built with it keep the model's ``fused_swiglu=True`` tensors, one for one.
+    The kernel's compiled body runs as its eager self here (what autograd keeps is the
+    ``autograd.Function``'s choice, not the compiler's; CPU Inductor would take ~20 s)."""
+    from megatron.core.fusions import fused_bias_swiglu
+
+    from epas_megatron.model import builder
+
+    eager = getattr(fused_bias_swiglu.swiglu, "_torchdynamo_orig_callable", fused_bias_swiglu.swiglu)
+    monkeypatch.setattr(fused_bias_swiglu, "swiglu", eager)
+    settings = builder.fusion_settings
+    monkeypatch.setattr(builder, "fusion_settings", lambda *a, **k: {**settings(*a, **k), "bias_activation_fusion": True})
+    got = measured("qk", precision)
+    for index, role in ((1, "compute"), (3, "share")):
+        want = layer_activation_tensors(SHAPE, role, "qk", element_bytes, fused_swiglu=True)
+        assert sorted(got.tensors[index]) == want, (index, role)
+    fused, unfused = (layer_activation_terms(SHAPE, "compute", "qk", element_bytes, fused_swiglu=f)["swiglu"] for f in (True, False))
+    assert (fused, unfused) == (S * B * 352 * element_bytes, 3 * S * B * 352 * element_bytes)
+
+
+def test_fused_norm_keeps_its_input_and_rstd_only():
+    """torch's one-kernel CUDA rms_norm (held against the GPU's saved tensors in the GPU suite):
+    per norm, the input in the training precision, 1 / rms in fp32, and the output the next GEMM
+    keeps -- no fp32 copy, no x / rms (hand count)."""
+    s, b, h = S, B, 128
+    for e in (4, 2):
+        fused = {k: v for k, v in layer_activation_terms(SHAPE, "share", "qk", e, fused_norm=True).items() if k.startswith("norm")}
+        assert fused == {f"{n}_{t}": v for n in ("norm1", "norm2")
+                         for t, v in (("input", s * b * h * e), ("rstd", s * b * 4), ("output", s * b * h * e))}
+        composite = layer_activation_bytes(SHAPE, "compute", "qk", e)
+        assert composite - layer_activation_bytes(SHAPE, "compute", "qk", e, fused_norm=True) == 2 * s * b * h * (8 - e)
+        assert head_activation_bytes(SHAPE, 512, e) - head_activation_bytes(SHAPE, 512, e, fused_norm=True) == s * b * h * (8 - e)

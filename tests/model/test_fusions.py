@@ -125,3 +125,16 @@ def test_the_jit_fuser_probe_runs_here():
     if not torch.cuda.is_available():
         assert problem == "torch.compile has no Triton for this GPU"
     assert KernelAvailability.detect().jit_fuser_problem == (problem if torch.cuda.is_available() else None)
+
+
+def test_activation_kernels_follow_the_device_and_the_jit_fuser():
+    from epas_megatron.model.fusions import ASSUMED_GPU, KernelAvailability, activation_kernels, torch_fuses_rms_norm
+
+    cpu = KernelAvailability(cuda=False, te_rope=False, apex_softmax=False, apex_gradient_accumulation=False)
+    assert activation_kernels(cpu) == {"fused_norm": False, "fused_swiglu": False}
+    assert activation_kernels(ASSUMED_GPU) == {"fused_norm": torch_fuses_rms_norm(), "fused_swiglu": True}
+    no_compiler = KernelAvailability(cuda=True, te_rope=False, apex_softmax=False, apex_gradient_accumulation=False,
+                                     jit_fuser_problem="no C compiler")
+    assert activation_kernels(no_compiler)["fused_swiglu"] is False
+    assert [torch_fuses_rms_norm(v) for v in ("2.6.0", "2.7.1+cu126", "2.8.0", "2.11.0+cu130", "2.14.1")] == [
+        False, False, True, True, True]
