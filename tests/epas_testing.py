@@ -391,3 +391,31 @@ def hf_offline():
         env.setenv("HF_DATASETS_OFFLINE", "1")
         env.setenv("HF_HUB_OFFLINE", "1")
         yield
+
+
+def reference_weights(model, arch, requires_grad: bool = False):
+    """(Hugging Face-named weights, tests/llama_reference.py's weights) of a model chunk, through
+    the HF mapping (which tests/convert checks against transformers' own LlamaForCausalLM);
+    ``requires_grad``: fresh leaves, for comparing gradients."""
+    import llama_reference as ref
+    from epas_megatron.convert.hf_llama import LlamaShape, megatron_to_hf, strip_extra_state
+
+    shape = LlamaShape(arch.num_layers, arch.num_attention_heads, arch.num_query_groups,
+                       arch.hidden_size // arch.num_attention_heads, arch.vocab_size)
+    hf = megatron_to_hf(strip_extra_state(model.state_dict()), shape)
+    if requires_grad:
+        hf = {k: v.clone().requires_grad_(True) for k, v in hf.items()}
+    return hf, ref.weights_from_hf_style(hf, arch.num_layers)
+
+
+def per_token_loss(logits, labels):
+    """Cross entropy per token, [b, s] (the model's loss with ``labels``)."""
+    import torch
+
+    return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+
+
+def assert_same_gradient(got, expected, tol: float = 1e-5):
+    """fp32 gradients summed in different orders: compare relative to the whole tensor's norm."""
+    error = (got - expected).norm() / expected.norm()
+    assert error < tol, f"relative gradient error {error:.2e}"

@@ -8,32 +8,10 @@ import pytest
 import torch
 
 import llama_reference as ref
-from epas_megatron.convert.hf_llama import LlamaShape, megatron_to_hf, strip_extra_state
-from epas_testing import build
+from epas_megatron.convert.hf_llama import strip_extra_state
+from epas_testing import assert_same_gradient, build, per_token_loss, reference_weights
 
 pytestmark = pytest.mark.usefixtures("single_process")
-
-
-def shape_of(arch):
-    return LlamaShape(arch.num_layers, arch.num_attention_heads, arch.num_query_groups,
-                      arch.hidden_size // arch.num_attention_heads, arch.vocab_size)
-
-
-def reference_weights(model, arch, requires_grad=False):
-    hf = megatron_to_hf(strip_extra_state(model.state_dict()), shape_of(arch))
-    if requires_grad:
-        hf = {k: v.clone().requires_grad_(True) for k, v in hf.items()}
-    return hf, ref.weights_from_hf_style(hf, arch.num_layers)
-
-
-def assert_same_gradient(got, expected, tol=1e-5):
-    """fp32 gradients summed in different orders: compare relative to the whole tensor's norm."""
-    error = (got - expected).norm() / expected.norm()
-    assert error < tol, f"relative gradient error {error:.2e}"
-
-
-def per_token_loss(logits, labels):
-    return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
 
 
 @pytest.mark.parametrize("share", ["qk", "kv"])

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import llama_reference as ref
-from epas_megatron.convert.hf_llama import LlamaShape, megatron_to_hf, strip_extra_state
 from epas_megatron.model.build_plan import BuildPlan, RandomLTDSettings
 from epas_megatron.model.builder import build_model
 from epas_megatron.random_ltd.keyed_draw import kept_token_indices
 from epas_megatron.random_ltd.model import set_kept_tokens
+from epas_testing import per_token_loss, reference_weights
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -24,17 +24,6 @@ def build(arch, sharing=(), share="qk", ltd_layers=(0, 1, 2, 3), exclude_last=0,
                                 recompute=recompute or RecomputeSettings(),
                                 random_ltd=RandomLTDSettings(tuple(ltd_layers), seed=seed, kernels="torch"))
     return build_model(plan, seed=11).chunks[0]
-
-
-def reference_weights(model, arch):
-    shape = LlamaShape(arch.num_layers, arch.num_attention_heads, arch.num_query_groups,
-                       arch.hidden_size // arch.num_attention_heads, arch.vocab_size)
-    hf = {k: v.clone().requires_grad_(True) for k, v in megatron_to_hf(strip_extra_state(model.state_dict()), shape).items()}
-    return hf, ref.weights_from_hf_style(hf, arch.num_layers)
-
-
-def per_token_loss(logits, labels):
-    return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
 
 
 def batch(arch):
@@ -68,7 +57,7 @@ def test_forward_and_gradients_match_reference(tiny_arch, share, sharing, exclud
     ours = model(tokens, positions, None, labels=labels, sample_ids=sample_ids)
     ours.sum().backward()
 
-    hf, w = reference_weights(model, tiny_arch)
+    hf, w = reference_weights(model, tiny_arch, requires_grad=True)
     kept = expected_kept(sample_ids, dropping, 10)
     expected = per_token_loss(ref.forward(w, tokens, 4, 4, 2, set(sharing), share, kept=kept), labels)
     expected.sum().backward()
@@ -108,7 +97,7 @@ def test_recompute_replays_the_same_tokens(tiny_arch, granularity):
 def test_no_dropping_in_eval_or_at_full_length(tiny_arch):
     tokens, labels, positions, sample_ids = batch(tiny_arch)
     model = build(tiny_arch, (3,))
-    _, w = reference_weights(model, tiny_arch)
+    _, w = reference_weights(model, tiny_arch, requires_grad=True)
     full = per_token_loss(ref.forward(w, tokens, 4, 4, 2, {3}), labels)
     set_kept_tokens([model], SEQ)  # the ramp's end: every token kept
     torch.testing.assert_close(model(tokens, positions, None, labels=labels, sample_ids=sample_ids), full, rtol=1e-5, atol=1e-5)
