@@ -45,13 +45,19 @@ def heads(x, n):
     return x.view(b, s, n, -1).transpose(1, 2)
 
 
-def layer_forward(L, x, np_, ng, shared, sharing, share, eps, base, positions=None):
-    """One decoder layer over x [b, s, h] at ``positions``; returns (x, the Q/K or K/V it hands on)."""
+def layer_forward(L, x, np_, ng, shared, sharing, share, eps, base, positions=None, blend=None):
+    """One decoder layer over x [b, s, h] at ``positions``; returns (x, the Q/K or K/V it hands on).
+    ``blend`` (a computing layer of a blended switch): its Q/K (K/V) are ``(1 - blend)`` times its
+    own plus ``blend`` times the incoming ones, and it hands that blend on."""
     xn = rms_norm(x, L["input_norm"], eps)
     if not sharing:
         q = rope(heads(xn @ L["q"].T, np_), base, positions)
         k = rope(heads(xn @ L["k"].T, ng), base, positions)
         v = heads(xn @ L["v"].T, ng)
+        if blend is not None and share == "qk":
+            q, k = (1 - blend) * q + blend * shared[0], (1 - blend) * k + blend * shared[1]
+        elif blend is not None:
+            k, v = (1 - blend) * k + blend * shared[0], (1 - blend) * v + blend * shared[1]
         shared = (q, k) if share == "qk" else (k, v)
     elif share == "qk":
         q, k = shared
@@ -67,8 +73,9 @@ def layer_forward(L, x, np_, ng, shared, sharing, share, eps, base, positions=No
     return x, shared
 
 
-def forward(w, tokens, num_layers, np_, ng, sharing=(), share="qk", eps=1e-5, base=10000, kept=None):
-    """Logits [b, s, vocab] for a LLaMA model with the given sharing layers.
+def forward(w, tokens, num_layers, np_, ng, sharing=(), share="qk", eps=1e-5, base=10000, kept=None, blend=None):
+    """Logits [b, s, vocab] for a LLaMA model with the given sharing layers (``blend``: {computing
+    layer: its weight on the incoming Q/K}, see :func:`layer_forward`).
 
     ``kept`` (Random-LTD): {layer: [b, r] sorted positions}; such a layer runs, sequence by
     sequence, on its kept tokens only -- as a sequence of r tokens at their original positions,
@@ -82,7 +89,7 @@ def forward(w, tokens, num_layers, np_, ng, sharing=(), share="qk", eps=1e-5, ba
     for i in range(num_layers):
         L = w["layers"][i]
         if i not in kept:
-            x, shared = layer_forward(L, x, np_, ng, shared, i in sharing, share, eps, base)
+            x, shared = layer_forward(L, x, np_, ng, shared, i in sharing, share, eps, base, blend=(blend or {}).get(i))
             continue
         rows = []
         if i not in sharing and i + 1 in sharing:  # a dropping source

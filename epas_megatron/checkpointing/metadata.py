@@ -11,6 +11,7 @@ with its own defaults. Compatibility with older checkpoints lives in that one me
 * ``parallel`` / ``precision`` / ``backend`` / ``config`` absent (a Hugging Face import): None;
 * ``has_optimizer_state`` absent (before weights-only checkpoints): True.
 * ``epas_switch_rewarm`` absent (before ``--epas-switch-rewarm``): None, trained without it.
+* ``epas_switch_ramp`` absent (before ``--epas-switch-ramp``): None, trained without it.
 
 Unknown keys are kept in :attr:`CheckpointMeta.extra` and written back unchanged.
 :func:`~epas_megatron.checkpointing.checkpoint.save_checkpoint` adds ``iteration`` and
@@ -95,6 +96,10 @@ class CheckpointMeta:
     """The LR re-warm after switches, ``{"steps": N}`` (None: trained without --epas-switch-rewarm,
     also every checkpoint written before it existed)."""
 
+    epas_switch_ramp: Optional[dict] = None
+    """The blended switch, ``{"steps": N}`` (None: trained without --epas-switch-ramp, also every
+    checkpoint written before it existed)."""
+
     epas_share: str = "qk"
     """What the sharing layers reuse: 'qk' or 'kv'."""
 
@@ -128,6 +133,7 @@ class CheckpointMeta:
             epas_schedule=record.get("epas_schedule"),
             random_ltd=record.get("random_ltd"),
             epas_switch_rewarm=record.get("epas_switch_rewarm"),
+            epas_switch_ramp=record.get("epas_switch_ramp"),
             epas_share=record.get("epas_share") or "qk",
             sharing_layers=tuple(record.get("sharing_layers") or ()),
             tokenizer_model=record.get("tokenizer_model"),
@@ -149,13 +155,15 @@ class CheckpointMeta:
             "epas_schedule": self.epas_schedule,
             "random_ltd": self.random_ltd,
             "epas_switch_rewarm": self.epas_switch_rewarm,
+            "epas_switch_ramp": self.epas_switch_ramp,
             "epas_share": self.epas_share,
             "sharing_layers": list(self.sharing_layers),
             "tokenizer_model": self.tokenizer_model,
             "consumed_samples": self.consumed_samples,
             "has_optimizer_state": self.has_optimizer_state,
         }
-        optional = ("config", "parallel", "precision", "backend", "epas_schedule", "random_ltd", "epas_switch_rewarm")
+        optional = ("config", "parallel", "precision", "backend", "epas_schedule", "random_ltd", "epas_switch_rewarm",
+                    "epas_switch_ramp")
         record = {key: value for key, value in record.items() if not (key in optional and value is None)}
         return {**record, **self.extra}
 

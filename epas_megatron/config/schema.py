@@ -370,6 +370,16 @@ class EpasConfig:
     with another value is refused). Costs no FLOPs: the same steps run on the same tokens.
     The logged lr of iteration i is, as always, the LR the step of i+1 uses."""
 
+    epas_switch_ramp: int = 0
+    """Blended switches: over the N steps before each switch at iteration t, the layers that
+    switch at t attend with (1 - a) * their own post-RoPE Q/K + a * the incoming hand-off's
+    (their source's), a = 1/N, 2/N, ..., 1 at iteration t-N .. t-1, and hand the blend on; the
+    switch at t then changes the forward pass by nothing. 0: off. Must be smaller than
+    --epas-interval and than --epas-first-switch. Costs two multiply-adds per blended Q/K
+    element (the layers compute their Q/K then anyway); the switches stay at their iterations.
+    Needs --pp 1 and no --random-ltd. A pure function of the iteration and the schedule
+    (resumes continue it exactly; stored in checkpoints, a resume with another value is refused)."""
+
 
 @dataclass
 class RandomLTDConfig:

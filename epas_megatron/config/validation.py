@@ -20,6 +20,7 @@ from epas_megatron.config.schema import RunConfig
 from epas_megatron.errors import ConfigError
 from epas_megatron.model.build_plan import normalise_vpp
 from epas_megatron.model.fusions import choose_precision, transformer_engine_importable
+from epas_megatron.sharing.ramp import SwitchRamp
 from epas_megatron.sharing.regions import RegionSpec
 from epas_megatron.sharing.rewarm import SwitchRewarm
 from epas_megatron.sharing.schedule import SharingSchedule, largest_region
@@ -299,6 +300,14 @@ def _resolve_epas(cfg: RunConfig, m, t) -> tuple[SharingSchedule, bool, list[str
     SwitchRewarm(schedule, e.epas_switch_rewarm)  # --epas-switch-rewarm: >= 0 and < --epas-interval
     if e.epas_switch_rewarm and not schedule.enabled:
         warnings.append(f"--epas-switch-rewarm {e.epas_switch_rewarm} has no effect: EPAS is off (--epas-target-layers 0)")
+    SwitchRamp(schedule, e.epas_switch_ramp)  # --epas-switch-ramp: >= 0, < --epas-interval and < --epas-first-switch
+    if e.epas_switch_ramp and not schedule.enabled:
+        warnings.append(f"--epas-switch-ramp {e.epas_switch_ramp} has no effect: EPAS is off (--epas-target-layers 0)")
+    elif e.epas_switch_ramp and p.pp > 1:
+        raise ConfigError(f"--epas-switch-ramp {e.epas_switch_ramp} needs --pp 1 (a ramp's hand-off would cross pipeline "
+                          f"stages that the region does not cross yet); use --pp 1 or drop --epas-switch-ramp")
+    elif e.epas_switch_ramp and cfg.random_ltd.random_ltd:
+        raise ConfigError(f"--epas-switch-ramp {e.epas_switch_ramp} is not supported with --random-ltd yet; drop one of them")
     rebalance = {"on": True, "off": False, "auto": p.pp > 1 and p.pipeline_layout is None}[e.epas_rebalance]
     if rebalance and p.pipeline_layout is not None:
         raise ConfigError("--epas-rebalance on conflicts with a fixed --pipeline-layout; drop one of them")

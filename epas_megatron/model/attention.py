@@ -193,6 +193,11 @@ class ComputingAttention(_AttentionOps, SelfAttention):
             raise ValueError(f"hand_off must be one of {SHARE_MODES} or None, got {hand_off!r}")
         self.hand_off = hand_off
         """None, or what this layer hands on to the sharing region after it ('qk' or 'kv')."""
+        self.built_hand_off = hand_off
+        """:attr:`hand_off` as the spec built it (a blended switch sets and restores the other)."""
+        self.blend: Optional[float] = None
+        """While a switch ramps in (``--epas-switch-ramp``, :mod:`epas_megatron.sharing.ramp`): the
+        incoming hand-off's weight ``a`` in this layer's Q/K (K/V); None: its own only."""
         self.detach_shared = detach_shared
 
     def forward_and_hand_off(
@@ -203,12 +208,14 @@ class ComputingAttention(_AttentionOps, SelfAttention):
         attention_bias: Optional[Tensor] = None,
         packed_seq_params=None,
         kept_index: Optional[Tensor] = None,
+        incoming: Optional[tuple[Tensor, Tensor]] = None,
     ) -> tuple[tuple[Tensor, Optional[Tensor]], tuple[Tensor, Tensor]]:
         """Attention output and bias, plus the hand-off: post-RoPE (Q, K), or (K, V).
 
         ``kept_index`` (Random-LTD, ``[b, r]``): Q, K and V are computed for every token (the
         hand-off covers the whole sequence) and the layer's own attention runs on the kept
-        tokens only: the output is ``[r, b, h]``."""
+        tokens only: the output is ``[r, b, h]``. ``incoming``: the hand-off entering the layer,
+        read only while it blends (:attr:`blend`)."""
         assert self.hand_off is not None
         # [sq, b, h] -> [sq, b, np, hn], [sq, b, ng, hn], [sq, b, ng, hn]
         query, key, value = self.get_query_key_value_tensors(hidden_states)
@@ -216,6 +223,17 @@ class ComputingAttention(_AttentionOps, SelfAttention):
         if pos is not None:
             query = self._rope(query, pos[0])
             key = self._rope(key, pos[1])
+        if self.blend is not None:
+            if incoming is None:
+                raise RuntimeError(f"layer {self.layer_number} blends toward its source's Q/K (--epas-switch-ramp) "
+                                   "but received no hand-off")
+            first, second = (t.detach() for t in incoming) if self.detach_shared else incoming
+            a = self.blend
+            # (1 - a) own + a incoming, elementwise [s, b, heads, hn]; at a = 1 exactly the incoming pair.
+            if self.hand_off == "qk":
+                query, key = (1 - a) * query + a * first, (1 - a) * key + a * second
+            else:
+                key, value = (1 - a) * key + a * first, (1 - a) * value + a * second
         # The hand-off is these very tensors: no copy, the sharing layers read them as they are.
         shared = (query, key) if self.hand_off == "qk" else (key, value)
         if kept_index is not None:

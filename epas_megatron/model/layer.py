@@ -99,6 +99,7 @@ class EpasTransformerLayer(TransformerLayer):
                 attention_bias=attention_bias,
                 packed_seq_params=packed_seq_params,
                 kept_index=kept_index,
+                incoming=context,
             )
         else:
             attention_output, context = self.self_attention(

@@ -38,12 +38,13 @@ from epas_megatron.training.checkpointer import RunCheckpointer
 from epas_megatron.training.exit_signal import ExitSignal
 from epas_megatron.training.features import TrainingFeature, TrainingFeatures
 from epas_megatron.training.progress import TrainingProgress
+from epas_megatron.training.ramp import SwitchRampFeature
 from epas_megatron.training.reporting import Reporter, peak_name, throughput_line
 from epas_megatron.training.rewarm import SwitchRewarmFeature
 from epas_megatron.training.run_data import RunData
 from epas_megatron.training.switch import SwitchExecutor
 
-FEATURES: tuple[type[TrainingFeature], ...] = (RandomLTDFeature, SwitchRewarmFeature)
+FEATURES: tuple[type[TrainingFeature], ...] = (RandomLTDFeature, SwitchRewarmFeature, SwitchRampFeature)
 """The optional features a run may turn on (each has its checkpoint-metadata entry, on or off)."""
 
 

@@ -111,6 +111,17 @@ def test_bad_switch_rewarm(isolated, capsys):
           match=">= 0")
 
 
+def test_bad_switch_ramp(isolated, capsys, monkeypatch):
+    epas = ["--epas-target-layers", "2", "--epas-interval", "4"]
+    fails([*epas, "--epas-switch-ramp", "4"], isolated, capsys, "--epas-switch-ramp",
+          match="must be smaller than --epas-interval 4: a ramp must not contain the previous switch; use at most 3")
+    fails([*epas, "--epas-first-switch", "2", "--epas-switch-ramp", "2"], isolated, capsys, "--epas-switch-ramp",
+          match="needs the first switch after iteration 2")
+    fails([*epas, "--epas-switch-ramp", "2", "--random-ltd"], isolated, capsys, "--epas-switch-ramp", match="--random-ltd")
+    fails([*epas, "--epas-switch-ramp", "2", "--pp", "2"], isolated, capsys, "--epas-switch-ramp", world_size=2,
+          monkeypatch=monkeypatch, match="needs --pp 1")
+
+
 def test_output_dir_holding_another_run(isolated, capsys):
     out = isolated / "out"
     out.mkdir()

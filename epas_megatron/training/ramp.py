@@ -1,0 +1,80 @@
+"""``--epas-switch-ramp`` as a training feature (:class:`~epas_megatron.training.features.TrainingFeature`):
+the blended switch.
+
+Which layers blend, and by how much, is :mod:`epas_megatron.sharing.ramp`'s (a pure function of
+the iteration and the sharing schedule). This object applies it to the built model before every
+step (``before_step``): inside a ramp, the blending layers and the sources the switch will make
+hand Q/K (K/V) on, and the blending layers get their weight ``a``; outside, every layer is as its
+spec built it. Nothing else changes -- no parameters, no optimizer state, no rebuild: the layers
+of a ramp are computing layers, and the switch at the end of it is the ordinary one. It also
+says so in the start-up banner, records ``a`` in the metrics, and stores ``N`` in the checkpoint
+metadata so that a resume with another value is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional, Sequence
+
+from epas_megatron.checkpointing.metadata import CheckpointMeta
+from epas_megatron.config.validation import ResolvedRun
+from epas_megatron.sharing.ramp import SwitchRamp
+from epas_megatron.training.features import TrainingFeature
+
+
+def apply_ramp(model: Sequence, ramp: SwitchRamp, iteration: int, share: str) -> None:
+    """Set every decoder layer of the chunks ``model`` for the step of ``iteration`` (1-based)."""
+    from epas_megatron.model.attention import ComputingAttention
+    from epas_megatron.runtime.wrapping import unwrap_model
+
+    step = ramp.step(iteration)
+    weights = {layer: step.weight for layer in step.blending} if step is not None else {}
+    hands_off = set(step.hand_off) if step is not None else set()
+    for chunk in model:
+        for layer in unwrap_model(chunk).decoder.layers:
+            attention, index = layer.self_attention, layer.layer_number - 1
+            if not isinstance(attention, ComputingAttention):
+                continue
+            attention.hand_off = share if index in hands_off else attention.built_hand_off
+            attention.blend = weights.get(index)
+
+
+@dataclass(frozen=True)
+class SwitchRampFeature(TrainingFeature):
+    """``--epas-switch-ramp N`` (N > 0 with EPAS on): each switch's layers blend onto their source first."""
+
+    name: ClassVar[str] = "epas_switch_ramp"
+    flag: ClassVar[str] = "--epas-switch-ramp"
+    resume_flags: ClassVar[str] = "--epas-switch-ramp value"
+
+    ramp: SwitchRamp
+    """The ramps of the run's schedule."""
+
+    share: str
+    """What sharing layers reuse ('qk' or 'kv')."""
+
+    @classmethod
+    def from_run(cls, run: ResolvedRun) -> Optional["SwitchRampFeature"]:
+        ramp = SwitchRamp(run.schedule, run.cfg.epas.epas_switch_ramp)
+        return cls(ramp, run.cfg.epas.epas_share) if ramp.enabled else None
+
+    @classmethod
+    def saved_state(cls, meta: CheckpointMeta) -> Optional[dict]:
+        return meta.epas_switch_ramp
+
+    def check_resume(self, saved: Optional[dict], iteration: int) -> None:
+        self.ramp.check_resume(saved, iteration)
+
+    def describe(self, train_iters: int) -> str:
+        return self.ramp.describe()
+
+    def before_step(self, model: Sequence, step: int) -> None:
+        apply_ramp(model, self.ramp, step + 1, self.share)
+
+    def record(self, iteration: int) -> dict[str, Any]:
+        """``a`` of the step of ``iteration`` (0 outside a ramp)."""
+        step = self.ramp.step(iteration) if iteration >= 1 else None
+        return {"switch_ramp_weight": step.weight if step is not None else 0.0}
+
+    def state_dict(self, iteration: int) -> dict:
+        return self.ramp.state_dict()
