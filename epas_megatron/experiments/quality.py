@@ -38,6 +38,11 @@ or torchrun with ``--nproc``) whose outputs the report reads back:
    (``--epas-blocks 2``: the same number of sharing layers, interval and growth) against the
    one-block EPAS run and the baseline. Reported as the progressive-vs-fixed ablation: blocks
    minus one block beside the paper's claim (one block is better: positive) and the seed spreads.
+8. **Blended switch** (``--parts`` ``ramp``, not in the default set), for every seed: EPAS with
+   ``--epas-switch-ramp N`` (:attr:`QualityScale.ramp_steps`, default a quarter of the interval:
+   12 at the ``cpu`` scale; the switching layers' Q/K blended into their source's over the N
+   iterations before each switch) against plain EPAS and the baseline, reported as the re-warm
+   (the second remedy for the jump at a switch; neither is in the paper).
 
 Every arm writes ``<output-dir>/<arm>/`` (the run directory, ``train.log``, ``summary.json``
 once it finished); an arm whose ``summary.json`` exists is not run again, so an interrupted
@@ -131,6 +136,10 @@ class QualityScale:
     """``--parts rewarm``: the ``--epas-switch-rewarm`` of its EPAS runs. Default: a quarter of
     :attr:`epas_interval` (at least 1)."""
 
+    ramp_steps: Optional[int] = None
+    """``--parts ramp``: the ``--epas-switch-ramp`` of its EPAS runs (blending iterations before
+    each switch). Default: a quarter of :attr:`epas_interval` (at least 1)."""
+
     ablation_blocks: int = 2
     """``--parts blocks``: the ``--epas-blocks`` of its EPAS runs (the same target region and
     schedule as plain EPAS, split into that many blocks)."""
@@ -139,6 +148,15 @@ class QualityScale:
     def switch_rewarm(self) -> int:
         """The re-warm iterations of the ``rewarm`` arms (:attr:`rewarm_steps` resolved)."""
         return self.rewarm_steps if self.rewarm_steps is not None else max(1, self.epas_interval // 4)
+
+    @property
+    def switch_ramp(self) -> int:
+        """The blending iterations of the ``ramp`` arms (:attr:`ramp_steps` resolved)."""
+        return self.ramp_steps if self.ramp_steps is not None else max(1, self.epas_interval // 4)
+
+    def remedy_steps(self, part: str) -> int:
+        """N of a switch remedy's arms (``rewarm`` or ``ramp``: its flag's value)."""
+        return {"rewarm": self.switch_rewarm, "ramp": self.switch_ramp}[part]
 
     def target_layer_count(self) -> int:
         """The from-scratch target region in layers (:attr:`target_layers` resolved for the preset's
@@ -173,7 +191,7 @@ SCALES: dict[str, QualityScale] = {
 """Recipe sizes (``--scale``)."""
 
 
-PARTS = ("scratch", "continual", "ablation", "random_ltd", "fixed", "rewarm", "blocks")
+PARTS = ("scratch", "continual", "ablation", "random_ltd", "fixed", "rewarm", "blocks", "ramp")
 """Every experiment ``--parts`` can name, in the order of the module doc."""
 
 DEFAULT_PARTS = ("scratch", "continual", "ablation")
@@ -207,6 +225,8 @@ def _common_args(scale: QualityScale, iters: int, lr: float, warmup: int, seed: 
 def plan_arms(scale: QualityScale, out: Path, base_checkpoint: Optional[str] = None,
               data_args: Sequence[str] = (), parts: Sequence[str] = DEFAULT_PARTS) -> list[ArmSpec]:
     """The runs of the recipe, in the order they run (an arm after the arm it starts from)."""
+    from epas_megatron.experiments.quality_report import REMEDIES
+
     arms: list[ArmSpec] = []
     epas = ["--epas-target-layers", scale.target_layers, "--epas-interval", str(scale.epas_interval)]
     if not scale.continual_only and ("scratch" in parts or ("continual" in parts and base_checkpoint is None)):
@@ -233,7 +253,7 @@ def plan_arms(scale: QualityScale, out: Path, base_checkpoint: Optional[str] = N
                     ArmSpec("scratch_epas_random_ltd", [*common, *epas, "--random-ltd"])):
             if arm.name not in planned:
                 arms.append(arm)
-    if not scale.continual_only and {"fixed", "rewarm", "blocks"} & set(parts):
+    if not scale.continual_only and {"fixed", "blocks", *(remedy.name for remedy in REMEDIES)} & set(parts):
         planned = {arm.name for arm in arms}
         for number, seed in enumerate(scale.seeds):
             suffix = "" if number == 0 else f"_seed{seed}"
@@ -245,8 +265,10 @@ def plan_arms(scale: QualityScale, out: Path, base_checkpoint: Optional[str] = N
                                                                     str(scale.target_layer_count())]))
             if "blocks" in parts:  # the same target and schedule, in several blocks
                 candidates.append(ArmSpec(f"scratch_blocks{suffix}", [*common, *epas, "--epas-blocks", str(scale.ablation_blocks)]))
-            if "rewarm" in parts:
-                candidates.append(ArmSpec(f"scratch_rewarm{suffix}", [*common, *epas, "--epas-switch-rewarm", str(scale.switch_rewarm)]))
+            for remedy in REMEDIES:  # the remedies for the jump at a switch: plain EPAS plus one flag
+                if remedy.name in parts:
+                    candidates.append(ArmSpec(f"scratch_{remedy.name}{suffix}",
+                                              [*common, *epas, remedy.flag, str(scale.remedy_steps(remedy.name))]))
             for arm in candidates:
                 if arm.name not in planned:
                     arms.append(arm)
@@ -436,21 +458,23 @@ class QualityRecipe:
             difference = f"{names[1].replace('_', ' ').capitalize()} minus {names[0].replace('_', ' ')}"
             sections.append(f"### {title}\n\n{report.paired_table(per_seed, names, labels)}\n\n"
                             + report.paired_summary_text(numbers[f"{part}_summary"], names, difference))
-        if "rewarm" in self.parts and not scale.continual_only:
+        for remedy in report.REMEDIES:
+            if remedy.name not in self.parts or scale.continual_only:
+                continue
+            name, steps = remedy.name, scale.remedy_steps(remedy.name)
             per_seed = []
             for seed, suffix in self._seed_suffixes():
-                comparison = report.rewarm_comparison(arm(f"scratch_baseline{suffix}"), arm(f"scratch_epas{suffix}"),
-                                                      arm(f"scratch_rewarm{suffix}"))
+                comparison = report.remedy_comparison(arm(f"scratch_baseline{suffix}"), arm(f"scratch_epas{suffix}"),
+                                                      arm(f"scratch_{name}{suffix}"), name)
                 per_seed.append({"seed": seed, **comparison})
-                sections.append(f"### LR re-warm after each switch (--epas-switch-rewarm {scale.switch_rewarm}), seed {seed}\n\n"
-                                + report.rewarm_table(comparison))
-            numbers["rewarm"] = per_seed
-            numbers["rewarm_summary"] = {"steps": scale.switch_rewarm, **report.rewarm_summary(per_seed)}
-            sections.append(report.rewarm_summary_text(numbers["rewarm_summary"], scale.switch_rewarm))
-            report.plot_curves([arm("scratch_baseline"), arm("scratch_epas"), arm("scratch_rewarm")],
-                               str(self.out / "rewarm_loss_vs_tokens.png"), str(self.out / "rewarm_loss_vs_time.png"),
+                sections.append(f"### {remedy.title} ({remedy.flag} {steps}), seed {seed}\n\n" + report.remedy_table(comparison, remedy))
+            numbers[name] = per_seed
+            numbers[f"{name}_summary"] = {"steps": steps, **report.remedy_summary(per_seed, name)}
+            sections.append(report.remedy_summary_text(numbers[f"{name}_summary"], remedy, steps))
+            report.plot_curves([arm("scratch_baseline"), arm("scratch_epas"), arm(f"scratch_{name}")],
+                               str(self.out / f"{name}_loss_vs_tokens.png"), str(self.out / f"{name}_loss_vs_time.png"),
                                scale.seq_length * scale.global_batch_size)
-            plots += ["rewarm_loss_vs_tokens.png", "rewarm_loss_vs_time.png"]
+            plots += [f"{name}_loss_vs_tokens.png", f"{name}_loss_vs_time.png"]
         if "continual" in self.parts:
             comparison = report.continual_comparison(self.evaluate_regions("continual_epas", scale.continual_region),
                                                      self.evaluate_regions("continual_baseline", scale.continual_region))

@@ -463,83 +463,124 @@ BLOCKS = ("one_block", "blocks")
 """Key prefixes of the one-block-vs-several ablation (``--parts blocks``)."""
 
 
-def rewarm_comparison(baseline: ArmResult, epas: ArmResult, rewarm: ArmResult) -> dict:
-    """EPAS with the LR re-warm after each switch against plain EPAS and the baseline (one seed):
-    final losses and gaps, the training time to the baseline's final loss, the post-switch jumps."""
+@dataclass(frozen=True)
+class SwitchRemedy:
+    """A remedy for the validation loss jump at a switch (``--parts`` of its name): EPAS with one
+    more epas-train flag of N iterations, against plain EPAS and the baseline. The paper has no
+    such remedy and no claim about one."""
+
+    name: str
+    """Its ``--parts`` name, arm (``scratch_<name>``) and the prefix of its report keys."""
+
+    flag: str
+    """The epas-train flag (followed by N)."""
+
+    title: str
+    """Its report sections' title."""
+
+    label: str
+    """Its row in the tables."""
+
+    short: str
+    """Its name in running text."""
+
+    cost: str
+    """What it costs, in running text."""
+
+
+REWARM = SwitchRemedy("rewarm", "--epas-switch-rewarm", "LR re-warm after each switch", "EPAS + LR re-warm", "re-warm",
+                      "no FLOPs change")
+"""The learning-rate re-warm after each switch (``--parts rewarm``)."""
+
+RAMP = SwitchRemedy("ramp", "--epas-switch-ramp", "Blended switch, Q/K ramped onto the source's before each switch",
+                    "EPAS + blended switch", "ramp", "two multiply-adds per blended Q/K element")
+"""The blended switch (``--parts ramp``): the switching layers' Q/K blended into their source's
+over the N iterations before each switch."""
+
+REMEDIES = (REWARM, RAMP)
+"""Every switch remedy, in the order the report gives them."""
+
+
+def remedy_comparison(baseline: ArmResult, epas: ArmResult, remedied: ArmResult, name: str) -> dict:
+    """EPAS with a switch remedy (``name``, the prefix of its keys) against plain EPAS and the
+    baseline (one seed): final losses and gaps, the training time to the baseline's final loss,
+    the post-switch jumps."""
     target = baseline.final_valid_loss
     curve = lambda arm: [(r["train_time_s"], r["lm_loss"]) for r in arm.valid_in_training]
-    jumps = {name: switch_jumps(arm, baseline) for name, arm in (("epas", epas), ("rewarm", rewarm))}
+    jumps = {key: switch_jumps(arm, baseline) for key, arm in (("epas", epas), (name, remedied))}
     result = {
         "baseline_final_valid_loss": target,
         "epas_final_valid_loss": epas.final_valid_loss,
-        "rewarm_final_valid_loss": rewarm.final_valid_loss,
+        f"{name}_final_valid_loss": remedied.final_valid_loss,
         "epas_gap": epas.final_valid_loss - target,
-        "rewarm_gap": rewarm.final_valid_loss - target,
-        "rewarm_minus_epas": rewarm.final_valid_loss - epas.final_valid_loss,
+        f"{name}_gap": remedied.final_valid_loss - target,
+        f"{name}_minus_epas": remedied.final_valid_loss - epas.final_valid_loss,
         "baseline_time_to_target_s": time_to_target(curve(baseline), target),
         "epas_time_to_target_s": time_to_target(curve(epas), target),
-        "rewarm_time_to_target_s": time_to_target(curve(rewarm), target),
+        f"{name}_time_to_target_s": time_to_target(curve(remedied), target),
         "epas_train_time_s": epas.train_time_s,
-        "rewarm_train_time_s": rewarm.train_time_s,
+        f"{name}_train_time_s": remedied.train_time_s,
     }
-    for name, rows in jumps.items():
-        result[f"{name}_jumps"] = rows
-        result[f"{name}_max_jump"] = max((r["jump"] for r in rows), default=None)
-        result[f"{name}_mean_jump_vs_baseline"] = _mean([r["jump_vs_baseline"] for r in rows])
+    for key, rows in jumps.items():
+        result[f"{key}_jumps"] = rows
+        result[f"{key}_max_jump"] = max((r["jump"] for r in rows), default=None)
+        result[f"{key}_mean_jump_vs_baseline"] = _mean([r["jump_vs_baseline"] for r in rows])
     return result
 
 
-def rewarm_summary(per_seed: Sequence[dict]) -> dict:
-    """:func:`rewarm_comparison` over seeds: mean gaps and jumps against the baseline's seed spread."""
+def remedy_summary(per_seed: Sequence[dict], name: str) -> dict:
+    """:func:`remedy_comparison` over seeds: mean gaps and jumps against the baseline's seed spread."""
     mean = lambda key: _mean([r[key] for r in per_seed])
     spread = _spread([r["baseline_final_valid_loss"] for r in per_seed])
-    rewarm_gap = mean("rewarm_gap")
+    gap = mean(f"{name}_gap")
     return {
         "seeds": [r["seed"] for r in per_seed],
         "epas_gaps": [r["epas_gap"] for r in per_seed],
-        "rewarm_gaps": [r["rewarm_gap"] for r in per_seed],
+        f"{name}_gaps": [r[f"{name}_gap"] for r in per_seed],
         "mean_epas_gap": mean("epas_gap"),
-        "mean_rewarm_gap": rewarm_gap,
-        "mean_rewarm_minus_epas": mean("rewarm_minus_epas"),
+        f"mean_{name}_gap": gap,
+        f"mean_{name}_minus_epas": mean(f"{name}_minus_epas"),
         "baseline_seed_spread": spread,
-        "rewarm_gap_within_seed_spread": None if spread is None else abs(rewarm_gap) <= spread,
+        f"{name}_gap_within_seed_spread": None if spread is None else abs(gap) <= spread,
         "mean_epas_max_jump": mean("epas_max_jump"),
-        "mean_rewarm_max_jump": mean("rewarm_max_jump"),
+        f"mean_{name}_max_jump": mean(f"{name}_max_jump"),
         "mean_epas_jump_vs_baseline": mean("epas_mean_jump_vs_baseline"),
-        "mean_rewarm_jump_vs_baseline": mean("rewarm_mean_jump_vs_baseline"),
-        "rewarm_reaches_target": [r["rewarm_time_to_target_s"] is not None for r in per_seed],
+        f"mean_{name}_jump_vs_baseline": mean(f"{name}_mean_jump_vs_baseline"),
+        f"{name}_reaches_target": [r[f"{name}_time_to_target_s"] is not None for r in per_seed],
     }
 
 
-def rewarm_table(result: dict) -> str:
-    """Markdown: baseline, EPAS and EPAS with the re-warm of one seed, with the jump after each switch."""
+def remedy_table(result: dict, remedy: SwitchRemedy) -> str:
+    """Markdown: baseline, EPAS and EPAS with the remedy of one seed, with the jump after each switch."""
     def jumps(rows: Sequence[dict]) -> str:
         return ", ".join(f"{r['iteration']}: {r['jump']:+.4f}" + (f" ({r['jump_vs_baseline']:+.4f})" if r.get("jump_vs_baseline")
                                                                 is not None else "") for r in rows) or "n/a"
 
-    r = result
+    r, n = result, remedy.name
     lines = ["| arm | final val loss | gap vs baseline | time to baseline's final loss | jump after each switch (vs baseline) |",
              "|---|---|---|---|---|",
              f"| baseline | {r['baseline_final_valid_loss']:.4f} | | {_time(r['baseline_time_to_target_s'])} | |",
              f"| EPAS | {r['epas_final_valid_loss']:.4f} | {r['epas_gap']:+.4f} | {_time(r['epas_time_to_target_s'])} | "
              f"{jumps(r['epas_jumps'])} |",
-             f"| EPAS + LR re-warm | {r['rewarm_final_valid_loss']:.4f} | {r['rewarm_gap']:+.4f} | "
-             f"{_time(r['rewarm_time_to_target_s'])} | {jumps(r['rewarm_jumps'])} |"]
+             f"| {remedy.label} | {r[f'{n}_final_valid_loss']:.4f} | {r[f'{n}_gap']:+.4f} | "
+             f"{_time(r[f'{n}_time_to_target_s'])} | {jumps(r[f'{n}_jumps'])} |"]
     return "\n".join(lines)
 
 
-def rewarm_summary_text(summary: dict, steps: int) -> str:
-    """One paragraph: the re-warm's gap and jumps against plain EPAS and the seed spread."""
-    gaps = ", ".join(f"{g:+.4f} (seed {s})" for g, s in zip(summary["rewarm_gaps"], summary["seeds"]))
-    text = (f"EPAS with --epas-switch-rewarm {steps} (no FLOPs change): gap to the baseline {gaps}; mean "
-            f"{summary['mean_rewarm_gap']:+.4f} against plain EPAS's {summary['mean_epas_gap']:+.4f} (re-warm minus plain "
-            f"{summary['mean_rewarm_minus_epas']:+.4f}). Largest jump after a switch, mean over seeds: "
-            f"{_num(summary['mean_rewarm_max_jump'], '+.4f')} with the re-warm, {_num(summary['mean_epas_max_jump'], '+.4f')} "
-            f"without; against the baseline {_num(summary['mean_rewarm_jump_vs_baseline'], '+.4f')} vs "
-            f"{_num(summary['mean_epas_jump_vs_baseline'], '+.4f')} (mean over switches).")
+def remedy_summary_text(summary: dict, remedy: SwitchRemedy, steps: int) -> str:
+    """One paragraph: the remedy's gap and jumps against plain EPAS and the seed spread."""
+    n, short = remedy.name, remedy.short
+    gaps = ", ".join(f"{g:+.4f} (seed {s})" for g, s in zip(summary[f"{n}_gaps"], summary["seeds"]))
+    text = (f"EPAS with {remedy.flag} {steps} ({remedy.cost}; a remedy beyond the paper, which makes no claim about it): "
+            f"gap to the baseline {gaps}; mean {summary[f'mean_{n}_gap']:+.4f} against plain EPAS's "
+            f"{summary['mean_epas_gap']:+.4f} ({short} minus plain {summary[f'mean_{n}_minus_epas']:+.4f}). Largest jump "
+            f"after a switch, mean over seeds: {_num(summary[f'mean_{n}_max_jump'], '+.4f')} with the {short}, "
+            f"{_num(summary['mean_epas_max_jump'], '+.4f')} without; against the baseline "
+            f"{_num(summary[f'mean_{n}_jump_vs_baseline'], '+.4f')} vs {_num(summary['mean_epas_jump_vs_baseline'], '+.4f')} "
+            "(mean over switches).")
     if summary["baseline_seed_spread"] is not None:
-        inside = "within" if summary["rewarm_gap_within_seed_spread"] else "outside"
-        text += f" The re-warm's mean gap is {inside} the baseline's seed spread ({summary['baseline_seed_spread']:.4f})."
-    reached = sum(summary["rewarm_reaches_target"])
+        inside = "within" if summary[f"{n}_gap_within_seed_spread"] else "outside"
+        text += f" The {short}'s mean gap is {inside} the baseline's seed spread ({summary['baseline_seed_spread']:.4f})."
+    reached = sum(summary[f"{n}_reaches_target"])
     text += f" It reaches the baseline's final loss in {reached} of {len(summary['seeds'])} seed(s)."
     return text

@@ -1,4 +1,4 @@
-"""epas-bench quality --parts fixed,rewarm,blocks: the commands its dry run prints, and every number of its
+"""epas-bench quality --parts fixed,rewarm,blocks,ramp: the commands its dry run prints, and every number of its
 report recomputed by hand from synthetic run files (metrics.jsonl records and summaries the recipe
 reads back as finished arms, so no model runs)."""
 
@@ -7,6 +7,8 @@ import json
 import pytest
 
 from epas_megatron.bench.cli import main
+from epas_megatron.config.cli import parse_config
+from epas_megatron.config.validation import resolve_run
 from epas_megatron.experiments import quality_report as report
 from epas_megatron.experiments.quality import DEFAULT_PARTS, SCALES, QualityRecipe, plan_arms
 
@@ -49,9 +51,46 @@ def test_dry_run_of_the_blocks_part(capsys):
     assert "blocks" not in DEFAULT_PARTS
 
 
+def test_dry_run_of_the_ramp_part(capsys):
+    # --parts ramp alone plans the baseline and EPAS arms it is compared against.
+    commands = dry_run(capsys, "--parts", "ramp")
+    assert list(commands) == [f"scratch_{kind}{suffix}" for suffix in ("", "_seed4321") for kind in ("baseline", "epas", "ramp")]
+    for suffix, seed in (("", 1234), ("_seed4321", 4321)):
+        assert f"--seed {seed} " in commands[f"scratch_baseline{suffix}"]
+        assert "--epas-target-layers 0 " in commands[f"scratch_baseline{suffix}"]
+        plain = commands[f"scratch_epas{suffix}"].split(" --output-dir ")[0].replace(" --eval-regions 0,half,max", "")
+        assert f"--seed {seed} " in plain and "--epas-target-layers 0.5 --epas-interval 50" in plain
+        # The same run blending over a quarter of the interval (50 // 4 = 12) before each switch.
+        assert commands[f"scratch_ramp{suffix}"] == f"{plain} --epas-switch-ramp 12 --output-dir /tmp/q/scratch_ramp{suffix}/run"
+    assert "ramp" not in DEFAULT_PARTS and not any("ramp" in name for name in dry_run(capsys))
+    # With the re-warm the shared arms are planned once; each remedy changes one flag only.
+    both = dry_run(capsys, "--parts", "rewarm,ramp")
+    assert list(both) == [f"scratch_{kind}{suffix}" for suffix in ("", "_seed4321") for kind in ("baseline", "epas", "rewarm", "ramp")]
+    assert "--epas-switch-ramp" not in both["scratch_rewarm"] and "--epas-switch-rewarm" not in both["scratch_ramp"]
+    # The smoke scale's interval of 2 blends 1 iteration (a quarter, at least 1).
+    assert "--epas-switch-ramp 1 " in dry_run(capsys, "--scale", "smoke", "--parts", "ramp")["scratch_ramp"]
+
+
+@pytest.mark.parametrize("scale, steps", [("cpu", 12), ("smoke", 1)])
+def test_the_planned_ramp_arms_pass_the_trainers_checks(tmp_path, scale, steps):
+    # N must be < --epas-interval and < --epas-first-switch (the interval here); the trainer says so.
+    for arm in plan_arms(SCALES[scale], tmp_path, parts=("ramp",)):
+        if arm.name.startswith("scratch_ramp"):
+            cfg = parse_config([*arm.train_args, "--output-dir", str(tmp_path / arm.name)])
+            assert cfg.epas.epas_switch_ramp == steps
+            resolve_run(cfg, world_size=1, cuda=False)
+
+
 def test_an_unknown_part_names_the_new_ones(capsys):
     assert main(["quality", "--dry-run", "--parts", "scratch,speed"]) == 2
-    assert "choose among scratch, continual, ablation, random_ltd, fixed, rewarm, blocks" in capsys.readouterr().err
+    assert "choose among scratch, continual, ablation, random_ltd, fixed, rewarm, blocks, ramp" in capsys.readouterr().err
+
+
+def test_the_parts_help_lists_ramp(capsys):
+    with pytest.raises(SystemExit):
+        main(["quality", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "experiments to run (comma-separated): scratch, continual, ablation, random_ltd, fixed, rewarm, blocks, ramp" in help_text
 
 
 # Synthetic runs: evaluations at iterations 25, 50, 75, 100 (training seconds 10/20/30/40 for the
@@ -63,9 +102,11 @@ SEED_1234 = {
     "scratch_fixed": ([5.1, 4.9, 4.6, 4.5], 9.0, [1]),
     "scratch_rewarm": ([5.0, 4.7, 4.4, 4.15], 9.0, [50, 100]),
     "scratch_blocks": ([5.0, 4.85, 4.5, 4.4], 9.0, [50, 100]),
+    "scratch_ramp": ([5.0, 4.65, 4.42, 4.34], 9.0, [50, 100]),
 }
 # Seed 4321: every loss of an arm shifted by a constant.
-SHIFT_4321 = {"scratch_baseline": 0.05, "scratch_epas": 0.02, "scratch_fixed": -0.2, "scratch_rewarm": 0.10, "scratch_blocks": 0.0}
+SHIFT_4321 = {"scratch_baseline": 0.05, "scratch_epas": 0.02, "scratch_fixed": -0.2, "scratch_rewarm": 0.10, "scratch_blocks": 0.0,
+              "scratch_ramp": -0.10}
 
 
 def write_arm(out, name, losses, seconds_per_eval, switches):
@@ -86,10 +127,11 @@ def numbers(tmp_path):
         write_arm(out, name, losses, seconds, switches)
         write_arm(out, f"{name}_seed4321", [loss + SHIFT_4321[name] for loss in losses], seconds, switches)
     lines = []
-    result = QualityRecipe("cpu", out, parts=("fixed", "rewarm", "blocks"), echo=lines.append).run()
-    assert sum("finished before; reusing" in line for line in lines) == 10  # nothing trained
+    result = QualityRecipe("cpu", out, parts=("fixed", "rewarm", "blocks", "ramp"), echo=lines.append).run()
+    assert sum("finished before; reusing" in line for line in lines) == 12  # nothing trained
     written = json.loads((out / "quality.json").read_text())
     assert written["rewarm_summary"] == result["rewarm_summary"] and written["fixed_summary"] == result["fixed_summary"]
+    assert written["ramp_summary"] == result["ramp_summary"]
     result["markdown"] = (out / "quality.md").read_text()
     return result
 
@@ -157,6 +199,51 @@ def test_rewarm_report_by_hand(numbers):
     assert "mean -0.0250 against plain EPAS's +0.1350" in markdown and "within the baseline's seed spread (0.0500)" in markdown
 
 
+def test_ramp_report_by_hand(numbers):
+    first, second = numbers["ramp"]
+    assert (first["seed"], second["seed"]) == (1234, 4321)
+    # Seed 1234: baseline 4.20, EPAS 4.35, ramp 4.34; seed 4321: 4.25, 4.37, 4.24.
+    assert first["ramp_final_valid_loss"] == pytest.approx(4.34) and second["ramp_final_valid_loss"] == pytest.approx(4.24)
+    assert first["ramp_gap"] == pytest.approx(0.14) and second["ramp_gap"] == pytest.approx(-0.01)
+    assert first["ramp_minus_epas"] == pytest.approx(-0.01) and second["ramp_minus_epas"] == pytest.approx(-0.13)
+    assert first["epas_gap"] == pytest.approx(0.15) and second["epas_gap"] == pytest.approx(0.12)
+    # Jumps: 4.65 - 5.0 = -0.35 at 50 (the baseline's -0.4 subtracted: +0.05); 4.34 - 4.42 = -0.08 at
+    # 100 (the baseline's -0.2 subtracted: +0.12). Shifting a whole arm changes neither.
+    expected = [(50, 25, 50, -0.35, 0.05), (100, 75, 100, -0.08, 0.12)]
+    for result in (first, second):
+        got = [(r["iteration"], r["before_iteration"], r["after_iteration"], r["jump"], r["jump_vs_baseline"])
+               for r in result["ramp_jumps"]]
+        assert got == [(t, b, a, pytest.approx(j), pytest.approx(v)) for t, b, a, j, v in expected]
+        assert result["ramp_max_jump"] == pytest.approx(-0.08) and result["ramp_mean_jump_vs_baseline"] == pytest.approx(0.085)
+        assert result["epas_max_jump"] == pytest.approx(-0.1) and result["epas_mean_jump_vs_baseline"] == pytest.approx(0.15)
+    # Time to the baseline's final loss: seed 1234's ramp never reaches 4.20; seed 4321's crosses 4.25
+    # between 4.32 at 27 s and 4.24 at 36 s (27 + 9 x 0.07 / 0.08).
+    assert first["ramp_time_to_target_s"] is None and second["ramp_time_to_target_s"] == pytest.approx(34.875)
+    assert first["ramp_train_time_s"] == 36.0 and first["baseline_time_to_target_s"] == 40.0
+    summary = numbers["ramp_summary"]
+    assert summary["steps"] == 12 and summary["seeds"] == [1234, 4321]
+    assert summary["ramp_gaps"] == [pytest.approx(0.14), pytest.approx(-0.01)]
+    assert summary["mean_ramp_gap"] == pytest.approx(0.065) and summary["mean_epas_gap"] == pytest.approx(0.135)
+    assert summary["mean_ramp_minus_epas"] == pytest.approx(-0.07)
+    # 0.065 exceeds the baseline's spread of 4.25 - 4.20.
+    assert summary["baseline_seed_spread"] == pytest.approx(0.05) and summary["ramp_gap_within_seed_spread"] is False
+    assert summary["mean_ramp_max_jump"] == pytest.approx(-0.08) and summary["mean_ramp_jump_vs_baseline"] == pytest.approx(0.085)
+    assert summary["ramp_reaches_target"] == [False, True]
+    markdown = numbers["markdown"]
+    assert "### Blended switch, Q/K ramped onto the source's before each switch (--epas-switch-ramp 12), seed 1234" in markdown
+    assert "| EPAS + blended switch | 4.3400 | +0.1400 | not reached | 50: -0.3500 (+0.0500), 100: -0.0800 (+0.1200) |" in markdown
+    assert "| EPAS + blended switch | 4.2400 | -0.0100 | 34.9 s |" in markdown
+    assert ("EPAS with --epas-switch-ramp 12 (two multiply-adds per blended Q/K element; a remedy beyond the paper, "
+            "which makes no claim about it): gap to the baseline +0.1400 (seed 1234), -0.0100 (seed 4321); mean +0.0650 "
+            "against plain EPAS's +0.1350 (ramp minus plain -0.0700). Largest jump after a switch, mean over seeds: "
+            "-0.0800 with the ramp, -0.1000 without; against the baseline +0.0850 vs +0.1500") in markdown
+    assert "The ramp's mean gap is outside the baseline's seed spread (0.0500)" in markdown
+    assert "It reaches the baseline's final loss in 1 of 2 seed(s)." in markdown
+    # The re-warm's paragraph says the same of it.
+    assert "EPAS with --epas-switch-rewarm 12 (no FLOPs change; a remedy beyond the paper" in markdown
+    assert "`ramp_loss_vs_tokens.png`, `ramp_loss_vs_time.png`" in markdown
+
+
 def test_a_switch_without_an_evaluation_before_it_is_left_out():
     valid = [{"kind": "valid", "iteration": i, "lm_loss": loss, "in_training": True} for i, loss in ((25, 5.0), (50, 4.0))]
     fixed = report.ArmResult("fixed", {}, [{"kind": "switch", "iteration": 1}, *valid])
@@ -168,3 +255,5 @@ def test_a_switch_without_an_evaluation_before_it_is_left_out():
 def test_plan_arms_has_each_new_arm_once_per_seed(tmp_path):
     names = [a.name for a in plan_arms(SCALES["cpu"], tmp_path, parts=("scratch", "ablation", "fixed", "rewarm"))]
     assert len(names) == len(set(names)) == 9
+    names = [a.name for a in plan_arms(SCALES["cpu"], tmp_path, parts=("scratch", "ablation", "fixed", "rewarm", "ramp"))]
+    assert len(names) == len(set(names)) == 11
