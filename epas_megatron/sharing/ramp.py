@@ -31,9 +31,10 @@ ramp continues it exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import ClassVar, Optional
 
 from epas_megatron.errors import ConfigError
+from epas_megatron.sharing.per_switch import StepsPerSwitch
 from epas_megatron.sharing.schedule import LayerMode, SharingSchedule
 
 __all__ = ["RampStep", "SwitchRamp", "ramp_step"]
@@ -94,21 +95,13 @@ def ramp_step(iteration: int, schedule: SharingSchedule, steps: int) -> Optional
 
 
 @dataclass(frozen=True)
-class SwitchRamp:
+class SwitchRamp(StepsPerSwitch):
     """``--epas-switch-ramp``: the ramps of one sharing schedule."""
 
-    schedule: SharingSchedule
-    """The switches that are ramped into."""
-
-    steps: int
-    """Iterations of blending before each switch, ``N`` (0: off)."""
+    flag: ClassVar[str] = FLAG
 
     def __post_init__(self) -> None:
         _check_steps(self.steps, self.schedule)
-
-    @property
-    def enabled(self) -> bool:
-        return self.steps > 0 and self.schedule.enabled
 
     def step(self, iteration: int) -> Optional[RampStep]:
         """:func:`ramp_step` of ``iteration`` (1-based)."""
@@ -127,15 +120,3 @@ class SwitchRamp:
         return (f"blended switches ({FLAG} {n}): the layers of each switch t attend with (1-a) own + a source Q/K, "
                 f"a = 1/{n} .. 1 over iterations t-{n}..t-1 (iterations {windows}); two multiply-adds per blended "
                 f"Q/K element, the switches at their iterations")
-
-    def state_dict(self) -> dict[str, int]:
-        """Its checkpoint-metadata entry (the schedule is stored on its own)."""
-        return {"steps": self.steps}
-
-    def check_resume(self, saved: Optional[Mapping[str, int]], iteration: int) -> None:
-        """Refuse a checkpoint trained with another ramp (``saved`` None: without one)."""
-        saved_steps = 0 if saved is None else saved.get("steps")
-        if saved_steps != self.steps:
-            raise ConfigError(f"--load: the checkpoint at iteration {iteration} was trained with {FLAG} {saved_steps}, this run "
-                              f"has {FLAG} {self.steps}; resume with {FLAG} {saved_steps} (or start from its weights with "
-                              "--pretrained)")

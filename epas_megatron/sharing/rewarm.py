@@ -24,9 +24,10 @@ the same steps run on the same tokens, only the optimizer's step size differs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import ClassVar
 
 from epas_megatron.errors import ConfigError
+from epas_megatron.sharing.per_switch import StepsPerSwitch
 from epas_megatron.sharing.schedule import SharingSchedule
 
 __all__ = ["SwitchRewarm", "rewarm_factor"]
@@ -57,22 +58,13 @@ def rewarm_factor(iteration: int, schedule: SharingSchedule, steps: int) -> floa
 
 
 @dataclass(frozen=True)
-class SwitchRewarm:
+class SwitchRewarm(StepsPerSwitch):
     """``--epas-switch-rewarm``: the re-warm windows of one sharing schedule."""
 
-    schedule: SharingSchedule
-    """The switches whose steps are re-warmed."""
-
-    steps: int
-    """Iterations re-warmed after each switch, ``N`` (0: off); ``< schedule.interval``."""
+    flag: ClassVar[str] = FLAG
 
     def __post_init__(self) -> None:
         _check_steps(self.steps, self.schedule)
-
-    @property
-    def enabled(self) -> bool:
-        """Whether any step runs with a factor below 1."""
-        return self.steps > 0 and self.schedule.enabled
 
     def factor(self, iteration: int) -> float:
         """:func:`rewarm_factor` of ``iteration`` (1-based)."""
@@ -90,16 +82,3 @@ class SwitchRewarm:
         windows = ", ".join(f"{a}-{b}" for a, b in self.windows())
         return (f"LR re-warm after each switch ({FLAG} {n}): the scheduler's LR x (k+1)/{n + 1} at iteration t+k, "
                 f"k = 0..{n - 1}, for every switch t (iterations {windows}); no FLOPs change")
-
-    def state_dict(self) -> dict[str, int]:
-        """Its checkpoint-metadata entry (the schedule is stored on its own)."""
-        return {"steps": self.steps}
-
-    def check_resume(self, saved: Optional[Mapping[str, int]], iteration: int) -> None:
-        """Refuse a checkpoint trained with another re-warm (``saved`` None: without one): the
-        rest of the run would not continue its learning-rate trajectory."""
-        saved_steps = 0 if saved is None else saved.get("steps")
-        if saved_steps != self.steps:
-            raise ConfigError(f"--load: the checkpoint at iteration {iteration} was trained with {FLAG} {saved_steps}, this run "
-                              f"has {FLAG} {self.steps}; resume with {FLAG} {saved_steps} (or start from its weights with "
-                              "--pretrained)")
