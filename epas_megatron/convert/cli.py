@@ -95,15 +95,17 @@ def hf_import(hf_dir: Path, output: Path) -> Path:
         hf_state = LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).state_dict()
         sharing, share = (), "qk"
     exclude_last = model_cfg.num_layers - 1 - sharing[-1] if sharing else 0
+    blocks = _blocks_of(hf_config.epas_region_order, model_cfg.num_layers, exclude_last, hf_dir) if sharing else 1
     tokenizer = hf_dir / "tokenizer.model"
     cfg = replace(RunConfig(), model=model_cfg)
     cfg = replace(cfg, training=replace(cfg.training, seq_length=model_cfg.max_position_embeddings),
-                  epas=replace(cfg.epas, epas_share=share, epas_exclude_last=exclude_last, epas_target_layers=str(len(sharing))))
+                  epas=replace(cfg.epas, epas_share=share, epas_exclude_last=exclude_last, epas_target_layers=str(len(sharing)),
+                               epas_blocks=blocks))
     init_distributed(1, 1, None, seed=0)
     try:
         arch = architecture_from_config(model_cfg)
         # Built at the region it is saved with; the plain state dict loads into any region.
-        model = build_model(BuildPlan.for_region(arch, sharing, share=share, exclude_last=exclude_last)).chunks[0]
+        model = build_model(BuildPlan.for_region(arch, sharing, share=share, exclude_last=exclude_last, blocks=blocks)).chunks[0]
         model.load_state_dict(hf_to_megatron(hf_state, _shape(model_cfg), arch.vocab_size), strict=False)
         output.mkdir(parents=True, exist_ok=True)
         if tokenizer.is_file():
@@ -115,12 +117,23 @@ def hf_import(hf_dir: Path, output: Path) -> Path:
         destroy_distributed()
 
 
+def _blocks_of(order, num_layers: int, exclude_last: int, hf_dir: Path) -> int:
+    """The ``--epas-blocks`` whose regions grow in ``order`` (an export's ``epas_region_order``):
+    the fewest blocks with that switching order."""
+    from epas_megatron.sharing.schedule import region_order
+
+    for blocks in range(1, len(order) + 1):
+        try:
+            if region_order(num_layers, len(order), exclude_last=exclude_last, blocks=blocks) == tuple(order):
+                return blocks
+        except ConfigError:
+            continue
+    raise ConfigError(f"--hf-dir {hf_dir}: epas_region_order {list(order)} is the order of no sharing region of one or "
+                      "several blocks (--epas-blocks) ending at its deepest sharing layer")
+
+
 def export_region(meta, text: str) -> int:
     """``--region``: an int from 0 to the checkpoint's trained region, or 'max' (that region)."""
-    if meta.blocks != 1:
-        raise ConfigError(f"--region: this checkpoint was trained with --epas-blocks {meta.blocks}, but the exported model's "
-                          "code (epas_megatron/hf) holds one sharing block; export it as a plain LLaMA (no --region: "
-                          "every layer computes) or run it in the framework (epas-eval, epas-generate)")
     if text == "max":
         return meta.trained_region
     try:
@@ -180,11 +193,12 @@ def _write_epas(meta, config_kwargs: dict, hf_state: dict, region: int, output: 
 
     import epas_megatron.hf as epas_hf
     from epas_megatron.convert.hf_llama import to_epas_hf
-    from epas_megatron.sharing.schedule import region_layers
+    from epas_megatron.sharing.schedule import region_order
 
-    sharing = region_layers(meta.num_layers, region, flag="--region", exclude_last=meta.exclude_last)
+    order = region_order(meta.num_layers, region, "--region", exclude_last=meta.exclude_last, blocks=meta.blocks)
+    sharing = sorted(order)
     config = epas_hf.EpasLlamaConfig(**config_kwargs, epas_share=meta.epas_share, epas_sharing_layers=list(sharing),
-                                     epas_region=len(sharing))
+                                     epas_region_order=order, epas_region=len(sharing))
     config.auto_map = dict(epas_hf.AUTO_MAP)
     model = epas_hf.EpasLlamaForCausalLM(config)
     model.load_state_dict(to_epas_hf(hf_state, sharing, meta.epas_share), strict=not config.tie_word_embeddings)

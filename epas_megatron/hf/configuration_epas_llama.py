@@ -1,13 +1,16 @@
 """``EpasLlamaConfig``: a LLaMA configuration that also records an EPAS sharing region.
 
-A model exported with ``epas-convert hf-export --region R`` is a LLaMA whose last ``R`` layers
-(``epas_sharing_layers``; the block ends where the trained regions end) run in *sharing mode*:
-with ``epas_share='qk'`` such a layer reuses the post-RoPE Q and K of the last computing layer
-before it (its *source*) and computes only its own V; with ``'kv'`` it computes its own Q and
-reuses the source's K and V. ``epas_region`` (0 .. ``len(epas_sharing_layers)``) picks how many
-of those layers share when the model runs: the deepest ``epas_region`` of them. A smaller
-region runs the other layers with their own (frozen during training) Q/K (K/V) projections,
-which the export keeps. It can be chosen at load time without a new export::
+A model exported with ``epas-convert hf-export --region R`` is a LLaMA whose ``R`` layers
+``epas_sharing_layers`` (the deepest ones, where the trained regions end; with several sharing
+blocks, ``--epas-blocks``, that many runs of layers) run in *sharing mode*: with
+``epas_share='qk'`` such a layer reuses the post-RoPE Q and K of the last computing layer before
+it (its *source*; each block has its own) and computes only its own V; with ``'kv'`` it computes
+its own Q and reuses the source's K and V. ``epas_region`` (0 .. ``len(epas_sharing_layers)``)
+picks how many of those layers share when the model runs: the first ``epas_region`` of
+``epas_region_order`` (the order in which training switched them; by default the deepest first,
+one block's order). A smaller region runs the other layers with their own (frozen during
+training) Q/K (K/V) projections, which the export keeps. It can be chosen at load time without
+a new export::
 
     AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, epas_region=1)
 
@@ -35,12 +38,17 @@ class EpasLlamaConfig(LlamaConfig):
     'kv': they own Q and reuse the source's K and V (cross-layer KV sharing)."""
 
     epas_sharing_layers: list[int] | None = None
-    """The exported (largest) sharing region, ascending and contiguous: these layers hold only
-    what they own in sharing mode, plus their frozen projections (``frozen_*_proj``)."""
+    """The exported (largest) sharing region, ascending (one run of layers per block, each after
+    a computing layer): these layers hold only what they own in sharing mode, plus their frozen
+    projections (``frozen_*_proj``)."""
+
+    epas_region_order: list[int] | None = None
+    """``epas_sharing_layers`` in the order training switched them to sharing: a region of ``r``
+    layers is the first ``r`` (None: the deepest first, the order of one block)."""
 
     epas_region: int | None = None
-    """Layers that share when the model runs: the deepest ``epas_region`` of
-    ``epas_sharing_layers`` (None: all of them)."""
+    """Layers that share when the model runs: the first ``epas_region`` of
+    ``epas_region_order`` (None: all of them)."""
 
     epas_reuse_probs: bool = False
     """'qk' only: a sharing layer applies its source's attention probabilities to its own V
@@ -49,6 +57,9 @@ class EpasLlamaConfig(LlamaConfig):
 
     def __post_init__(self, **kwargs):
         self.epas_sharing_layers = [int(i) for i in (self.epas_sharing_layers or [])]
+        if self.epas_region_order is None:
+            self.epas_region_order = sorted(self.epas_sharing_layers, reverse=True)
+        self.epas_region_order = [int(i) for i in self.epas_region_order]
         if self.epas_region is None:
             self.epas_region = len(self.epas_sharing_layers)
         super().__post_init__(**kwargs)
@@ -58,11 +69,13 @@ class EpasLlamaConfig(LlamaConfig):
         layers = self.epas_sharing_layers
         if self.epas_share not in SHARE_KINDS:
             raise ValueError(f"epas_share must be one of {SHARE_KINDS}, got {self.epas_share!r}")
-        if layers and layers != list(range(layers[0], layers[0] + len(layers))):
-            raise ValueError(f"epas_sharing_layers must be one ascending block of layers, got {layers}")
+        if layers != sorted(set(layers)):
+            raise ValueError(f"epas_sharing_layers must be ascending layer numbers, got {layers}")
         if layers and not 1 <= layers[0] <= layers[-1] < self.num_hidden_layers:
             raise ValueError(f"epas_sharing_layers {layers}: a sharing layer needs a computing layer before it "
                              f"and the model has {self.num_hidden_layers} layers")
+        if sorted(self.epas_region_order) != layers:
+            raise ValueError(f"epas_region_order {self.epas_region_order} must list epas_sharing_layers {layers}, each once")
         if not 0 <= int(self.epas_region) <= len(layers):
             raise ValueError(f"epas_region must be between 0 and {len(layers)} (the exported sharing region), "
                              f"got {self.epas_region}")
@@ -71,9 +84,9 @@ class EpasLlamaConfig(LlamaConfig):
 
     @property
     def epas_active_layers(self) -> tuple[int, ...]:
-        """The layers that share at ``epas_region``: the deepest ones of ``epas_sharing_layers``."""
-        layers = self.epas_sharing_layers
-        return tuple(layers[len(layers) - int(self.epas_region):])
+        """The layers that share at ``epas_region``, ascending: the first ``epas_region`` of
+        ``epas_region_order``."""
+        return tuple(sorted(self.epas_region_order[: int(self.epas_region)]))
 
 
 __all__ = ["EpasLlamaConfig", "SHARE_KINDS"]

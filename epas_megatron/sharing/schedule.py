@@ -351,6 +351,23 @@ def region_layers(
     return tuple(sorted(order[:size]))
 
 
+def region_order(
+    num_layers: int,
+    size: int,
+    flag: str = "--epas-target-layers",
+    exclude_last: int = 0,
+    blocks: int = 1,
+) -> tuple[int, ...]:
+    """The layers of :func:`region_layers` (same arguments) in the order they join the region
+    (the switching order; one block: the deepest first): the region of any ``r <= size`` layers
+    is the first ``r`` of them."""
+    region = region_layers(num_layers, size, flag, exclude_last, blocks)
+    target, _ = _resolve_target(num_layers, exclude_last, size, flag, None, blocks)
+    order = _switching_order(_place_blocks(num_layers - 1 - exclude_last, target, blocks))[:size]
+    assert tuple(sorted(order)) == region, (order, region)
+    return tuple(order)
+
+
 def layer_modes(
     num_layers: int,
     sharing_layers: Iterable[int],

@@ -4,6 +4,8 @@ the package registers its classes with the Auto classes for users who have it.""
 
 import ast
 
+import pytest
+
 from epas_megatron.hf import SHIPPED_FILES, SOURCE_DIR
 
 ALLOWED = {"torch", "transformers", "huggingface_hub", "__future__", "collections"}
@@ -33,3 +35,27 @@ def test_the_package_registers_the_auto_classes():
                                   num_attention_heads=4, epas_sharing_layers=[2])
     assert isinstance(config, EpasLlamaConfig) and config.epas_active_layers == (2,)
     assert type(AutoModelForCausalLM.from_config(config)) is EpasLlamaForCausalLM
+
+
+def test_a_region_grows_in_the_exported_order():
+    """Several blocks (--epas-blocks 2, 8 layers): regions are prefixes of epas_region_order, not the
+    deepest layers; without an order, one block's (the deepest first, as exports before it had)."""
+    from epas_megatron.hf import EpasLlamaConfig
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
+                 num_key_value_heads=2)
+    config = EpasLlamaConfig(**shape, epas_sharing_layers=[2, 3, 6, 7], epas_region_order=[7, 3, 6, 2], epas_region=2)
+    assert config.epas_active_layers == (3, 7)
+    assert EpasLlamaConfig(**shape, epas_sharing_layers=[2, 3, 6, 7], epas_region=2).epas_active_layers == (6, 7)
+    with pytest.raises(Exception, match="must list epas_sharing_layers"):  # transformers' strict-validation error
+        EpasLlamaConfig(**shape, epas_sharing_layers=[2, 3, 6, 7], epas_region_order=[7, 3, 6])
+
+
+def test_import_finds_the_blocks_of_an_order(tmp_path):
+    from epas_megatron.convert.cli import _blocks_of
+    from epas_megatron.errors import ConfigError
+
+    assert _blocks_of([7, 3, 6, 2], 8, 0, tmp_path) == 2 and _blocks_of([7, 6, 5, 4], 8, 0, tmp_path) == 1
+    assert _blocks_of([6, 2, 5], 8, 1, tmp_path) == 2  # --epas-exclude-last 1: spans 0-2 and 3-6
+    with pytest.raises(ConfigError, match="epas_region_order \\[3, 7\\] is the order of no sharing region"):
+        _blocks_of([3, 7], 8, 0, tmp_path)

@@ -300,6 +300,17 @@ def test_region_layers_with_blocks():
         region_layers(12, 2, blocks=5, target_layers=10)
 
 
+def test_region_order_by_hand():
+    from epas_megatron.sharing.schedule import region_order
+
+    # 12 layers, two spans 0-5 and 6-11: blocks at their deep ends, the deeper block first.
+    assert region_order(12, 6, blocks=2) == (11, 5, 10, 4, 9, 3)
+    assert region_order(8, 4, blocks=2) == (7, 3, 6, 2) and region_order(8, 4) == (7, 6, 5, 4)
+    assert region_order(8, 3, exclude_last=1) == (6, 5, 4)
+    for r in range(7):  # every prefix is the region of that size
+        assert tuple(sorted(region_order(12, 6, blocks=2)[:r])) == region_layers(12, r, blocks=2)
+
+
 def test_layer_modes_with_blocks_rejects_other_sets():
     assert layer_modes(12, [3, 4, 5, 9, 10, 11], blocks=2) == [C, C, SRC, SH, SH, SH, C, C, SRC, SH, SH, SH]
     with pytest.raises(ConfigError) as info:

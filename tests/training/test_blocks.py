@@ -93,10 +93,44 @@ def test_bad_block_counts_are_refused_before_training(tmp_path):
 
 
 @pytest.mark.parametrize("uninterrupted", ["bf16"], indirect=True)
-def test_hf_export_with_a_region_refuses_several_blocks_before_any_work(uninterrupted, tmp_path, capsys):
-    from epas_megatron.convert.cli import main
+def test_hf_export_keeps_the_blocks_and_import_reads_them_back(uninterrupted, tmp_path, monkeypatch):
+    """The exported model (transformers, trust_remote_code) at every region equals this framework's
+    model at that region (fp32, from the checkpoint): regions grow in the training's order (3,
+    then 1); hf-import finds the two blocks again from that order."""
+    import torch
+    from transformers import AutoModelForCausalLM
 
-    code = main(["hf-export", "--load", str(uninterrupted.output_dir / "checkpoints"), "--output", str(tmp_path / "hf"),
-                 "--region", "max"])
-    assert code == 2 and "--epas-blocks 2" in capsys.readouterr().err
-    assert not (tmp_path / "hf").exists()
+    from epas_megatron.assembly import plan_for_checkpoint
+    from epas_megatron.checkpointing.checkpoint import load_checkpoint
+    from epas_megatron.checkpointing.integrity import open_checkpoint
+    from epas_megatron.convert.cli import main
+    from epas_megatron.model.builder import build_model
+    from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # everything loaded is built here
+    checkpoints, exported, imported = uninterrupted.output_dir / "checkpoints", tmp_path / "hf", tmp_path / "imported"
+    assert main(["hf-export", "--load", str(checkpoints), "--output", str(exported), "--region", "max"]) == 0
+    assert main(["hf-import", "--hf-dir", str(exported), "--output", str(imported)]) == 0
+
+    def framework(path, region):
+        resolved, meta = open_checkpoint(path, "--load", needs_config=True)
+        model = build_model(plan_for_checkpoint(meta, region, precision="fp32", backend="local"), seed=0).chunks[0].eval()
+        load_checkpoint(resolved, [model], restore_rng=False)
+        return model, meta
+
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(16).expand_as(tokens)
+    init_distributed(1, 1, None, seed=0)
+    try:
+        for region, active in ((0, ()), (1, (3,)), (2, (1, 3))):
+            hf = AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=True, dtype=torch.float32, epas_region=region).eval()
+            assert hf.config.epas_active_layers == active and hf.config.epas_region_order == [3, 1]
+            ours, _ = framework(checkpoints, region)
+            back, meta = framework(imported, region)
+            assert (meta.blocks, meta.sharing_layers) == (2, (1, 3))
+            with torch.no_grad():
+                expected = ours(tokens, positions, None)[..., :512]
+                torch.testing.assert_close(hf(tokens).logits, expected, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(back(tokens, positions, None)[..., :512], expected, rtol=0, atol=0)
+    finally:
+        destroy_distributed()
