@@ -127,3 +127,20 @@ def test_pipeline_with_full_recompute(reference, tmp_path):
                       tmp_path / "run", nproc=2)
     assert_close(run.losses, reference.losses, 1e-5, "pp2 recompute loss")
     assert_close(run.grad_norms, reference.grad_norms, 1e-5, "pp2 recompute grad norm")
+
+
+@pytest.mark.parametrize("extra", [["--tp", "2"], ["--tp", "2", "--sequence-parallel"]], ids=["tp2", "tp2_sequence_parallel"])
+def test_blocks_with_blended_switches_under_tp2(extra, tmp_path):
+    """Two sharing blocks (layer 3 from iteration 3, source 2; layer 1 from 6, source 0) reached
+    through blended switches (iterations 1-2 and 4-5): TP=2 equals one process -- the blocks'
+    hand-offs and the blend act on each rank's heads."""
+    args = [*TINY, "--train-iters", "7", "--global-batch-size", "4", "--micro-batch-size", "1", "--epas-target-layers", "2",
+            "--epas-interval", "3", "--epas-blocks", "2", "--epas-switch-ramp", "2", "--seed", "7", "--no-save-final",
+            "--init-method-std", "0.2"]
+    single = run_trainer(args, tmp_path / "single")
+    tp = run_trainer([*args, *extra], tmp_path / "tp", nproc=2)
+    for run in (single, tp):
+        assert [(s["iteration"], s["sharing_layers"]) for s in run.switches] == [(3, [3]), (6, [1, 3])]
+        assert [r["switch_ramp_weight"] for r in run.train_records] == [0.5, 1.0, 0.0, 0.5, 1.0, 0.0, 0.0]
+    assert_close(tp.losses, single.losses, 1e-5, "loss")
+    assert_close(tp.grad_norms, single.grad_norms, 1e-5, "grad norm")
