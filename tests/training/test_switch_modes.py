@@ -1,8 +1,9 @@
 """--epas-switch-mode memory (default) and checkpoint give bit-identical runs in half precision:
 bf16 (fp32 main weights in the mixed-precision optimizer, copied rather than adopted), fp16 with
 dynamic loss scaling (skipped steps, so a switch can come before the optimizer has any state),
-and bf16 with the distributed optimizer over DP=2. The fp32 layouts (PP=1, TP=2, DP=2, VPP, PP=2
-with re-layouts) are compared in tests/distributed."""
+and bf16 with the distributed optimizer over DP=2. The one place for these layout kinds; TP=2 and
+PP=2 x VPP=2 (fp32) are compared in tests/distributed/test_parallel_equivalence.py, PP=2 with
+re-layouts in tests/distributed/test_rebalance.py."""
 
 import pytest
 
