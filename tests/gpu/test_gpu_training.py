@@ -91,3 +91,19 @@ def test_sdpa_attention_runs_on_the_flash_kernel_and_matches_unfused():
         torch.testing.assert_close(fused.float(), reference.float(), rtol=2e-2, atol=2e-2)
     finally:
         destroy_distributed()
+
+
+def test_blended_switches_and_two_blocks_resume_bit_identically_and_learn(tmp_path):
+    """--epas-switch-ramp with --epas-blocks 2 on the GPU (bf16, deterministic kernels): the
+    blend's multiply-adds on CUDA tensors, a resume inside a ramp equal to the uninterrupted run,
+    and the model learns. (Written 2026-11-26 after the device time was spent: not yet run.)"""
+    args = [*ARGS, "--train-iters", "12", "--epas-blocks", "2", "--epas-switch-ramp", "2", "--deterministic",
+            "--core-attention", "unfused"]
+    whole = run_trainer([*args, "--no-save-final"], tmp_path / "whole")
+    assert [(s["iteration"], s["sharing_layers"]) for s in whole.switches] == [(3, [3]), (6, [1, 3])]
+    out = tmp_path / "part"
+    run_trainer([*args, "--exit-interval", "4"], out)  # stops inside the second ramp (iterations 4-5)
+    resumed = run_trainer([*args, "--load", str(out / "checkpoints")], out)  # (its metrics file holds 1-4 too)
+    later = lambda values: {k: v for k, v in values.items() if k > 4}
+    assert later(resumed.losses) == later(whole.losses) and later(resumed.grad_norms) == later(whole.grad_norms)
+    assert whole.losses[12] < whole.losses[1] - 0.3, whole.losses
