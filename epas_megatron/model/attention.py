@@ -3,7 +3,10 @@
 * :class:`ComputingAttention` is Megatron-Core's ``SelfAttention`` (its own fused ``linear_qkv``).
   When it is the *source* of a sharing region (the last computing layer before it) it also hands
   its post-RoPE Q and K (``share='qk'``) or K and V (``share='kv'``) on, through
-  :meth:`ComputingAttention.forward_and_hand_off`; otherwise the stock forward runs.
+  :meth:`ComputingAttention.forward_and_hand_off`; otherwise the stock forward runs. While a
+  switch ramps in (``--epas-switch-ramp``) a layer about to share also *blends*: it attends with
+  ``(1 - a)`` times its own pair plus ``a`` times the incoming hand-off and hands that on
+  (:attr:`ComputingAttention.blend`, set before each step by :mod:`epas_megatron.training.ramp`).
 * :class:`SharedAttention` is a layer in *sharing mode*: it projects only its own part (V for
   ``'qk'``, Q for ``'kv'``) with a TP-sharded ``linear_v`` / ``linear_q`` whose rows are exactly
   the V (Q) rows of the fused QKV it replaces, takes the other two from the hand-off, and runs

@@ -3,7 +3,8 @@
 Megatron-Core's ``TransformerBlock`` (and its activation-recompute path) passes a ``context``
 tensor from each layer to the next: ``hidden_states, context = layer(..., context=context)``.
 GPT layers have no cross-attention, so :class:`EpasTransformerLayer` uses that slot for the
-QK hand-off: a source layer returns its post-RoPE (Q, K) as ``context``, a sharing layer consumes the
+QK hand-off: a source layer returns its post-RoPE (Q, K) as ``context`` (a blending one, during
+a ramp into a switch, blends the incoming ``context`` in first), a sharing layer consumes the
 incoming ``context`` and returns it unchanged, a plain computing layer is exactly Megatron's
 ``TransformerLayer`` (``context`` passes through untouched: with ``--epas-exclude-last`` the
 computing layers after the region carry the hand-off on to the end of the stage, where nothing
