@@ -136,43 +136,45 @@ def wait_for_requeue(cluster, job: str) -> None:
     wait_until(restarted, timeout=JOB_TIMEOUT, poll=0.3, what=f"job {job} requeued and running again")
 
 
-@pytest.mark.parametrize(
-    "how, signal_name",
-    [
-        pytest.param("usr1", "signal 10", id="scancel-signal-USR1"),
-        pytest.param("requeue", "signal 15", id="scontrol-requeue"),
-    ],
-)
-def test_preempted_job_resumes_to_the_same_losses(cluster, reference, tmp_path, how, signal_name):
+PREEMPTIONS = {"usr1": "signal 10", "requeue": "signal 15"}
+"""How a job is preempted -> the exit reason of its first segment's SUMMARY."""
+
+
+def test_preempted_jobs_resume_to_the_same_losses(cluster, reference, tmp_path):
     """USR1 (as --signal=USR1@T sends it): the trainer saves and exits 0, the batch script sees
     the run unfinished and requeues itself. ``scontrol requeue`` (what preemption with
     PreemptMode=REQUEUE does): Slurm sends SIGTERM, the trainer saves, Slurm requeues. Either
     way the requeued job resumes from <output-dir>/checkpoints and ends where an uninterrupted
-    run ends."""
-    job, out, log = submit(cluster, tmp_path, f"epas-b-{how}")
-    wait_for_training(out, cluster, job, iterations=3)
-    if how == "usr1":
-        cluster.command("scancel", "--signal=USR1", job)
-    else:
-        cluster.command("scontrol", "requeue", job)
-    wait_for_requeue(cluster, job)
-    cluster.wait_for([job], timeout=JOB_TIMEOUT)
-    assert_completed(cluster, job, log, restarts=1)
+    run ends. The two jobs run side by side (one CPU per node each), so their start-ups and
+    the requeue's cred_expire wait overlap."""
+    for how in PREEMPTIONS:
+        (tmp_path / how).mkdir()
+    jobs = {how: submit(cluster, tmp_path / how, f"epas-b-{how}") for how in PREEMPTIONS}
+    for how, (job, out, _) in jobs.items():
+        wait_for_training(out, cluster, job, iterations=3)
+        if how == "usr1":
+            cluster.command("scancel", "--signal=USR1", job)
+        else:
+            cluster.command("scontrol", "requeue", job)
+    for job, _, _ in jobs.values():
+        wait_for_requeue(cluster, job)
+    cluster.wait_for([job for job, _, _ in jobs.values()], timeout=JOB_TIMEOUT)
 
-    text = job_log(log)
-    runs = summaries(text)
-    assert [s["exit_reason"] for s in runs] == [signal_name, "completed"], text[-4000:]
-    stopped_at = runs[0]["iterations"]
-    assert 3 <= stopped_at < TRAIN_ITERS
-    assert f"resumed from {out}/checkpoints/iter_{stopped_at:07d} at iteration {stopped_at}" in text
-    assert runs[1]["iterations_this_run"] == TRAIN_ITERS - stopped_at
-    if how == "usr1":
-        assert "not finished: requeueing job" in text
-        assert "forwarded SIGUSR1" in text
+    for how, (job, out, log) in jobs.items():
+        assert_completed(cluster, job, log, restarts=1)
+        text = job_log(log)
+        runs = summaries(text)
+        assert [s["exit_reason"] for s in runs] == [PREEMPTIONS[how], "completed"], (how, text[-4000:])
+        stopped_at = runs[0]["iterations"]
+        assert 3 <= stopped_at < TRAIN_ITERS, how
+        assert f"resumed from {out}/checkpoints/iter_{stopped_at:07d} at iteration {stopped_at}" in text
+        assert runs[1]["iterations_this_run"] == TRAIN_ITERS - stopped_at
+        if how == "usr1":
+            assert "not finished: requeueing job" in text
+            assert "forwarded SIGUSR1" in text
 
-    metrics = read_metrics(out)
-    losses = train_losses(metrics)  # each iteration exactly once across both segments
-    assert sorted(losses) == list(range(1, TRAIN_ITERS + 1))
-    assert losses[TRAIN_ITERS] == reference[TRAIN_ITERS]
-    assert losses == reference
-    assert switch_iterations(metrics) == SWITCHES  # logged by whichever segment crossed them
+        metrics = read_metrics(out)
+        losses = train_losses(metrics)  # each iteration exactly once across both segments
+        assert sorted(losses) == list(range(1, TRAIN_ITERS + 1)), how
+        assert losses == reference, how
+        assert switch_iterations(metrics) == SWITCHES, how  # logged by whichever segment crossed them
