@@ -46,7 +46,8 @@ or torchrun with ``--nproc``) whose outputs the report reads back:
 
 Every arm writes ``<output-dir>/<arm>/`` (the run directory, ``train.log``, ``summary.json``
 once it finished); an arm whose ``summary.json`` exists is not run again, so an interrupted
-recipe continues where it stopped (``--force`` reruns). The report -- ``quality.md`` (tables and
+recipe continues where it stopped (``--force`` reruns): an arm interrupted after a checkpoint
+(a SIGTERM saves one) resumes from it, one interrupted before any starts again. The report -- ``quality.md`` (tables and
 the exact commands), ``quality.json`` (every number), ``loss_vs_tokens.png``,
 ``loss_vs_time.png``, ``continual_regions.png`` -- is written at the end.
 
@@ -365,10 +366,19 @@ class QualityRecipe:
         if done.is_file() and not self.force:
             self.echo(f"[{arm.name}] finished before; reusing {done}")
             return json.loads(done.read_text())
-        if self.force and (directory / "run").exists():
+        run_dir = directory / "run"
+        if run_dir.exists():
             import shutil
 
-            shutil.rmtree(directory / "run")
+            checkpoints = run_dir / "checkpoints"
+            if not self.force and (checkpoints / "latest_checkpointed_iteration.txt").is_file():
+                # An interrupted arm (a SIGTERM saves): it continues, bit for bit (resume is exact).
+                cmd = [*cmd, "--load", str(checkpoints)]
+                self.echo(f"[{arm.name}] continues its interrupted run from {checkpoints}")
+            else:  # --force, or interrupted before anything was saved: from the start
+                if not self.force:
+                    self.echo(f"[{arm.name}] its interrupted run saved no checkpoint: running it again from the start")
+                shutil.rmtree(run_dir)
         directory.mkdir(parents=True, exist_ok=True)
         self.echo(f"[{arm.name}] {shlex.join(cmd)}")
         start = time.perf_counter()

@@ -212,3 +212,33 @@ def test_smoke_recipe_end_to_end(tmp_path):
     assert sorted(p.parent.name for p in (tmp_path / "given").glob("*/summary.json")) == ["continual_baseline", "continual_epas"]
     assert f"--pretrained {base}" in given.stdout
     assert json.loads((tmp_path / "given" / "quality.json").read_text())["continual"] == numbers["continual"]
+
+
+def test_an_interrupted_arm_resumes_from_its_checkpoint_or_starts_again(tmp_path, monkeypatch):
+    """An arm without summary.json: with a checkpoint (a SIGTERM saved one) its command gets
+    --load of it; without one its run directory is removed first (the trainer refuses an output
+    directory holding another run); --force always starts from scratch."""
+    from epas_megatron.experiments import quality
+    from epas_megatron.experiments.quality import ArmSpec, QualityRecipe
+
+    ran = []
+
+    def fake_run(cmd, log_path, prefix, echo):
+        ran.append((cmd, (tmp_path / prefix / "run").exists()))
+        return 0, 'SUMMARY {"exit_reason": "completed", "final_valid_lm_loss": 4.5}\n'
+
+    monkeypatch.setattr(quality, "_run_logged", fake_run)
+    saved, unsaved = tmp_path / "saved" / "run", tmp_path / "unsaved" / "run"
+    (saved / "checkpoints").mkdir(parents=True)
+    (saved / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("120")
+    unsaved.mkdir(parents=True)
+    (unsaved / "config.yaml").write_text("{}")
+    recipe = QualityRecipe("smoke", tmp_path, echo=lambda line: None)
+    for name in ("saved", "unsaved"):
+        assert recipe.run_arm(ArmSpec(name, ["--seed", "1"]))["final_valid_lm_loss"] == 4.5
+    (saved_cmd, saved_kept), (unsaved_cmd, unsaved_kept) = ran
+    assert saved_cmd[-2:] == ["--load", str(saved / "checkpoints")] and saved_kept
+    assert "--load" not in unsaved_cmd and not unsaved_kept
+    forced = QualityRecipe("smoke", tmp_path, force=True, echo=lambda line: None)
+    forced.run_arm(ArmSpec("saved", ["--seed", "1"]))
+    assert "--load" not in ran[-1][0] and not ran[-1][1]
