@@ -1,9 +1,9 @@
-"""A real two-node Slurm cluster on this machine, in a temporary directory (for tests).
+"""A real multi-node Slurm cluster on this machine, in a temporary directory (for tests).
 
 Debian's ``slurmctld``, ``slurmd``, ``slurm-client`` and ``munge`` (Slurm 22.05) run without
 systemd: a private ``munged`` (own key, socket and pid file, as user munge), ``slurmctld -f
-CONF`` and two ``slurmd -f CONF -N <node>`` (multiple-slurmd build: each node has its own port,
-spool, log and pid file). The node names (``epas-n1``, ``epas-n2``) are added to /etc/hosts for
+CONF`` and one ``slurmd -f CONF -N <node>`` per node (multiple-slurmd build: each node has its own port,
+spool, log and pid file). The node names (``epas-n1`` ... ``epas-n6``) are added to /etc/hosts for
 the cluster's lifetime, pointing at 127.0.0.1, so that ``scontrol show hostnames`` yields names
 that resolve as on a real cluster. :meth:`LocalSlurmCluster.stop` cancels the cluster's jobs,
 stops exactly the daemons it started (by their pid files) and removes its /etc/hosts line.
@@ -27,9 +27,12 @@ from typing import Optional
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 BINARIES = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo", "munged")
-NODES = ("epas-n1", "epas-n2")
+NODES = tuple(f"epas-n{i}" for i in range(1, 7))
+"""Six nodes: the three two-node jobs of test_slurm_pretrain (or the sweep's three one-node
+points) run side by side, so their start-ups and the requeues' cred_expire waits overlap. Every
+node is a slurmd on this machine (NodeAddr 127.0.0.1)."""
 HOSTS_FILE = Path("/etc/hosts")
-CRED_EXPIRE_S = 10
+CRED_EXPIRE_S = 5
 """Requeued jobs start again after about this many seconds (slurm.conf AuthInfo cred_expire)."""
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY"}
 """Job states after which a job will not run again (without a requeue)."""
@@ -74,7 +77,7 @@ def ensure_slurm_installed() -> None:
 
 
 class LocalSlurmCluster:
-    """slurmctld + two slurmd + munged under one temporary directory."""
+    """slurmctld + one slurmd per node of :data:`NODES` + munged under one temporary directory."""
 
     def __init__(self, root: Optional[Path] = None, cpus_per_node: Optional[int] = None):
         self.root = Path(root) if root else Path(tempfile.mkdtemp(prefix="epas-slurm-"))
@@ -241,6 +244,11 @@ PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
                 info.setdefault(key, value)
         return info
 
+    def job_nodes(self, job_id: str) -> list[str]:
+        """The nodes a job runs (or ran) on, expanded (``epas-n[1-2]`` -> both names)."""
+        node_list = self.job_info(job_id).get("NodeList", "")
+        return self.command("scontrol", "show", "hostnames", node_list).stdout.split() if node_list else []
+
     def job_state(self, job_id: str) -> str:
         """JobState from scontrol (PENDING, RUNNING, COMPLETED, ...; '' when unknown)."""
         return self.job_info(job_id).get("JobState", "")
@@ -285,8 +293,7 @@ PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
                 self.cancel_all()
             except Exception:
                 pass
-        for name, pid_file in reversed(self.started):
-            _stop_pid_file(pid_file)
+        _stop_pid_files([pid_file for _, pid_file in reversed(self.started)])
         self.started.clear()
         if self.hosts_line is not None:
             try:
@@ -311,26 +318,36 @@ def wait_until(predicate, timeout: float, poll: float = 0.1, what: str = "condit
     raise TimeoutError(f"{what} not reached within {timeout:.0f}s")
 
 
-def _stop_pid_file(pid_file: Path, timeout: float = 15) -> None:
-    try:
-        pid = int(pid_file.read_text().strip())
-    except (OSError, ValueError):
-        return
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def _stop_pid_files(pid_files: list[Path], timeout: float = 15) -> None:
+    """SIGTERM to every process of ``pid_files`` at once, then wait for all of them (SIGKILL to
+    those still running after ``timeout``): slurmd takes seconds to exit, one after the other
+    would add up."""
+    pids = []
+    for pid_file in pid_files:
         try:
-            os.kill(pid, 0)
+            pid = int(pid_file.read_text().strip())
+            os.kill(pid, signal.SIGTERM)
+        except (OSError, ValueError):  # no pid file, or the process is gone
+            continue
+        pids.append(pid)
+    deadline = time.monotonic() + timeout
+    while pids and time.monotonic() < deadline:
+        pids = [pid for pid in pids if _running(pid)]
+        if pids:
+            time.sleep(0.1)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
-            return
-        time.sleep(0.1)
+            pass
+
+
+def _running(pid: int) -> bool:
     try:
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, 0)
     except ProcessLookupError:
-        pass
+        return False
+    return True
 
 
 if __name__ == "__main__":

@@ -45,20 +45,8 @@ def switch_iterations(metrics: list[dict]) -> list[int]:
     return [m["iteration"] for m in metrics if m.get("kind") == "switch"]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The uninterrupted local torchrun run (2 processes) of the same config."""
-    out = tmp_path_factory.mktemp("reference") / "run"
-    run = run_trainer(["--config", str(CONFIG), *ARGS], out, nproc=2, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert switch_iterations(run.metrics) == SWITCHES
-    losses = train_losses(run.metrics)
-    assert sorted(losses) == list(range(1, TRAIN_ITERS + 1))
-    return losses
-
-
 def submit(cluster, work: Path, name: str, *trainer_args: str) -> tuple[str, Path, Path]:
-    """sbatch slurm/pretrain.sbatch on both nodes; returns (job id, output dir, job log)."""
+    """sbatch slurm/pretrain.sbatch on two nodes; returns (job id, output dir, job log)."""
     out = work / "run"
     env = {
         "CONFIG": str(CONFIG),
@@ -92,27 +80,6 @@ def summaries(log_text: str) -> list[dict]:
     return [json.loads(line.split("SUMMARY ", 1)[1]) for line in log_text.splitlines() if line.startswith("SUMMARY ")]
 
 
-def test_two_node_job_matches_local_torchrun(cluster, reference, tmp_path):
-    job, out, log = submit(cluster, tmp_path, "epas-a")
-    cluster.wait_for([job], timeout=JOB_TIMEOUT)
-    assert_completed(cluster, job, log, restarts=0)
-    text = job_log(log)
-
-    # One launcher per node, c10d rendezvous on the first node of the allocation.
-    first = cluster.nodes[0]
-    for node in cluster.nodes:
-        assert f"[launch {node}] command: " in text, text[-3000:]
-    assert f"--rdzv-backend c10d --rdzv-endpoint {first}:" in text
-    assert f"--rdzv-id {job}" in text
-    assert "world 2 = TP 1 x PP 1 x DP 2" in text
-    assert [s["exit_reason"] for s in summaries(text)] == ["completed"]
-
-    metrics = read_metrics(out)
-    assert switch_iterations(metrics) == SWITCHES
-    assert train_losses(metrics) == reference
-    assert (out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(TRAIN_ITERS)
-
-
 def wait_for_training(out: Path, cluster, job: str, iterations: int) -> None:
     """Until rank 0 logged ``iterations`` training steps (both ranks are past setup then)."""
 
@@ -140,27 +107,81 @@ PREEMPTIONS = {"usr1": "signal 10", "requeue": "signal 15"}
 """How a job is preempted -> the exit reason of its first segment's SUMMARY."""
 
 
-def test_preempted_jobs_resume_to_the_same_losses(cluster, reference, tmp_path):
-    """USR1 (as --signal=USR1@T sends it): the trainer saves and exits 0, the batch script sees
-    the run unfinished and requeues itself. ``scontrol requeue`` (what preemption with
-    PreemptMode=REQUEUE does): Slurm sends SIGTERM, the trainer saves, Slurm requeues. Either
-    way the requeued job resumes from <output-dir>/checkpoints and ends where an uninterrupted
-    run ends. The two jobs run side by side (one CPU per node each), so their start-ups and
-    the requeue's cred_expire wait overlap."""
-    for how in PREEMPTIONS:
-        (tmp_path / how).mkdir()
-    jobs = {how: submit(cluster, tmp_path / how, f"epas-b-{how}") for how in PREEMPTIONS}
-    for how, (job, out, _) in jobs.items():
-        wait_for_training(out, cluster, job, iterations=3)
-        if how == "usr1":
-            cluster.command("scancel", "--signal=USR1", job)
-        else:
-            cluster.command("scontrol", "requeue", job)
-    for job, _, _ in jobs.values():
-        wait_for_requeue(cluster, job)
-    cluster.wait_for([job for job, _, _ in jobs.values()], timeout=JOB_TIMEOUT)
+@pytest.fixture(scope="module")
+def jobs(slurm_cluster, tmp_path_factory):
+    """The module's three two-node jobs, submitted together so that they run side by side on
+    the six nodes: a plain one ("plain"), and two preempted after 3 logged iterations. USR1 (as
+    --signal=USR1@T sends it): the trainer saves and exits 0, the batch script sees the run
+    unfinished and requeues itself. ``scontrol requeue`` (what preemption with
+    PreemptMode=REQUEUE does): Slurm sends SIGTERM, the trainer saves, Slurm requeues.
+    {name: (job id, output dir, job log)}; the jobs are cancelled when the module ends."""
+    work = tmp_path_factory.mktemp("slurm-jobs")
+    names = {"plain": "epas-a", **{how: f"epas-b-{how}" for how in PREEMPTIONS}}
+    try:
+        submitted = {}
+        for key, name in names.items():
+            (work / key).mkdir()
+            submitted[key] = submit(slurm_cluster, work / key, name)
+        for how in PREEMPTIONS:
+            job, out, _ = submitted[how]
+            wait_for_training(out, slurm_cluster, job, iterations=3)
+            if how == "usr1":
+                slurm_cluster.command("scancel", "--signal=USR1", job)
+            else:
+                slurm_cluster.command("scontrol", "requeue", job)
+        yield submitted
+    finally:
+        slurm_cluster.cancel_all()
 
-    for how, (job, out, log) in jobs.items():
+
+@pytest.fixture(scope="module")
+def reference(jobs, tmp_path_factory):
+    """The uninterrupted local run (2 processes, never through the launcher or Slurm) of the same
+    config; it trains while the jobs run (after they were preempted: its CPU time would delay
+    their signals past the end of training)."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    run = run_trainer(["--config", str(CONFIG), *ARGS], out, nproc=2, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert switch_iterations(run.metrics) == SWITCHES
+    losses = train_losses(run.metrics)
+    assert sorted(losses) == list(range(1, TRAIN_ITERS + 1))
+    return losses
+
+
+def test_two_node_job_matches_local_torchrun(slurm_cluster, jobs, reference):
+    cluster = slurm_cluster  # not the `cluster` fixture: it cancels every job, this module's included, when a test ends
+    job, out, log = jobs["plain"]
+    cluster.wait_for([job], timeout=JOB_TIMEOUT)
+    assert_completed(cluster, job, log, restarts=0)
+    text = job_log(log)
+
+    # One launcher per node, c10d rendezvous on the first node of the allocation.
+    nodes = cluster.job_nodes(job)
+    assert len(nodes) == 2, nodes
+    first = nodes[0]
+    for node in nodes:
+        assert f"[launch {node}] command: " in text, text[-3000:]
+    assert f"--rdzv-backend c10d --rdzv-endpoint {first}:" in text
+    assert f"--rdzv-id {job}" in text
+    assert "world 2 = TP 1 x PP 1 x DP 2" in text
+    assert [s["exit_reason"] for s in summaries(text)] == ["completed"]
+
+    metrics = read_metrics(out)
+    assert switch_iterations(metrics) == SWITCHES
+    assert train_losses(metrics) == reference
+    assert (out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(TRAIN_ITERS)
+
+
+def test_preempted_jobs_resume_to_the_same_losses(slurm_cluster, jobs, reference):
+    """Either way of preemption (:func:`jobs`), the requeued job resumes from
+    <output-dir>/checkpoints and ends where an uninterrupted run ends."""
+    cluster = slurm_cluster
+    preempted = {how: jobs[how] for how in PREEMPTIONS}
+    for job, _, _ in preempted.values():
+        wait_for_requeue(cluster, job)
+    cluster.wait_for([job for job, _, _ in preempted.values()], timeout=JOB_TIMEOUT)
+
+    for how, (job, out, log) in preempted.items():
         assert_completed(cluster, job, log, restarts=1)
         text = job_log(log)
         runs = summaries(text)
