@@ -35,6 +35,15 @@ def _slurm_tests_first(items):
     items.sort(key=lambda item: not item.nodeid.startswith(SLURM_FILES))
 
 
+def pytest_collection_finish(session):
+    """What collection imported (torch, Megatron-Core, transformers: about 500,000 objects) lives as
+    long as the session: frozen (epas_megatron/runtime/garbage.py), it is skipped by every
+    collection after, the trainer's before each model build among them (0.25 s each otherwise)."""
+    from epas_megatron.runtime.garbage import freeze_long_lived
+
+    freeze_long_lived()
+
+
 def pytest_runtest_setup(item):
     """A ``slurm`` test outside :data:`SLURM_FILES` fails: under ``-n 2`` it would bring up a
     second cluster on the other worker, whose jobs take the same rendezvous ports."""

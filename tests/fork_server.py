@@ -52,6 +52,11 @@ def _preload() -> None:
 
     import epas_megatron.train  # noqa: F401
     import epas_megatron.training.trainer  # noqa: F401
+    from epas_megatron.runtime.garbage import freeze_long_lived
+
+    # The imports never die: frozen, every rank's collections (one before each model build)
+    # skip them, and the ranks share their pages (a collection writes to every object it walks).
+    freeze_long_lived()
 
 
 def _free_port() -> int:

@@ -34,6 +34,7 @@ from epas_megatron.parallel.layer_timing import LayerTimer
 from epas_megatron.random_ltd.feature import RandomLTDFeature
 from epas_megatron.runtime.device import device_memory_gb, use_deterministic_kernels
 from epas_megatron.runtime.distributed import ParallelDims, destroy_distributed, init_distributed
+from epas_megatron.runtime.garbage import freeze_long_lived, unfreeze_long_lived
 from epas_megatron.training.checkpointer import RunCheckpointer
 from epas_megatron.training.exit_signal import ExitSignal
 from epas_megatron.training.features import TrainingFeature, TrainingFeatures
@@ -77,6 +78,8 @@ class Trainer:
         """Training time (steps and switches) before this run, from the resumed checkpoint."""
         self.layer_timer = None
         self.timed_iterations = 0
+        self.froze_long_lived: Optional[bool] = None
+        """Whether the first build froze the objects alive then (runtime/garbage.py); None before it."""
 
     # ------------------------------------------------------------------ what is built
     @property
@@ -173,6 +176,8 @@ class Trainer:
         t = self.cfg.training
         self.state = None  # the previous region's model and optimizer go before the new ones come
         gc.collect()  # (Megatron's DDP and optimizer hold reference cycles)
+        if self.froze_long_lived is None:  # the first build: what exists now lives as long as the run
+            self.froze_long_lived = freeze_long_lived()
         settings = optimizer_settings_for_run(self.run, self.features.lr_schedule_units(t.lr_warmup_iters, t.train_iters))
         self.state = build_training_state(self.plan, settings, seed=self.cfg.training.seed if initialize else None)
         if self.run.rebalance and self.cfg.epas.epas_cost_model == "measured":
@@ -308,5 +313,7 @@ class Trainer:
         self.exit_signal.restore()
         if self.metrics is not None:
             self.metrics.close()
+        unfreeze_long_lived(bool(self.froze_long_lived))
+        self.froze_long_lived = None
         if dist.is_initialized():
             destroy_distributed()
