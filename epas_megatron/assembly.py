@@ -41,7 +41,6 @@ from epas_megatron.model.fusions import KernelAvailability, activation_kernels, 
 from epas_megatron.parallel.memory_budget import MemoryLimit, memory_limit_for
 from epas_megatron.parallel.stage_layouts import balanced_layout_noted
 from epas_megatron.sharing.regions import parse_regions
-from epas_megatron.sharing.schedule import region_layers
 
 if TYPE_CHECKING:  # (its module imports Megatron's optimizer: seconds, which epas-plan never needs)
     from epas_megatron.training.optimizer import OptimizerSettings
@@ -183,8 +182,7 @@ def checkpoint_meta_for_import(cfg, tokenizer_model: Optional[str], imported_fro
 def checkpoint_regions(meta: CheckpointMeta, text: str, allow_untrained: bool = False, flag: str = "--regions") -> list[int]:
     """Region sizes (``'0,half,max'``) to run a checkpoint at, checked against its layers, its
     trained region, its ``--epas-exclude-last`` and ``--epas-blocks`` (:func:`~epas_megatron.sharing.regions.parse_regions`)."""
-    return parse_regions(text, meta.trained_region, meta.num_layers, allow_untrained, flag=flag,
-                         exclude_last=meta.exclude_last, blocks=meta.blocks)
+    return parse_regions(text, meta.trained_region, meta.shape, allow_untrained, flag=flag)
 
 
 def plan_for_checkpoint(meta: CheckpointMeta, region: Optional[int] = None, *, flag: str = "--regions", tp: int = 1, pp: int = 1,
@@ -196,7 +194,7 @@ def plan_for_checkpoint(meta: CheckpointMeta, region: Optional[int] = None, *, f
     cuda = torch.cuda.is_available() if cuda is None else cuda
     cfg = meta.run_config()
     size = meta.trained_region if region is None else region
-    sharing = region_layers(cfg.model.num_layers, size, flag=flag, exclude_last=meta.exclude_last, blocks=meta.blocks)
+    sharing = meta.shape.layers(size, flag=flag)
     return BuildPlan.for_region(
         architecture_from_config(cfg.model),
         sharing,

@@ -43,7 +43,7 @@ def report(run, gpu_memory_gb: Optional[float]) -> tuple[list[str], bool]:
     from epas_megatron.parallel.layout import StageLayout
     from epas_megatron.parallel.memory_budget import GIB
     from epas_megatron.runtime.device import device_memory_gb
-    from epas_megatron.sharing.schedule import layer_modes
+    from epas_megatron.sharing.shape import RegionShape
 
     cfg = run.cfg
     if cfg.epas.epas_memory_budget_gb is None and gpu_memory_gb is not None:
@@ -93,7 +93,7 @@ def report(run, gpu_memory_gb: Optional[float]) -> tuple[list[str], bool]:
                                    memory_settings(run, first.arch.vocab_size, kernels), p.pp, run.vpp or 1, float("inf"))
     for label, sharing in (("first region (0 layers sharing)", ()), (f"final region ({len(final)} layers sharing)", final)):
         layout = region_plan(sharing).layout or StageLayout.even(n, p.pp, run.vpp or 1)
-        modes = layer_modes(n, sharing, exclude_last=cfg.epas.epas_exclude_last, blocks=cfg.epas.epas_blocks)
+        modes = RegionShape.of(schedule).modes(sharing)
         per_rank = measure.layout_bytes(layout, modes)
         lines.append(f"memory per GPU at the {label}, layout {layout.to_layout_string()}"
                      + (f" (budget {budget / GIB:.1f} GiB)" if budget else "") + ":")

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from epas_megatron.config.cli import from_dict
+from epas_megatron.sharing.shape import RegionShape
 
 MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size",
                 "untie_embeddings_and_output_weights")
@@ -194,6 +195,11 @@ class CheckpointMeta:
         if "blocks" in schedule:
             return int(schedule["blocks"])
         return int((self.config or {}).get("epas", {}).get("epas_blocks", 1))
+
+    @property
+    def shape(self) -> RegionShape:
+        """Where every region built from it lies (its layers, :attr:`exclude_last`, :attr:`blocks`)."""
+        return RegionShape.of(self)
 
     def run_config(self):
         """The saved run config as a :class:`~epas_megatron.config.schema.RunConfig` (needs

@@ -23,7 +23,8 @@ from epas_megatron.model.fusions import choose_precision, transformer_engine_imp
 from epas_megatron.sharing.ramp import SwitchRamp
 from epas_megatron.sharing.regions import RegionSpec
 from epas_megatron.sharing.rewarm import SwitchRewarm
-from epas_megatron.sharing.schedule import SharingSchedule, largest_region
+from epas_megatron.sharing.schedule import SharingSchedule
+from epas_megatron.sharing.shape import RegionShape
 
 if TYPE_CHECKING:
     from epas_megatron.parallel.layout import StageLayout
@@ -360,8 +361,7 @@ def _resolve_eval_regions(t, schedule: SharingSchedule) -> Optional[RegionSpec]:
     if not t.eval_interval:
         raise ConfigError("--eval-regions needs --eval-interval > 0 (regions are evaluated at every evaluation)")
     spec = RegionSpec.parse(t.eval_regions, "--eval-regions")
-    spec.check_limit(largest_region(schedule.num_layers, schedule.exclude_last, schedule.blocks), "--eval-regions",
-                     schedule.exclude_last, schedule.blocks)
+    spec.check_limit(RegionShape.of(schedule), "--eval-regions")
     return spec
 
 

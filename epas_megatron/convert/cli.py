@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from epas_megatron.errors import ConfigError
+from epas_megatron.sharing.shape import RegionShape
 
 
 def _model_config_from_hf(hf_config):
@@ -95,7 +96,7 @@ def hf_import(hf_dir: Path, output: Path) -> Path:
         hf_state = LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).state_dict()
         sharing, share = (), "qk"
     exclude_last = model_cfg.num_layers - 1 - sharing[-1] if sharing else 0
-    blocks = _blocks_of(hf_config.epas_region_order, model_cfg.num_layers, exclude_last, hf_dir) if sharing else 1
+    blocks = _shape_of(hf_config.epas_region_order, model_cfg.num_layers, exclude_last, hf_dir).blocks if sharing else 1
     tokenizer = hf_dir / "tokenizer.model"
     cfg = replace(RunConfig(), model=model_cfg)
     cfg = replace(cfg, training=replace(cfg.training, seq_length=model_cfg.max_position_embeddings),
@@ -117,15 +118,14 @@ def hf_import(hf_dir: Path, output: Path) -> Path:
         destroy_distributed()
 
 
-def _blocks_of(order, num_layers: int, exclude_last: int, hf_dir: Path) -> int:
-    """The ``--epas-blocks`` whose regions grow in ``order`` (an export's ``epas_region_order``):
-    the fewest blocks with that switching order."""
-    from epas_megatron.sharing.schedule import region_order
-
+def _shape_of(order, num_layers: int, exclude_last: int, hf_dir: Path) -> RegionShape:
+    """The region shape whose regions grow in ``order`` (an export's ``epas_region_order``):
+    the fewest blocks (``--epas-blocks``) with that switching order."""
     for blocks in range(1, len(order) + 1):
         try:
-            if region_order(num_layers, len(order), exclude_last=exclude_last, blocks=blocks) == tuple(order):
-                return blocks
+            shape = RegionShape(num_layers, exclude_last, blocks)
+            if shape.order(len(order)) == tuple(order):
+                return shape
         except ConfigError:
             continue
     raise ConfigError(f"--hf-dir {hf_dir}: epas_region_order {list(order)} is the order of no sharing region of one or "
@@ -193,9 +193,7 @@ def _write_epas(meta, config_kwargs: dict, hf_state: dict, region: int, output: 
 
     import epas_megatron.hf as epas_hf
     from epas_megatron.convert.hf_llama import to_epas_hf
-    from epas_megatron.sharing.schedule import region_order
-
-    order = region_order(meta.num_layers, region, "--region", exclude_last=meta.exclude_last, blocks=meta.blocks)
+    order = meta.shape.order(region, "--region")
     sharing = sorted(order)
     config = epas_hf.EpasLlamaConfig(**config_kwargs, epas_share=meta.epas_share, epas_sharing_layers=list(sharing),
                                      epas_region_order=order, epas_region=len(sharing))

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from epas_megatron.model.architecture import LlamaArchitecture
 from epas_megatron.model.fusions import PRECISIONS
-from epas_megatron.sharing.schedule import LayerMode, layer_modes, region_layers
+from epas_megatron.sharing.schedule import LayerMode
+from epas_megatron.sharing.shape import RegionShape
 
 if TYPE_CHECKING:  # (parallel sits above model; the layout is only carried here)
     from epas_megatron.parallel.layout import StageLayout
@@ -134,7 +135,7 @@ class BuildPlan:
         if len(self.modes) != self.arch.num_layers:
             raise ValueError(f"BuildPlan: {len(self.modes)} layer modes for {self.arch.num_layers} layers")
         # The modes must be those of a region this plan's exclude_last and blocks allow
-        # (layer_modes raises a ConfigError otherwise).
+        # (RegionShape.modes raises a ConfigError otherwise).
         expected = self._modes(self.sharing_layers)
         if list(self.modes) != expected:
             raise ValueError(
@@ -170,7 +171,7 @@ class BuildPlan:
         ``settings`` are the other fields."""
         return cls(
             arch=arch,
-            modes=tuple(layer_modes(arch.num_layers, sharing_layers, exclude_last=exclude_last, blocks=blocks)),
+            modes=tuple(RegionShape(arch.num_layers, exclude_last, blocks).modes(sharing_layers)),
             seq_length=arch.max_sequence_length if seq_length is None else seq_length,
             vpp=normalise_vpp(vpp, layout),
             layout=layout,
@@ -179,8 +180,13 @@ class BuildPlan:
             **settings,
         )
 
+    @property
+    def shape(self) -> RegionShape:
+        """Where this plan's regions lie (its :attr:`exclude_last` and :attr:`blocks`)."""
+        return RegionShape(self.arch.num_layers, self.exclude_last, self.blocks)
+
     def _modes(self, sharing_layers: Sequence[int]) -> list[LayerMode]:
-        return layer_modes(self.arch.num_layers, sharing_layers, exclude_last=self.exclude_last, blocks=self.blocks)
+        return self.shape.modes(sharing_layers)
 
     def with_region(self, sharing_layers: Sequence[int], layout: Optional["StageLayout"] = None) -> BuildPlan:
         """The same plan (``exclude_last`` and ``blocks`` included) for another sharing region
@@ -196,7 +202,7 @@ class BuildPlan:
         """The sharing layers of a region of ``size`` layers under this plan's ``exclude_last``
         and ``blocks`` (what :meth:`with_region` takes); a ``ConfigError`` naming ``flag`` if it
         cannot exist."""
-        return region_layers(self.arch.num_layers, size, flag=flag, exclude_last=self.exclude_last, blocks=self.blocks)
+        return self.shape.layers(size, flag=flag)
 
     @property
     def sharing_layers(self) -> tuple[int, ...]:

@@ -34,7 +34,8 @@ from epas_megatron.errors import ConfigError
 from epas_megatron.parallel.cost_model import LayerCosts, costs_for_modes
 from epas_megatron.parallel.layout import StageLayout
 from epas_megatron.parallel.partition import REL_TOL, best_split
-from epas_megatron.sharing.schedule import LayerMode, layer_modes
+from epas_megatron.sharing.schedule import LayerMode
+from epas_megatron.sharing.shape import RegionShape, as_shape
 
 __all__ = ["StageLayout", "crosses_region", "balance_layout", "balance_region", "priced_layout"]
 
@@ -160,19 +161,17 @@ def balance_layout(
 
 def balance_region(
     layer_costs: LayerCosts,
-    num_layers: int,
+    shape: RegionShape | int,
     sharing_layers: Iterable[int],
     pipeline_parallel_size: int,
     virtual_pipeline_parallel_size: int = 1,
     *,
-    exclude_last: int = 0,
-    blocks: int = 1,
     memory=None,
 ) -> StageLayout:
-    """The balanced layout while ``sharing_layers`` (``blocks`` blocks, the deepest ending
-    ``exclude_last`` layers before the end, see :func:`~epas_megatron.sharing.schedule.layer_modes`) share Q/K;
-    ``memory``: a :class:`~epas_megatron.parallel.memory_budget.MemoryLimit` every rank must fit."""
-    modes = layer_modes(num_layers, sharing_layers, exclude_last=exclude_last, blocks=blocks)
+    """The balanced layout while ``sharing_layers`` (a region of ``shape``, or of a model of
+    that many layers: :func:`~epas_megatron.sharing.shape.as_shape`) share Q/K; ``memory``: a
+    :class:`~epas_megatron.parallel.memory_budget.MemoryLimit` every rank must fit."""
+    modes = as_shape(shape).modes(sharing_layers)
     return balance_layout(
         costs_for_modes(layer_costs, modes),
         pipeline_parallel_size,

@@ -10,24 +10,22 @@ from dataclasses import dataclass
 from epas_megatron.parallel.balancer import balance_region, crosses_region, priced_layout
 from epas_megatron.parallel.cost_model import LayerCosts, costs_for_modes
 from epas_megatron.parallel.layout import StageLayout
-from epas_megatron.sharing.schedule import layer_modes, region_layers
+from epas_megatron.sharing.shape import RegionShape, as_shape
 
 
 def even_layout(
     layer_costs: LayerCosts,
-    num_layers: int,
+    shape: RegionShape | int,
     sharing_layers: Iterable[int],
     p: int,
     v: int = 1,
-    *,
-    exclude_last: int = 0,
-    blocks: int = 1,
 ) -> StageLayout:
-    """Megatron's even split, priced while ``sharing_layers`` share (the hand-off charged when
-    the split crosses the region)."""
-    modes = layer_modes(num_layers, sharing_layers, exclude_last=exclude_last, blocks=blocks)
+    """Megatron's even split, priced while ``sharing_layers`` (a region of ``shape``) share (the
+    hand-off charged when the split crosses the region)."""
+    shape = as_shape(shape)
+    modes = shape.modes(sharing_layers)
     return priced_layout(
-        StageLayout.even(num_layers, p, v).stage_sizes,
+        StageLayout.even(shape.num_layers, p, v).stage_sizes,
         p,
         v,
         costs_for_modes(layer_costs, modes),
@@ -40,19 +38,16 @@ def even_layout(
 
 def format_layouts(
     layer_costs: LayerCosts,
-    num_layers: int,
+    shape: RegionShape | int,
     pipeline_parallel_size: int,
     virtual_pipeline_parallel_size: int = 1,
     sharing_sets: Sequence[tuple[int, Iterable[int]]] = (),
     layouts: Sequence[tuple[int, StageLayout]] | None = None,
-    *,
-    exclude_last: int = 0,
-    blocks: int = 1,
 ) -> str:
     """A readable table of a schedule's layouts.
 
-    ``sharing_sets`` lists ``(iteration, sharing layers)``, each the complete region from that
-    iteration on (ending ``exclude_last`` layers before the end); ``layouts`` the
+    ``sharing_sets`` lists ``(iteration, sharing layers)``, each the complete region (of
+    ``shape``) from that iteration on; ``layouts`` the
     ``(iteration, layout)`` for each (default: :func:`balance_region`).
     Per switch: the layers each rank holds (``a-b`` per chunk, chunks separated by commas), its
     predicted cost under the balanced layout and under the fixed even split, the bottlenecks, and
@@ -61,24 +56,22 @@ def format_layouts(
     :func:`predict_pipeline_speedup`).
     """
     p, v = pipeline_parallel_size, virtual_pipeline_parallel_size
+    shape = as_shape(shape)
     sharing_sets = [(iteration, sorted(set(sharing))) for iteration, sharing in sharing_sets]
     if layouts is None:
-        layouts = [
-            (iteration, balance_region(layer_costs, num_layers, sharing, p, v, exclude_last=exclude_last, blocks=blocks))
-            for iteration, sharing in sharing_sets
-        ]
+        layouts = [(iteration, balance_region(layer_costs, shape, sharing, p, v)) for iteration, sharing in sharing_sets]
     if len(layouts) != len(sharing_sets):
         raise ValueError("format_layouts: layouts and sharing_sets differ in length")
-    baseline = even_layout(layer_costs, num_layers, (), p, v).bottleneck
+    baseline = even_layout(layer_costs, shape, (), p, v).bottleneck
     lines = [
-        f"pipeline plan: {num_layers} layers, --pp {p} --vpp {v}; baseline (no sharing, even "
+        f"pipeline plan: {shape.num_layers} layers, --pp {p} --vpp {v}; baseline (no sharing, even "
         f"split) bottleneck {baseline:.4g}"
     ]
     for (iteration, sharing), (layout_iteration, layout) in zip(sharing_sets, layouts):
         if iteration != layout_iteration:
             raise ValueError("format_layouts: layouts and sharing_sets differ in iterations")
-        fixed = even_layout(layer_costs, num_layers, sharing, p, v, exclude_last=exclude_last, blocks=blocks)
-        crossing = crosses_region(layout.stage_sizes, layer_modes(num_layers, sharing, exclude_last=exclude_last, blocks=blocks))
+        fixed = even_layout(layer_costs, shape, sharing, p, v)
+        crossing = crosses_region(layout.stage_sizes, shape.modes(sharing))
         notes = "; Q/K cross a stage boundary" if crossing else ""
         if not layout.optimal:
             notes += " (search budget hit: best found, not proven optimal)"
@@ -170,30 +163,26 @@ class PipelineSpeedup:
 
 def predict_pipeline_speedup(
     layer_costs: LayerCosts,
-    num_layers: int,
+    shape: RegionShape | int,
     pipeline_parallel_size: int,
     virtual_pipeline_parallel_size: int = 1,
     region_size: int = 0,
-    *,
-    exclude_last: int = 0,
-    blocks: int = 1,
 ) -> PipelineSpeedup:
-    """Predicted pipeline throughput gain of EPAS with ``region_size`` layers in sharing mode,
-    in ``blocks`` blocks, the deepest ending ``exclude_last`` layers before the end (each with its
-    source, the layer just before it), with and without rebalancing the stages; see :class:`PipelineSpeedup`
-    for the model."""
+    """Predicted pipeline throughput gain of EPAS with ``region_size`` layers in sharing mode
+    (the region of that size of ``shape``: its blocks, each with its source just before it),
+    with and without rebalancing the stages; see :class:`PipelineSpeedup` for the model."""
     p, v = pipeline_parallel_size, virtual_pipeline_parallel_size
-    sharing = region_layers(num_layers, region_size, flag="sharing region size", exclude_last=exclude_last, blocks=blocks)
+    shape = as_shape(shape)
+    sharing = shape.layers(region_size, flag="sharing region size")
     fixed_costs = layer_costs.embedding + layer_costs.output_layer
 
     def total(region) -> float:
-        layers = costs_for_modes(layer_costs, layer_modes(num_layers, region, exclude_last=exclude_last, blocks=blocks))
-        return math.fsum(layers) + fixed_costs
+        return math.fsum(costs_for_modes(layer_costs, shape.modes(region))) + fixed_costs
 
     return PipelineSpeedup(
-        baseline_bottleneck=even_layout(layer_costs, num_layers, (), p, v).bottleneck,
-        baseline_rebalanced_bottleneck=balance_region(layer_costs, num_layers, (), p, v).bottleneck,
-        fixed_bottleneck=even_layout(layer_costs, num_layers, sharing, p, v, exclude_last=exclude_last, blocks=blocks).bottleneck,
-        rebalanced_bottleneck=balance_region(layer_costs, num_layers, sharing, p, v, exclude_last=exclude_last, blocks=blocks).bottleneck,
+        baseline_bottleneck=even_layout(layer_costs, shape, (), p, v).bottleneck,
+        baseline_rebalanced_bottleneck=balance_region(layer_costs, shape, (), p, v).bottleneck,
+        fixed_bottleneck=even_layout(layer_costs, shape, sharing, p, v).bottleneck,
+        rebalanced_bottleneck=balance_region(layer_costs, shape, sharing, p, v).bottleneck,
         ideal_speedup=total(()) / total(sharing),
     )

@@ -24,6 +24,7 @@ from epas_megatron.parallel.balancer import balance_region
 from epas_megatron.parallel.cost_model import P2P_FLOPS_PER_BYTE, LayerCosts
 from epas_megatron.parallel.layout import StageLayout
 from epas_megatron.parallel.layout_report import format_layouts
+from epas_megatron.sharing.shape import RegionShape
 
 
 def flops_layer_costs(
@@ -59,21 +60,18 @@ def flops_layer_costs(
 
 def region_layout(
     layer_costs: LayerCosts,
-    num_layers: int,
+    shape: RegionShape | int,
     pp: int,
     vpp: Optional[int],
     sharing_layers: Sequence[int],
-    exclude_last: int = 0,
-    blocks: int = 1,
 ) -> StageLayout:
-    """The balanced layout for one sharing region (``blocks`` blocks, the deepest ending
-    ``exclude_last`` layers before the end)."""
-    return balance_region(layer_costs, num_layers, sharing_layers, pp, vpp or 1, exclude_last=exclude_last, blocks=blocks)
+    """The balanced layout for one sharing region (of ``shape``)."""
+    return balance_region(layer_costs, shape, sharing_layers, pp, vpp or 1)
 
 
 def balanced_layout(plan, sharing_layers: Sequence[int], timer=None, memory=None) -> StageLayout:
     """The layout for ``sharing_layers`` given a :class:`~epas_megatron.model.build_plan.BuildPlan`
-    (its architecture, sequence length, share mode, PP/VPP, ``exclude_last`` and ``blocks``).
+    (its architecture, sequence length, share mode, PP/VPP and region shape).
 
     With a :class:`~epas_megatron.parallel.layer_timing.LayerTimer` (``--epas-cost-model
     measured``) the FLOPs costs are calibrated by its measurements (a collective call). With a
@@ -86,15 +84,12 @@ def balanced_layout_noted(plan, sharing_layers: Sequence[int], timer=None, memor
     """:func:`balanced_layout` and the memory budget's notice (None if it changed nothing)."""
     from epas_megatron.parallel.layer_timing import calibrated_costs
     from epas_megatron.parallel.memory_budget import layout_within_budget
-    from epas_megatron.sharing.schedule import layer_modes
 
     costs = calibrated_costs(flops_layer_costs(plan.arch, plan.seq_length, plan.share), timer)
-    n = plan.arch.num_layers
-    region = dict(exclude_last=plan.exclude_last, blocks=plan.blocks)
     return layout_within_budget(
-        lambda: balance_region(costs, n, sharing_layers, plan.pp, plan.vpp or 1, **region),
-        lambda: balance_region(costs, n, sharing_layers, plan.pp, plan.vpp or 1, **region, memory=memory),
-        memory, layer_modes(n, sharing_layers, **region))
+        lambda: balance_region(costs, plan.shape, sharing_layers, plan.pp, plan.vpp or 1),
+        lambda: balance_region(costs, plan.shape, sharing_layers, plan.pp, plan.vpp or 1, memory=memory),
+        memory, plan.shape.modes(sharing_layers))
 
 
 def describe_schedule_layouts(plan, schedule, memory=None) -> str:
@@ -108,6 +103,5 @@ def describe_schedule_layouts(plan, schedule, memory=None) -> str:
         layouts.append((iteration, layout))
         if notice:
             notices.append(f"  memory budget at iteration {iteration}: {notice}")
-    table = format_layouts(costs, plan.arch.num_layers, plan.pp, plan.vpp or 1, regions, layouts=layouts,
-                           exclude_last=schedule.exclude_last, blocks=schedule.blocks)
+    table = format_layouts(costs, RegionShape.of(schedule), plan.pp, plan.vpp or 1, regions, layouts=layouts)
     return "\n".join([table, *notices])

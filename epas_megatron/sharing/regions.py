@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from epas_megatron.errors import ConfigError
-from epas_megatron.sharing.schedule import largest_region
+from epas_megatron.sharing.shape import RegionShape, as_shape
 
 WORDS = ("max", "half")
 """Region names that follow the current region."""
@@ -48,14 +48,16 @@ class RegionSpec:
                 raise ConfigError(f"{flag}: {raw.strip()!r} is not a region size (a non-negative integer), 'half' or 'max'")
         return cls(tuple(items))
 
-    def check_limit(self, largest: int, flag: str = "--eval-regions", exclude_last: int = 0, blocks: int = 1) -> None:
-        """Every integer is a region this model can have: at most ``largest`` sharing layers (one
-        layer before the region -- before each of its ``blocks`` blocks -- computes Q/K, and
-        ``exclude_last`` layers after it never share)."""
+    def check_limit(self, shape: RegionShape, flag: str = "--eval-regions") -> None:
+        """Every integer is a region ``shape`` can have: at most :attr:`RegionShape.largest`
+        sharing layers (one layer before the region -- before each of its blocks -- computes Q/K,
+        and the ``exclude_last`` layers after it never share)."""
+        largest = shape.largest
         for item in self.items:
             if isinstance(item, int) and item > largest:
-                excluded = f", and --epas-exclude-last {exclude_last} layers after it never share" if exclude_last else ""
-                before = f"each of its --epas-blocks {blocks} blocks" if blocks > 1 else "the region"
+                excluded = (f", and --epas-exclude-last {shape.exclude_last} layers after it never share"
+                            if shape.exclude_last else "")
+                before = f"each of its --epas-blocks {shape.blocks} blocks" if shape.blocks > 1 else "the region"
                 raise ConfigError(f"{flag}: {item} sharing layers is more than this model can have: at most {largest} "
                                   f"(one layer before {before} must compute Q/K{excluded})")
 
@@ -75,19 +77,15 @@ class RegionSpec:
         return sorted(chosen), sorted(skipped)
 
 
-def parse_regions(text: str, trained: int, num_layers: int, allow_untrained: bool, flag: str = "--regions",
-                  exclude_last: int = 0, blocks: int = 1) -> list[int]:
+def parse_regions(text: str, trained: int, shape: RegionShape | int, allow_untrained: bool, flag: str = "--regions") -> list[int]:
     """Region sizes to run a trained model at: '0,half,2,max' -> [0, trained // 2, 2, trained],
     in the order given; a ``ConfigError`` naming ``flag`` for bad or impossible values (the
-    grammar of :class:`RegionSpec`), and for regions larger than the ``trained`` one unless
-    ``allow_untrained``.
-
-    ``exclude_last`` is the checkpoint's ``--epas-exclude-last``
-    (:attr:`~epas_megatron.checkpointing.metadata.CheckpointMeta.exclude_last`): its regions end
-    that many layers before the last, so at most ``num_layers - 1 - exclude_last`` layers can share;
-    ``blocks`` (its ``--epas-blocks``) lowers that limit (:func:`~epas_megatron.sharing.schedule.largest_region`)."""
+    grammar of :class:`RegionSpec`), for regions ``shape`` (the checkpoint's:
+    :attr:`~epas_megatron.checkpointing.metadata.CheckpointMeta.shape`; a layer count: one block
+    ending at the last layer) cannot have, and for
+    regions larger than the ``trained`` one unless ``allow_untrained``."""
     spec = RegionSpec.parse(text, flag)
-    spec.check_limit(largest_region(num_layers, exclude_last, blocks), flag, exclude_last, blocks)
+    spec.check_limit(as_shape(shape), flag)
     regions = spec.sizes(trained)
     for r in regions:
         if r > trained and not allow_untrained:

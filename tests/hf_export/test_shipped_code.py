@@ -52,10 +52,10 @@ def test_a_region_grows_in_the_exported_order():
 
 
 def test_import_finds_the_blocks_of_an_order(tmp_path):
-    from epas_megatron.convert.cli import _blocks_of
+    from epas_megatron.convert.cli import _shape_of
     from epas_megatron.errors import ConfigError
 
-    assert _blocks_of([7, 3, 6, 2], 8, 0, tmp_path) == 2 and _blocks_of([7, 6, 5, 4], 8, 0, tmp_path) == 1
-    assert _blocks_of([6, 2, 5], 8, 1, tmp_path) == 2  # --epas-exclude-last 1: spans 0-2 and 3-6
+    assert _shape_of([7, 3, 6, 2], 8, 0, tmp_path).blocks == 2 and _shape_of([7, 6, 5, 4], 8, 0, tmp_path).blocks == 1
+    assert _shape_of([6, 2, 5], 8, 1, tmp_path).blocks == 2  # --epas-exclude-last 1: spans 0-2 and 3-6
     with pytest.raises(ConfigError, match="epas_region_order \\[3, 7\\] is the order of no sharing region"):
-        _blocks_of([3, 7], 8, 0, tmp_path)
+        _shape_of([3, 7], 8, 0, tmp_path)

@@ -14,6 +14,7 @@ from epas_megatron.parallel.layout import StageLayout
 from epas_megatron.parallel.layout_report import PipelineSpeedup, format_layouts, predict_pipeline_speedup
 from epas_megatron.parallel.partition import best_split
 from epas_megatron.sharing.schedule import LayerMode, layer_modes
+from epas_megatron.sharing.shape import RegionShape
 
 # --------------------------------------------------------------------------------------------
 # Brute force: every contiguous split, priced and ranked by the documented rules
@@ -489,16 +490,16 @@ def test_balance_region_and_reports_with_a_computing_tail_by_hand():
     1, 1, 1, 0.5, 0.5, 1. The even split (3,3) cuts before layer 3, the region's start:
     3 + 0.25 and 2 + 0.25. (2,4) cuts before the source and sends nothing: 2 and 3."""
     assert layer_modes(6, [3, 4], exclude_last=1) == ["compute", "compute", "source", "share", "share", "compute"]
-    layout = balance_region(TINY, 6, [3, 4], 2, exclude_last=1)
+    layout = balance_region(TINY, RegionShape(6, exclude_last=1), [3, 4], 2)
     assert layout.stage_sizes == (2, 4) and layout.rank_costs == (2.0, 3.0)
     with pytest.raises(ConfigError, match="--epas-exclude-last"):
         balance_region(TINY, 6, [3, 4], 2)  # the default region must include the last layer
-    speedup = predict_pipeline_speedup(TINY, 6, 2, 1, region_size=2, exclude_last=1)
+    speedup = predict_pipeline_speedup(TINY, RegionShape(6, exclude_last=1), 2, 1, region_size=2)
     assert speedup.fixed_bottleneck == 3.25 and speedup.rebalanced_bottleneck == 3.0
     assert speedup.ideal_speedup == pytest.approx(6 / 5)
-    text = format_layouts(TINY, 6, 2, 1, [(0, []), (100, [3, 4])], exclude_last=1)
+    text = format_layouts(TINY, RegionShape(6, exclude_last=1), 2, 1, [(0, []), (100, [3, 4])])
     assert "iteration 100: 2 sharing layers (3-4)\n" in text  # no crossing note
     assert "bottleneck 3 (even split 3.25)" in text
     # A boundary right after the region sends nothing: layers 1-3 share, (4, 2) cuts before 4.
-    after = balance_region(LayerCosts(1.0, 0.5, 0.0, 0.0, 100.0), 6, [1, 2, 3], 2, exclude_last=2)
+    after = balance_region(LayerCosts(1.0, 0.5, 0.0, 0.0, 100.0), RegionShape(6, exclude_last=2), [1, 2, 3], 2)
     assert after.stage_sizes == (4, 2) and after.rank_costs == (2.5, 2.0)

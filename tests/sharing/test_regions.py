@@ -4,6 +4,7 @@ import pytest
 
 from epas_megatron.errors import ConfigError
 from epas_megatron.sharing.regions import RegionSpec
+from epas_megatron.sharing.shape import RegionShape
 
 
 def test_parse_keeps_sizes_and_names_in_order():
@@ -17,9 +18,12 @@ def test_parse_rejects_what_is_not_a_region(text):
 
 
 def test_limit_names_the_flag_and_the_largest_region():
-    RegionSpec.parse("0,3,max").check_limit(3)
+    RegionSpec.parse("0,3,max").check_limit(RegionShape(4))
     with pytest.raises(ConfigError, match="--eval-regions: 4 sharing layers is more than this model can have: at most 3"):
-        RegionSpec.parse("0,4").check_limit(3)
+        RegionSpec.parse("0,4").check_limit(RegionShape(4))
+    # two blocks of 8 layers: spans 0-3 and 4-7, each keeps its source -> at most 6
+    with pytest.raises(ConfigError, match=r"at most 6 \(one layer before each of its --epas-blocks 2 blocks"):
+        RegionSpec.parse("7").check_limit(RegionShape(8, blocks=2))
 
 
 @pytest.mark.parametrize("current, expected, skipped", [
@@ -40,9 +44,9 @@ def test_parse_regions_with_exclude_last():
     from epas_megatron.errors import ConfigError
     from epas_megatron.sharing.regions import parse_regions
 
-    assert parse_regions("0,2,max", 2, 8, False, exclude_last=3) == [0, 2, 2]
+    assert parse_regions("0,2,max", 2, RegionShape(8, exclude_last=3), False) == [0, 2, 2]
     assert parse_regions("half,max,0", 3, 8, False) == [1, 3, 0]  # in the order given; half rounds down
-    assert parse_regions("4", 2, 8, True, exclude_last=3) == [4]
+    assert parse_regions("4", 2, RegionShape(8, exclude_last=3), True) == [4]
     with pytest.raises(ConfigError, match=r"at most 4 .*--epas-exclude-last 3"):
-        parse_regions("5", 2, 8, True, exclude_last=3)
+        parse_regions("5", 2, RegionShape(8, exclude_last=3), True)
     assert parse_regions("7", 2, 8, True) == [7]  # the default: the region may reach layer 1
