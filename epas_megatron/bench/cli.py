@@ -334,7 +334,21 @@ def _quality_parser(commands) -> None:
     quality.add_argument("--data", nargs="+", default=None, help="indexed dataset prefixes (default: the embedded corpus)")
     quality.add_argument("--tokenizer-model", default=None, help="with --data: its tokenizer")
     quality.add_argument("--force", action="store_true", help="rerun arms that already finished")
+    quality.add_argument("--seeds", default=None,
+                         help="from-scratch seeds, comma-separated (default: the scale's, 1234,4321 at cpu); finished "
+                              "arms of a seed are reused, so adding a seed runs only its arms")
     quality.add_argument("--dry-run", action="store_true", help="print the training commands and exit")
+
+
+def _seeds(text: str) -> tuple[int, ...]:
+    """``'1234,4321'`` -> (1234, 4321); a ConfigError naming --seeds for anything else."""
+    items = [item.strip() for item in text.split(",")]
+    if not all(item.isdigit() for item in items):
+        raise ConfigError(f"--seeds {text!r}: give non-negative integers separated by commas, e.g. 1234,4321,2024")
+    seeds = tuple(int(item) for item in items)
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"--seeds {text!r}: a seed is listed twice (each seed is one run per arm)")
+    return seeds
 
 
 def _quality(args) -> int:
@@ -357,12 +371,13 @@ def _quality(args) -> int:
             raise ConfigError("--data needs --tokenizer-model")
         if args.nproc < 1:
             raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+        seeds = None if args.seeds is None else _seeds(args.seeds)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return ConfigError.exit_code
     data_args = [] if args.data is None else ["--data", *args.data, "--tokenizer-model", args.tokenizer_model]
     recipe = QualityRecipe(args.scale, Path(args.output_dir), args.nproc, args.base_checkpoint, data_args, parts, args.force,
-                           echo=lambda line: print(line, flush=True))
+                           seeds=seeds, echo=lambda line: print(line, flush=True))
     if args.dry_run:
         for arm in recipe.arms():
             print(f"{arm.name}: {' '.join(recipe.train_command(arm))}")

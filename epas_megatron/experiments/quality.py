@@ -66,7 +66,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -341,6 +341,11 @@ class QualityRecipe:
     force: bool = False
     """Rerun arms that already finished."""
 
+    seeds: Optional[tuple[int, ...]] = None
+    """From-scratch seeds instead of the scale's (``--seeds``); the first is also the seed of the
+    single-seed parts. Arms of a seed that an earlier run finished are reused, so adding a seed
+    runs only its arms."""
+
     echo: Callable[[str], None] = print
     """Where progress lines go."""
 
@@ -349,7 +354,8 @@ class QualityRecipe:
 
     @property
     def scale(self) -> QualityScale:
-        return SCALES[self.scale_name]
+        scale = SCALES[self.scale_name]
+        return scale if self.seeds is None else replace(scale, seeds=tuple(self.seeds))
 
     def arms(self) -> list[ArmSpec]:
         return plan_arms(self.scale, self.out, self.base_checkpoint, self.data_args, self.parts)

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from epas_megatron.experiments import quality_report as report
-from epas_megatron.experiments.quality import SCALES, plan_arms
+from epas_megatron.experiments.quality import SCALES, QualityRecipe, plan_arms
 
 
 def arm(name, valid, train=(), **summary):
@@ -77,6 +77,18 @@ def test_arms_of_the_cpu_recipe(tmp_path):
     base = str(tmp_path / "scratch_baseline" / "run" / "checkpoints")
     assert f"--pretrained {base}" in flags("continual_epas") and arms["continual_epas"].needs == "scratch_baseline"
     assert "--eval-untrained-regions" in flags("continual_baseline")
+
+
+def test_a_third_seed_adds_its_arms_and_keeps_the_others(tmp_path):
+    two = {a.name: a.train_args for a in QualityRecipe("cpu", tmp_path, parts=("scratch", "fixed")).arms()}
+    three = {a.name: a.train_args for a in QualityRecipe("cpu", tmp_path, parts=("scratch", "fixed"), seeds=(1234, 4321, 2024)).arms()}
+    assert {name: args for name, args in three.items() if name in two} == two  # finished arms are reused as they are
+    added = {name: " ".join(args) for name, args in three.items() if name not in two}
+    assert sorted(added) == ["scratch_baseline_seed2024", "scratch_epas_seed2024", "scratch_fixed_seed2024"]
+    assert all("--seed 2024" in args and "--seed 1234" not in args for args in added.values())
+    proc = run_bench("--scale", "cpu", "--parts", "scratch,fixed", "--seeds", "1234,4321,2024", "--dry-run",
+                     "--output-dir", str(tmp_path))
+    assert proc.returncode == 0 and sorted(line.split(":")[0] for line in proc.stdout.splitlines()) == sorted(three)
 
 
 def test_arms_of_the_random_ltd_part(tmp_path):
@@ -148,6 +160,8 @@ def run_bench(*argv, launched=None):
     (["--parts", "scratch,speed"], "--parts 'scratch,speed': choose among scratch, continual, ablation, random_ltd"),
     (["--scale", "tinyllama"], "--scale tinyllama is continual pretraining only: give --base-checkpoint"),
     (["--data", "x"], "--data needs --tokenizer-model"),
+    (["--seeds", "1234,x"], "--seeds '1234,x': give non-negative integers separated by commas"),
+    (["--seeds", "1234,1234"], "--seeds '1234,1234': a seed is listed twice"),
 ])
 def test_bad_input(argv, message):
     proc = run_bench(*argv)
