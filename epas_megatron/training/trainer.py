@@ -175,9 +175,10 @@ class Trainer:
 
         t = self.cfg.training
         self.state = None  # the previous region's model and optimizer go before the new ones come
-        gc.collect()  # (Megatron's DDP and optimizer hold reference cycles)
         if self.froze_long_lived is None:  # the first build: what exists now lives as long as the run
-            self.froze_long_lived = freeze_long_lived()
+            self.froze_long_lived = freeze_long_lived()  # (collects first, where it freezes)
+        else:
+            gc.collect()  # (Megatron's DDP and optimizer hold reference cycles)
         settings = optimizer_settings_for_run(self.run, self.features.lr_schedule_units(t.lr_warmup_iters, t.train_iters))
         self.state = build_training_state(self.plan, settings, seed=self.cfg.training.seed if initialize else None)
         if self.run.rebalance and self.cfg.epas.epas_cost_model == "measured":
