@@ -337,6 +337,10 @@ def _quality_parser(commands) -> None:
     quality.add_argument("--seeds", default=None,
                          help="from-scratch seeds, comma-separated (default: the scale's, 1234,4321 at cpu); finished "
                               "arms of a seed are reused, so adding a seed runs only its arms")
+    quality.add_argument("--switch-rewarm", type=int, default=None, metavar="N",
+                         help="--parts rewarm: its runs' --epas-switch-rewarm (default: a quarter of the scale's interval)")
+    quality.add_argument("--switch-ramp", type=int, default=None, metavar="N",
+                         help="--parts ramp: its runs' --epas-switch-ramp (default: a quarter of the scale's interval)")
     quality.add_argument("--dry-run", action="store_true", help="print the training commands and exit")
 
 
@@ -372,12 +376,17 @@ def _quality(args) -> int:
         if args.nproc < 1:
             raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
         seeds = None if args.seeds is None else _seeds(args.seeds)
+        for flag, value in (("--switch-rewarm", args.switch_rewarm), ("--switch-ramp", args.switch_ramp)):
+            if value is not None and not 1 <= value < scale.epas_interval:
+                raise ConfigError(f"{flag} {value}: give 1 to {scale.epas_interval - 1} (below the --epas-interval "
+                                  f"{scale.epas_interval} of --scale {args.scale})")
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return ConfigError.exit_code
     data_args = [] if args.data is None else ["--data", *args.data, "--tokenizer-model", args.tokenizer_model]
     recipe = QualityRecipe(args.scale, Path(args.output_dir), args.nproc, args.base_checkpoint, data_args, parts, args.force,
-                           seeds=seeds, echo=lambda line: print(line, flush=True))
+                           seeds=seeds, rewarm_steps=args.switch_rewarm, ramp_steps=args.switch_ramp,
+                           echo=lambda line: print(line, flush=True))
     if args.dry_run:
         for arm in recipe.arms():
             print(f"{arm.name}: {' '.join(recipe.train_command(arm))}")

@@ -44,10 +44,14 @@ or torchrun with ``--nproc``) whose outputs the report reads back:
    iterations before each switch) against plain EPAS and the baseline, reported as the re-warm
    (the second remedy for the jump at a switch; neither is in the paper).
 
-Every arm writes ``<output-dir>/<arm>/`` (the run directory, ``train.log``, ``summary.json``
-once it finished); an arm whose ``summary.json`` exists is not run again, so an interrupted
-recipe continues where it stopped (``--force`` reruns): an arm interrupted after a checkpoint
-(a SIGTERM saves one) resumes from it, one interrupted before any starts again. The report -- ``quality.md`` (tables and
+Every arm writes ``<output-dir>/<arm>/`` (``arm.json`` with its training flags, the run
+directory, ``train.log``, ``summary.json`` once it finished); an arm whose ``summary.json`` exists
+is not run again, so an interrupted recipe continues where it stopped (``--force`` reruns): an
+arm interrupted after a checkpoint (a SIGTERM saves one) resumes from it, one interrupted before
+any starts again. An arm is reused or resumed only if it was trained with the flags the recipe
+plans for it now (:func:`recorded_train_args`); otherwise the recipe stops before any run and
+says which flags differ (another ``--seeds``, ``--data``, ``--switch-ramp``... belongs in another
+``--output-dir``, or ``--force`` trains the arm again). The report -- ``quality.md`` (tables and
 the exact commands), ``quality.json`` (every number), ``loss_vs_tokens.png``,
 ``loss_vs_time.png``, ``continual_regions.png`` -- is written at the end.
 
@@ -69,6 +73,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
+
+from epas_megatron.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -311,6 +317,59 @@ def _run_logged(cmd: list[str], log_path: Path, prefix: str, echo: Callable[[str
     return status, "".join(lines)
 
 
+ARM_RECORD = "arm.json"
+"""The file of an arm's directory that records the epas-train flags it was trained with."""
+
+
+def recorded_train_args(directory: Path) -> Optional[list[str]]:
+    """The epas-train flags the arm in ``directory`` was trained with: its :data:`ARM_RECORD`, or
+    (arms of recipes that wrote none) the flags of the first command in its ``train.log``, without
+    the launcher and the output directory. None when it has neither."""
+    record = directory / ARM_RECORD
+    if record.is_file():
+        return list(json.loads(record.read_text())["train_args"])
+    log = directory / "train.log"
+    if not log.is_file():
+        return None
+    with open(log) as lines:
+        first = lines.readline()
+    if not first.startswith("$ "):
+        return None
+    words = shlex.split(first[2:])
+    if "epas_megatron.train" not in words:
+        return None
+    flags = words[words.index("epas_megatron.train") + 1:]
+    return flags[:flags.index("--output-dir")] if "--output-dir" in flags else flags
+
+
+def _flag_values(args: Sequence[str]) -> dict[str, str]:
+    """``['--seed', '1', '--data', 'a', 'b']`` -> ``{'--seed': '1', '--data': 'a b'}``."""
+    values: dict[str, list[str]] = {}
+    flag = ""
+    for word in args:
+        if word.startswith("--"):
+            flag = word
+            values.setdefault(flag, [])
+        else:
+            values.setdefault(flag, []).append(word)
+    return {flag: " ".join(words) for flag, words in values.items()}
+
+
+def flag_differences(recorded: Sequence[str], planned: Sequence[str]) -> str:
+    """What differs between two flag lists, for an error message: ``'--seed 4321 now, 1234 then;
+    --epas-blocks 2 then only'``."""
+    before, now = _flag_values(recorded), _flag_values(planned)
+    parts = []
+    for flag in dict.fromkeys([*now, *before]):
+        if flag not in before:
+            parts.append(f"{flag} {now[flag]} now only".replace("  ", " "))
+        elif flag not in now:
+            parts.append(f"{flag} {before[flag]} then only".replace("  ", " "))
+        elif before[flag] != now[flag]:
+            parts.append(f"{flag} {now[flag]} now, {before[flag]} then")
+    return "; ".join(parts) or "the same flags in another order"
+
+
 def _tagged_json(stdout: str, tag: str) -> Optional[dict]:
     lines = [line for line in stdout.splitlines() if line.startswith(tag + " ")]
     return json.loads(lines[-1][len(tag) + 1:]) if lines else None
@@ -346,6 +405,12 @@ class QualityRecipe:
     single-seed parts. Arms of a seed that an earlier run finished are reused, so adding a seed
     runs only its arms."""
 
+    rewarm_steps: Optional[int] = None
+    """The ``rewarm`` arms' ``--epas-switch-rewarm`` instead of the scale's (``--switch-rewarm``)."""
+
+    ramp_steps: Optional[int] = None
+    """The ``ramp`` arms' ``--epas-switch-ramp`` instead of the scale's (``--switch-ramp``)."""
+
     echo: Callable[[str], None] = print
     """Where progress lines go."""
 
@@ -355,13 +420,30 @@ class QualityRecipe:
     @property
     def scale(self) -> QualityScale:
         scale = SCALES[self.scale_name]
-        return scale if self.seeds is None else replace(scale, seeds=tuple(self.seeds))
+        changes = {name: value for name, value in (("seeds", None if self.seeds is None else tuple(self.seeds)),
+                                                   ("rewarm_steps", self.rewarm_steps), ("ramp_steps", self.ramp_steps))
+                   if value is not None}
+        return replace(scale, **changes) if changes else scale
 
     def arms(self) -> list[ArmSpec]:
         return plan_arms(self.scale, self.out, self.base_checkpoint, self.data_args, self.parts)
 
     def train_command(self, arm: ArmSpec) -> list[str]:
         return [*launcher(self.nproc, "epas_megatron.train"), *arm.train_args, "--output-dir", str(self.out / arm.name / "run")]
+
+    def check_reusable(self, arms: Sequence[ArmSpec]) -> None:
+        """Refuse, before any run, to reuse or resume an arm trained with other flags than planned."""
+        if self.force:
+            return
+        for arm in arms:
+            directory = self.out / arm.name
+            kept = (directory / "summary.json").is_file() or \
+                (directory / "run" / "checkpoints" / "latest_checkpointed_iteration.txt").is_file()
+            recorded = recorded_train_args(directory) if kept else None
+            if recorded is not None and recorded != arm.train_args:
+                raise ConfigError(f"{directory} holds a {arm.name} run trained with other flags than this recipe plans for it "
+                                  f"({flag_differences(recorded, arm.train_args)}): use another --output-dir, or --force "
+                                  "to train it again")
 
     def run_arm(self, arm: ArmSpec) -> dict:
         """Train one arm unless it finished before; its SUMMARY."""
@@ -386,6 +468,7 @@ class QualityRecipe:
                     self.echo(f"[{arm.name}] its interrupted run saved no checkpoint: running it again from the start")
                 shutil.rmtree(run_dir)
         directory.mkdir(parents=True, exist_ok=True)
+        (directory / ARM_RECORD).write_text(json.dumps({"train_args": arm.train_args}, indent=1))
         self.echo(f"[{arm.name}] {shlex.join(cmd)}")
         start = time.perf_counter()
         status, stdout = _run_logged(cmd, directory / "train.log", arm.name, self.echo)
@@ -418,7 +501,9 @@ class QualityRecipe:
         self.out.mkdir(parents=True, exist_ok=True)
         if self.base_checkpoint is not None:
             open_checkpoint(self.base_checkpoint, "--base-checkpoint")
-        results = {name: self.run_arm(arm) for name, arm in ((a.name, a) for a in self.arms())}
+        arms = self.arms()
+        self.check_reusable(arms)
+        results = {arm.name: self.run_arm(arm) for arm in arms}
         arm = lambda name: report.ArmResult(name, results[name], _read_metrics(self.out / name / "run"))
         scale = self.scale
         numbers: dict = {"scale": self.scale_name, "config": asdict(scale), "nproc": self.nproc}

@@ -162,6 +162,8 @@ def run_bench(*argv, launched=None):
     (["--data", "x"], "--data needs --tokenizer-model"),
     (["--seeds", "1234,x"], "--seeds '1234,x': give non-negative integers separated by commas"),
     (["--seeds", "1234,1234"], "--seeds '1234,1234': a seed is listed twice"),
+    (["--switch-ramp", "50"], "--switch-ramp 50: give 1 to 49 (below the --epas-interval 50 of --scale cpu)"),
+    (["--switch-rewarm", "0", "--scale", "smoke"], "--switch-rewarm 0: give 1 to 1 (below the --epas-interval 2 of --scale smoke)"),
 ])
 def test_bad_input(argv, message):
     proc = run_bench(*argv)
@@ -210,6 +212,14 @@ def test_smoke_recipe_end_to_end(tmp_path):
     again = run_bench("--scale", "smoke", "--output-dir", str(out), "--parts", "scratch,continual,ablation,random_ltd")
     assert again.returncode == 0 and again.stdout.count("finished before; reusing") == 7
     assert json.loads((out / "quality.json").read_text())["scratch"] == numbers["scratch"]
+    # Another seed in the same directory plans arms of the same names with other flags: refused
+    # before anything runs, naming the flag (arm.json, written when each arm started, says what ran).
+    assert json.loads((out / "scratch_epas" / "arm.json").read_text())["train_args"] == \
+        plan_arms(SCALES["smoke"], out, parts=("scratch",))[1].train_args
+    launched = []
+    other = run_bench("--scale", "smoke", "--output-dir", str(out), "--parts", "scratch", "--seeds", "99", launched=launched)
+    assert other.returncode == 2 and not launched and "scratch_baseline run trained with other flags" in other.stderr
+    assert "(--seed 99 now, 1234 then): use another --output-dir, or --force" in other.stderr
     # --force trains a finished arm again: its (planted) summary is replaced by the run's own.
     planted = out / "ablation_exclude_last" / "summary.json"
     planted.write_text(json.dumps({**summaries["ablation_exclude_last"], "final_valid_lm_loss": 99.0}))
@@ -226,6 +236,50 @@ def test_smoke_recipe_end_to_end(tmp_path):
     assert sorted(p.parent.name for p in (tmp_path / "given").glob("*/summary.json")) == ["continual_baseline", "continual_epas"]
     assert f"--pretrained {base}" in given.stdout
     assert json.loads((tmp_path / "given" / "quality.json").read_text())["continual"] == numbers["continual"]
+
+
+def test_the_flags_an_arm_was_trained_with(tmp_path):
+    """arm.json, or for arms of older recipes the first command of train.log (a later --load
+    resume appends its own); an arm with neither, or a run that never started, has none."""
+    from epas_megatron.experiments.quality import flag_differences, recorded_train_args
+
+    old, new, empty = tmp_path / "old", tmp_path / "new", tmp_path / "empty"
+    for directory in (old, new, empty):
+        directory.mkdir()
+    (old / "train.log").write_text(
+        "$ /venv/bin/python -m torch.distributed.run --standalone --nproc-per-node=2 -m epas_megatron.train --seed 1 "
+        "--data a 'b c' --output-dir /x/old/run\nlog line\n$ python -m epas_megatron.train --seed 2 --output-dir /x/old/run "
+        "--load /x/old/run/checkpoints\n")
+    assert recorded_train_args(old) == ["--seed", "1", "--data", "a", "b c"]
+    (new / "train.log").write_text("$ python -m epas_megatron.train --seed 5 --output-dir /x/new/run\n")
+    (new / "arm.json").write_text(json.dumps({"train_args": ["--seed", "3"]}))
+    assert recorded_train_args(new) == ["--seed", "3"]
+    assert recorded_train_args(empty) is None
+    (empty / "train.log").write_text("Traceback (most recent call last):\n")
+    assert recorded_train_args(empty) is None
+    assert flag_differences(["--seed", "1", "--data", "a", "b", "--epas-blocks", "2"],
+                            ["--seed", "4", "--data", "a", "b", "--random-ltd"]) == \
+        "--seed 4 now, 1 then; --random-ltd now only; --epas-blocks 2 then only"
+    assert flag_differences(["--a", "1", "--b", "2"], ["--b", "2", "--a", "1"]) == "the same flags in another order"
+
+
+def test_a_kept_arm_with_other_flags_is_refused_unless_forced(tmp_path):
+    """Only arms the recipe would reuse (summary.json) or resume (a checkpoint) are checked; one
+    with neither starts again anyway."""
+    from epas_megatron.errors import ConfigError
+    from epas_megatron.experiments.quality import ArmSpec
+
+    for name in ("finished", "saved", "unsaved"):
+        (tmp_path / name / "run" / "checkpoints").mkdir(parents=True)
+        (tmp_path / name / "arm.json").write_text(json.dumps({"train_args": ["--seed", "1"]}))
+    (tmp_path / "finished" / "summary.json").write_text("{}")
+    (tmp_path / "saved" / "run" / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("10")
+    recipe = QualityRecipe("smoke", tmp_path, echo=lambda line: None)
+    recipe.check_reusable([ArmSpec(name, ["--seed", "1"]) for name in ("finished", "saved")] + [ArmSpec("unsaved", ["--seed", "2"])])
+    for name in ("finished", "saved"):
+        with pytest.raises(ConfigError, match=f"{name} holds a {name} run trained with other flags .*--seed 2 now, 1 then"):
+            recipe.check_reusable([ArmSpec(name, ["--seed", "2"])])
+        QualityRecipe("smoke", tmp_path, force=True).check_reusable([ArmSpec(name, ["--seed", "2"])])
 
 
 def test_an_interrupted_arm_resumes_from_its_checkpoint_or_starts_again(tmp_path, monkeypatch):

@@ -3,6 +3,7 @@ report recomputed by hand from synthetic run files (metrics.jsonl records and su
 reads back as finished arms, so no model runs)."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -71,9 +72,24 @@ def test_dry_run_of_the_ramp_part(capsys):
     assert "--epas-switch-ramp 1 " in dry_run(capsys, "--scale", "smoke", "--parts", "ramp")["scratch_ramp"]
 
 
-@pytest.mark.parametrize("scale, steps", [("cpu", 12), ("smoke", 1)])
-def test_the_planned_ramp_arms_pass_the_trainers_checks(tmp_path, scale, steps):
-    # N must be < --epas-interval and < --epas-first-switch (the interval here); the trainer says so.
+def test_the_remedies_length_is_a_recipe_flag(capsys):
+    commands = dry_run(capsys, "--parts", "rewarm,ramp", "--switch-ramp", "36")
+    plain = commands["scratch_epas"].split(" --output-dir ")[0].replace(" --eval-regions 0,half,max", "")
+    assert commands["scratch_ramp"] == f"{plain} --epas-switch-ramp 36 --output-dir /tmp/q/scratch_ramp/run"
+    assert commands["scratch_rewarm"] == f"{plain} --epas-switch-rewarm 12 --output-dir /tmp/q/scratch_rewarm/run"
+    assert "--epas-switch-rewarm 49 " in dry_run(capsys, "--parts", "rewarm", "--switch-rewarm", "49")["scratch_rewarm"]
+
+
+@pytest.mark.parametrize("scale, steps, longest", [("cpu", 12, 49), ("smoke", 1, 1)])
+def test_the_planned_ramp_arms_pass_the_trainers_checks(tmp_path, scale, steps, longest):
+    # N must be < --epas-interval and < --epas-first-switch (the interval here); the trainer says so,
+    # also for the longest ramp --switch-ramp accepts.
+    arms = plan_arms(replace(SCALES[scale], ramp_steps=longest), tmp_path, parts=("ramp",))
+    for arm in arms:
+        if arm.name.startswith("scratch_ramp"):
+            cfg = parse_config([*arm.train_args, "--output-dir", str(tmp_path / arm.name)])
+            resolve_run(cfg, world_size=1, cuda=False)
+            assert cfg.epas.epas_switch_ramp == longest
     for arm in plan_arms(SCALES[scale], tmp_path, parts=("ramp",)):
         if arm.name.startswith("scratch_ramp"):
             cfg = parse_config([*arm.train_args, "--output-dir", str(tmp_path / arm.name)])
