@@ -45,7 +45,7 @@ what is measured). A timed block is ``--new-tokens`` decode steps, each at posit
 ``--context`` (the cache is rewound after every step, so every step sees the same context);
 blocks alternate between the variants, and tokens/s is ``batch`` over the median step time.
 
-Reported with the measured ratios: the byte-limit ratio (bytes read per step, baseline over
+Reported with the measured ratios: the byte-limit ratio (bytes moved per step, baseline over
 EPAS; :mod:`epas_megatron.inference.decode_cost`) and measured / limit; KV-cache bytes per token
 (from the allocated caches); and a fixed-memory serving figure: the largest batch whose caches
 fit ``--kv-budget-mb`` (default: what the baseline needs at ``--batch``) for the baseline and for

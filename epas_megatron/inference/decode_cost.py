@@ -1,4 +1,4 @@
-"""Bytes one decode step reads: the ceiling of a memory-bound step, baseline against EPAS.
+"""Bytes one decode step moves (reads, and writes of its attention scores): the ceiling of a memory-bound step, baseline against EPAS.
 
 A decode step (one new token for each of ``b`` sequences at context ``c``) does little
 arithmetic per byte: it reads every weight it uses once and the KV cache of every layer. Per
@@ -38,7 +38,7 @@ from epas_megatron.sharing.schedule import LayerMode
 
 @dataclass(frozen=True)
 class StepBytes:
-    """Bytes read by one decode step."""
+    """Bytes moved by one decode step."""
 
     weights: int
     """Parameters read (embedding: the batch's rows only)."""
