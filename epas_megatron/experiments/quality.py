@@ -30,9 +30,10 @@ or torchrun with ``--nproc``) whose outputs the report reads back:
 6. **LR re-warm after each switch** (``--parts`` ``rewarm``, not in the default set), for every
    seed: EPAS with ``--epas-switch-rewarm N`` (:attr:`QualityScale.rewarm_steps` or
    ``--switch-rewarm N``, default a quarter of the interval: 12 at the ``cpu`` scale) against
-   plain EPAS and the baseline. Reported: final validation loss and gap, the gap against the baseline's seed spread, the
-   training time to the baseline's final loss, and the validation jump around each switch
-   (:func:`~epas_megatron.experiments.quality_report.switch_jumps`). The re-warm costs no FLOPs.
+   plain EPAS and the baseline. Reported: final validation loss and gap, the gap against the
+   baseline's seed spread, the training time to the baseline's final loss, and the validation
+   jump around each switch (:func:`~epas_megatron.experiments.quality_report.switch_jumps`). The
+   re-warm costs no FLOPs.
 7. **One block vs several** (``--parts`` ``blocks``, not in the default set), for every seed:
    EPAS with the target region split into :attr:`QualityScale.ablation_blocks` blocks
    (``--epas-blocks 2``: the same number of sharing layers, interval and growth) against the
@@ -41,8 +42,9 @@ or torchrun with ``--nproc``) whose outputs the report reads back:
 8. **Blended switch** (``--parts`` ``ramp``, not in the default set), for every seed: EPAS with
    ``--epas-switch-ramp N`` (:attr:`QualityScale.ramp_steps` or ``--switch-ramp N``, default a
    quarter of the interval: 12 at the ``cpu`` scale; the switching layers' Q/K blended into
-   their source's over the N iterations before each switch) against plain EPAS and the baseline, reported as the re-warm
-   (the second remedy for the jump at a switch; neither is in the paper).
+   their source's over the N iterations before each switch) against plain EPAS and the
+   baseline, reported as the re-warm (the second remedy for the jump at a switch; neither is in
+   the paper).
 
 Every arm writes ``<output-dir>/<arm>/`` (``arm.json`` with its training flags, the run
 directory, ``train.log``, ``summary.json`` once it finished); an arm whose ``summary.json`` exists
