@@ -359,7 +359,7 @@ def _flag_values(args: Sequence[str]) -> dict[str, str]:
 
 def flag_differences(recorded: Sequence[str], planned: Sequence[str]) -> str:
     """What differs between two flag lists, for an error message: ``'--seed 4321 now, 1234 then;
-    --epas-blocks 2 then only'``."""
+    --epas-blocks 2 then only'`` (empty when they hold the same flags and values, in any order)."""
     before, now = _flag_values(recorded), _flag_values(planned)
     parts = []
     for flag in dict.fromkeys([*now, *before]):
@@ -369,7 +369,7 @@ def flag_differences(recorded: Sequence[str], planned: Sequence[str]) -> str:
             parts.append(f"{flag} {before[flag]} then only".replace("  ", " "))
         elif before[flag] != now[flag]:
             parts.append(f"{flag} {now[flag]} now, {before[flag]} then")
-    return "; ".join(parts) or "the same flags in another order"
+    return "; ".join(parts)
 
 
 def _tagged_json(stdout: str, tag: str) -> Optional[dict]:
@@ -434,7 +434,8 @@ class QualityRecipe:
         return [*launcher(self.nproc, "epas_megatron.train"), *arm.train_args, "--output-dir", str(self.out / arm.name / "run")]
 
     def check_reusable(self, arms: Sequence[ArmSpec]) -> None:
-        """Refuse, before any run, to reuse or resume an arm trained with other flags than planned."""
+        """Refuse, before any run, to reuse or resume an arm trained with other flags than planned
+        (flags and their values; their order does not change a run)."""
         if self.force:
             return
         for arm in arms:
@@ -442,7 +443,7 @@ class QualityRecipe:
             kept = (directory / "summary.json").is_file() or \
                 (directory / "run" / "checkpoints" / "latest_checkpointed_iteration.txt").is_file()
             recorded = recorded_train_args(directory) if kept else None
-            if recorded is not None and recorded != arm.train_args:
+            if recorded is not None and _flag_values(recorded) != _flag_values(arm.train_args):
                 raise ConfigError(f"{directory} holds a {arm.name} run trained with other flags than this recipe plans for it "
                                   f"({flag_differences(recorded, arm.train_args)}): use another --output-dir, or --force "
                                   "to train it again")
