@@ -117,6 +117,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     decode.add_argument("--seed", type=int, default=1234)
     decode.add_argument("--decode-step", default="auto", choices=["auto", "eager", "static", "cuda-graph"],
                         help="how every variant runs a decode step: auto = a replayed CUDA graph on CUDA, eager elsewhere")
+    decode.add_argument("--tie-embeddings", action="store_true",
+                        help="the LM head shares the input embedding's weight (the presets untie them)")
     hf_decode = commands.add_parser("hf-decode", help="transformers generate() on the EPAS export: region 0 vs half the layers")
     hf_decode.add_argument("--preset", default="125m", help="model shape (random weights)")
     hf_decode.add_argument("--region", type=int, default=None, help="sharing layers of the EPAS variant (default: half the layers)")
@@ -227,7 +229,7 @@ def _decode(args) -> int:
         cfg = DecodeBenchConfig(args.preset, preset.num_layers // 2 if args.region is None else args.region, args.batch,
                                 args.context, args.new_tokens, args.blocks, args.warmup, args.share, args.kv_budget_mb,
                                 None if args.region_kernel == "none" else args.region_kernel, args.seed,
-                                decode_step=args.decode_step)
+                                decode_step=args.decode_step, tie_embeddings=args.tie_embeddings)
         check_config(cfg, preset.num_layers)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -107,6 +107,11 @@ class DecodeBenchConfig:
     """'eager', 'static' or 'cuda-graph' for every variant; 'auto': 'cuda-graph' on CUDA, 'eager'
     elsewhere (:mod:`epas_megatron.inference.decode_step`)."""
 
+    tie_embeddings: bool = False
+    """The LM head shares the input embedding's weight (``--tie-embeddings``; the presets untie
+    them, as LLaMA does). A step's bytes are the same either way: the head reads one ``[v, h]``
+    matrix, the embedding only the ``b`` rows of the new tokens."""
+
 
 @dataclass
 class _Variant:
@@ -182,7 +187,8 @@ def run_decode_bench(cfg: DecodeBenchConfig, log=print) -> dict:
     check_config(cfg, preset.num_layers)
     cuda = torch.cuda.is_available()
     # room for the context and the generated token
-    plans = {name: plan_for_preset(cfg.preset, layers, seq_length=cfg.context, max_length=cfg.context + 1, share=cfg.share)
+    plans = {name: plan_for_preset(cfg.preset, layers, seq_length=cfg.context, max_length=cfg.context + 1, share=cfg.share,
+                                   tie_embeddings=cfg.tie_embeddings)
              for name, layers in (("baseline", ()), ("epas", region_layers(preset.num_layers, cfg.region, flag="--region")))}
     arch, precision, sharing = plans["epas"].arch, plans["epas"].precision, plans["epas"].sharing_layers
     mode = resolve_decode_step(cfg.decode_step, torch.device("cuda" if cuda else "cpu"))
@@ -248,7 +254,8 @@ def run_decode_bench(cfg: DecodeBenchConfig, log=print) -> dict:
     best = "reuse" if "reuse" in tps else "qk"
     record = {
         "preset": cfg.preset, "region": cfg.region, "share": cfg.share, "batch": cfg.batch, "context": cfg.context,
-        "new_tokens": cfg.new_tokens, "blocks": cfg.blocks, "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "new_tokens": cfg.new_tokens, "blocks": cfg.blocks, "tie_embeddings": cfg.tie_embeddings,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
         "precision": precision, "cache": "preallocated in-place", "decode_step": mode,
         "attention": "matmul, fp32 scores and softmax" + (", bf16 operands" if cuda else ""),
         "baseline_tokens_per_s": tps["baseline"], "qk_tokens_per_s": tps["qk"], "reuse_tokens_per_s": tps.get("reuse"),

@@ -181,7 +181,7 @@ class DecodeEngine:
         if last_only:
             hidden = hidden[-1:]
         # [n, b, h] -> [n, b, v] -> [b, n, v]
-        logits, _ = self.model.output_layer(hidden)
+        logits = self.model.lm_head(hidden)
         return logits.transpose(0, 1).float()
 
     def _layer(self, index, layer, hidden, cache, slots, rope, region):

@@ -140,13 +140,21 @@ class EpasGPTModel(LanguageModule):
         )
         if not self.post_process:
             return hidden_states
-        output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         # [s, b, h] -> [s, b, v/tp]
-        logits, _ = self.output_layer(hidden_states, weight=output_weight)
+        logits = self.lm_head(hidden_states)
         if labels is None:
             # [s, b, v/tp] -> [b, s, v/tp]
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)
+
+    def lm_head(self, hidden_states: Tensor) -> Tensor:
+        """Logits ``[s, b, v/tp]`` of final-norm hidden states ``[s, b, h]`` (last stage): the one
+        way to call the LM head. With tied embeddings the head owns no weight (on the first stage;
+        a later last stage holds Megatron's synchronised copy) and must be handed the embedding's,
+        which a bare ``output_layer(hidden)`` call does not do."""
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden_states, weight=weight)
+        return logits
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         state = super().sharded_state_dict(prefix, sharded_offsets, metadata)

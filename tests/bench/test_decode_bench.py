@@ -42,13 +42,15 @@ def test_decode_bench_reports_ratios_cache_bytes_and_serving_batches():
 @pytest.mark.usefixtures("single_process")
 def test_decode_bench_runs_every_variant_on_the_fixed_shape_step():
     """``decode_step='static'`` (what CUDA graphs replay on a GPU) for every variant, the region
-    kernel included; the cache sizes do not depend on the step."""
+    kernel included, with the LM head tied to the embedding (``--tie-embeddings``: the engine
+    must hand the head the embedding's weight); the cache sizes do not depend on either."""
     from epas_megatron.bench.decode_bench import DecodeBenchConfig, run_decode_bench
 
     lines = []
     cfg = DecodeBenchConfig("tiny", 2, batch=2, context=24, new_tokens=2, blocks=2, warmup=1, kv_budget_mb=0.25,
-                            region_kernel="torch", decode_step="static")
+                            region_kernel="torch", decode_step="static", tie_embeddings=True)
     record = run_decode_bench(cfg, log=lines.append)
+    assert record["tie_embeddings"] is True
     assert record["decode_step"] == "static" and "static decode step" in lines[0]
     assert record["reuse_kernel_tokens_per_s"] > 0 and record["reuse_tokens_per_s"] > 0 and record["qk_tokens_per_s"] > 0
     assert (record["kv_bytes_per_token_baseline"], record["kv_bytes_per_token_epas"]) == (1024, 768)

@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from epas_megatron.evaluate import main
 from epas_testing import hf_offline
-from llama_reference import forward, weights_from_hf_style
+from export_reference import Reference
 
 TASKS = Path(__file__).resolve().parent / "tasks"
 TASK = "epas_tiny_mc"
@@ -49,65 +48,13 @@ def items():
     return [json.loads(line) for line in (TASKS / f"{TASK}.jsonl").read_text().splitlines() if line.strip()]
 
 
-class Reference:
-    """log-probabilities from the exported weights through ``llama_reference.forward``."""
-
-    def __init__(self, exported: Path):
-        from safetensors.torch import load_file
-
-        from epas_megatron.data.tokenizer import load_tokenizer
-
-        config = json.loads((exported / "config.json").read_text())
-        self.layers, self.heads, self.groups = config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]
-        self.eps = config["rms_norm_eps"]
-        self.base = config.get("rope_theta") or config["rope_parameters"]["rope_theta"]
-        self.weights = weights_from_hf_style(load_file(exported / "model.safetensors"), self.layers)
-        self.tokenizer = load_tokenizer(exported / "tokenizer.model")
-
-    def logprobs(self, tokens, region):
-        """[len(tokens), vocab] log-probabilities of the next token after each position."""
-        sharing = tuple(range(self.layers - region, self.layers))
-        with torch.no_grad():
-            logits = forward(self.weights, torch.tensor([tokens]), self.layers, self.heads, self.groups,
-                             sharing=sharing, eps=self.eps, base=self.base)
-        return torch.log_softmax(logits[0, :, :self.tokenizer.vocab_size].double(), dim=-1)
-
-    def encode(self, context, continuation):
-        """The documented rule: trailing whitespace moves to the continuation; the continuation is
-        what follows encode(context) in encode(context + continuation); empty context = EOS."""
-        tok = self.tokenizer
-        stripped = context.rstrip()
-        continuation, context = context[len(stripped):] + continuation, stripped
-        if not context:
-            return [tok.eos], tok.tokenize(continuation)
-        ctx = tok.tokenize(context)
-        return ctx, tok.tokenize(context + continuation)[len(ctx):]
-
-    def loglikelihood(self, context, continuation, region):
-        ctx, cont = self.encode(context, continuation)
-        tokens = (ctx + cont)[-(MAX_LENGTH + 1):]
-        logprobs = self.logprobs(tokens[:-1], region)[-len(cont):]
-        return float(sum(logprobs[i, t] for i, t in enumerate(cont))), all(int(logprobs[i].argmax()) == t for i, t in enumerate(cont))
-
-    def rolling(self, text, region):
-        """Disjoint windows of MAX_LENGTH predictions, each with as much context as fits."""
-        x = [self.tokenizer.eos] + self.tokenizer.tokenize(text)  # x[j + 1] is the text's token j
-        total, start = 0.0, 0
-        while start < len(x) - 1:
-            end = min(start + MAX_LENGTH, len(x) - 1)  # predict x[start + 1 : end + 1]
-            logprobs = self.logprobs(x[max(0, end - MAX_LENGTH):end], region)[-(end - start):]
-            total += float(sum(logprobs[i, t] for i, t in enumerate(x[start + 1:end + 1])))
-            start = end
-        return total
-
-
 @pytest.fixture(scope="module")
 def reference(checkpoint, tmp_path_factory):
     from epas_megatron.convert.cli import main as convert
 
     exported = tmp_path_factory.mktemp("hf") / "export"
     assert convert(["hf-export", "--load", str(checkpoint), "--output", str(exported)]) == 0
-    return Reference(exported)
+    return Reference(exported, MAX_LENGTH)
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,8 @@ share mode -- eager steps and the fixed-shape step a CUDA graph replays; probabi
 against the Q/K path; the cache's size against its formula; bf16 against fp32; the attention
 helpers by hand."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from epas_megatron.inference.decode_step import StaticDecodeStep, resolve_decode
 from epas_megatron.inference.engine import DecodeEngine
 from epas_megatron.inference.generator import Generator
 from epas_megatron.inference.kv_cache import kv_bytes_per_token
-from epas_testing import build
+from epas_testing import build, reference_weights
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -175,6 +177,28 @@ def test_fixed_shape_step_equals_full_forwards(tiny_arch, share, attention, kern
         expected_tokens, expected_logits = full_forward_greedy(model, ids)
         assert tokens[row] == expected_tokens, f"row {row}"
         torch.testing.assert_close(logits[row], expected_logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "fixed_shape"])
+def test_tied_embeddings_decode_like_the_reference(tiny_arch, static):
+    """An LM head tied to the embedding (``--no-untie-embeddings-and-output-weights``, as
+    Llama-3.2-1B ties them) owns no weight; the engine must hand it the embedding's. Eager and
+    fixed-shape steps give the plain-PyTorch reference's logits with the embedding as the head."""
+    import llama_reference as ref
+
+    arch = replace(tiny_arch, tie_embeddings=True)
+    model = build(arch, (2, 3)).eval()
+    assert "output_layer.weight" not in dict(model.named_parameters())
+    _, weights = reference_weights(model, arch)
+    weights["head"] = weights["embed"]  # the reference's own tie, not the mapping's
+    batch = prompts(arch.vocab_size, seed=5)
+    tokens, logits, _ = cached_greedy(DecodeEngine(model, "reuse"), batch, chunk=4, static=static)
+    for row, ids in enumerate(batch):
+        sequence = torch.tensor([ids + tokens[row][:-1]])
+        expected = ref.forward(weights, sequence, arch.num_layers, arch.num_attention_heads, arch.num_query_groups,
+                               sharing=(2, 3))[0, len(ids) - 1:]
+        torch.testing.assert_close(logits[row], expected, rtol=1e-4, atol=1e-4)
+        assert tokens[row] == expected.argmax(-1).tolist(), f"row {row}"
 
 
 def test_fixed_shape_step_keeps_its_buffers_and_refuses_a_full_cache(tiny_arch):

@@ -2,11 +2,13 @@
 with either attention kernel, and region 0 with Megatron's unfused attention equals Megatron-Core's
 stock GPTModel (local spec) bit for bit."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from epas_megatron.convert.hf_llama import LlamaShape, hf_config_kwargs, hf_to_megatron, megatron_to_hf, strip_extra_state
-from epas_testing import build
+from epas_testing import assert_same_gradient, build
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -16,10 +18,10 @@ def hf_model(arch, state):
 
     config = LlamaConfig(**hf_config_kwargs(arch.num_layers, arch.hidden_size, arch.num_attention_heads,
                                            arch.num_query_groups, arch.ffn_hidden_size, arch.vocab_size,
-                                           arch.max_sequence_length, arch.rotary_base, arch.norm_epsilon, False))
+                                           arch.max_sequence_length, arch.rotary_base, arch.norm_epsilon, arch.tie_embeddings))
     config._attn_implementation = "eager"
     model = LlamaForCausalLM(config).eval()
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(state, strict=not arch.tie_embeddings)
     return model
 
 
@@ -38,6 +40,33 @@ def test_local_model_equals_hugging_face_llama(tiny_arch, core_attention):
         ours = model(tokens, pos, None)  # [b, s, v]
         theirs = hf(tokens).logits
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_tied_embeddings_equal_hugging_face_llama_with_tied_weights(tiny_arch):
+    """``--no-untie-embeddings-and-output-weights``: one matrix is the embedding and the LM head.
+    Logits and the gradient of that matrix (both uses' contributions) equal transformers'
+    LlamaForCausalLM with ``tie_word_embeddings=True``; the model has no head weight of its own."""
+    arch = replace(tiny_arch, tie_embeddings=True)
+    model = build(arch)
+    untied = build(tiny_arch)
+    params = dict(model.named_parameters())
+    assert "output_layer.weight" not in params
+    assert sum(p.numel() for p in untied.parameters()) - sum(p.numel() for p in params.values()) == arch.vocab_size * arch.hidden_size
+    hf = hf_model(arch, megatron_to_hf(strip_extra_state(model.state_dict()), shape_of(arch))).train()
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    tokens = torch.randint(0, arch.vocab_size, (2, 32), generator=torch.Generator().manual_seed(4))
+    ours = model(tokens, torch.arange(32).unsqueeze(0).expand(2, -1), None)
+    theirs = hf(tokens).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    (ours.square().mean()).backward()
+    (theirs.square().mean()).backward()
+    grad = params["embedding.word_embeddings.weight"].grad
+    assert_same_gradient(grad, hf.model.embed_tokens.weight.grad)
+    # Both uses' contributions are in it: the rows of tokens absent from the input get the head's
+    # gradient only, the others the embedding's too.
+    absent = torch.ones(arch.vocab_size, dtype=torch.bool)
+    absent[tokens.unique()] = False
+    assert grad[absent].abs().sum() > 0 and absent.sum() < arch.vocab_size
 
 
 def test_hf_import_then_export_round_trips_with_a_sharing_region(tiny_arch):
