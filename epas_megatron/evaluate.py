@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from epas_megatron.config.schema import EMBEDDED_DATA
 from epas_megatron.errors import ConfigError
 
 # A command: torch, Megatron and everything built on them are imported inside the functions, so
@@ -83,7 +84,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise ConfigError(f"--tp {args.tp} x --pp {args.pp} does not divide the {world} processes")
         if num_layers % args.pp:
             raise ConfigError(f"--pp {args.pp} does not divide the {num_layers} layers")
-        if args.data is not None and args.tokenizer_model is None:
+        if args.data is not None and args.data != [EMBEDDED_DATA] and args.tokenizer_model is None:
             raise ConfigError("--data needs --tokenizer-model")
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)

@@ -123,7 +123,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise ConfigError(f"--world-size must be >= 1, got {world}")
         if ours.gpu_memory_gb is not None and not ours.gpu_memory_gb > 0:
             raise ConfigError(f"--gpu-memory-gb must be > 0, got {ours.gpu_memory_gb}")
-        run = resolve_run(parse_config(rest), world_size=world, cuda=ours.gpu_memory_gb is not None or None)
+        run = resolve_run(parse_config(rest), world_size=world, cuda=ours.gpu_memory_gb is not None or None, planning_only=True)
         if run.cfg.parallel.recompute == "full":
             print("note: --recompute full is not in the memory model; activations are shown as without recompute", flush=True)
         lines, fits = report(run, ours.gpu_memory_gb)

@@ -360,6 +360,8 @@ def _seeds(text: str) -> tuple[int, ...]:
 def _quality(args) -> int:
     from pathlib import Path
 
+    from epas_megatron.config.presets import get_preset, too_large_for_the_embedded_corpus
+    from epas_megatron.config.schema import EMBEDDED_DATA
     from epas_megatron.experiments.quality import PARTS, SCALES, QualityRecipe
 
     try:
@@ -371,9 +373,15 @@ def _quality(args) -> int:
         if scale.continual_only and args.base_checkpoint is None:
             raise ConfigError(f"--scale {args.scale} is continual pretraining only: "
                               "give --base-checkpoint (e.g. an epas-convert hf-import)")
-        if scale.continual_only and args.data is None:
+        embedded = args.data == [EMBEDDED_DATA]
+        if scale.continual_only and (args.data is None or embedded):
             raise ConfigError(f"--scale {args.scale}: give --data and --tokenizer-model (the embedded corpus is a CPU demo)")
-        if args.data is not None and args.tokenizer_model is None:
+        preset = get_preset(scale.preset)
+        if args.data is None and too_large_for_the_embedded_corpus(preset.num_layers, preset.hidden_size, preset.num_attention_heads,
+                                                                   preset.num_query_groups, preset.ffn_hidden_size):
+            raise ConfigError(f"--scale {args.scale} ({scale.preset}) has no --data: give --data PREFIX --tokenizer-model MODEL, "
+                              f"or --data {EMBEDDED_DATA} to run it on the embedded demo corpus anyway")
+        if args.data is not None and not embedded and args.tokenizer_model is None:
             raise ConfigError("--data needs --tokenizer-model")
         if args.nproc < 1:
             raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
@@ -385,7 +393,9 @@ def _quality(args) -> int:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return ConfigError.exit_code
-    data_args = [] if args.data is None else ["--data", *args.data, "--tokenizer-model", args.tokenizer_model]
+    data_args = [] if args.data is None else ["--data", *args.data]
+    if args.tokenizer_model is not None:
+        data_args += ["--tokenizer-model", args.tokenizer_model]
     recipe = QualityRecipe(args.scale, Path(args.output_dir), args.nproc, args.base_checkpoint, data_args, parts, args.force,
                            seeds=seeds, rewarm_steps=args.switch_rewarm, ramp_steps=args.switch_ramp,
                            echo=lambda line: print(line, flush=True))

@@ -89,12 +89,13 @@ def written_bytes() -> int:
 
 # ---------------------------------------------------------------- one measurement (a fresh process)
 def trainer_args(cfg: SwitchBenchConfig, mode: str, output_dir: Path) -> list[str]:
-    """A run whose only switch (one layer) comes right after ``cfg.steps`` iterations."""
+    """A run whose only switch (one layer) comes right after ``cfg.steps`` iterations (on the
+    embedded corpus whatever the preset: a switch's cost does not depend on the data)."""
     return ["--preset", cfg.preset, "--seq-length", str(cfg.seq_length), "--micro-batch-size", str(cfg.micro_batch_size),
             "--global-batch-size", str(cfg.micro_batch_size), "--train-iters", str(cfg.steps + 2),
             "--epas-target-layers", "1", "--epas-first-switch", str(cfg.steps + 1), "--epas-switch-mode", mode,
             "--eval-interval", "0", "--no-tensorboard", "--no-save-final", "--seed", str(cfg.seed),
-            "--lr-warmup-iters", "0", "--output-dir", str(output_dir)]
+            "--lr-warmup-iters", "0", "--data", "embedded", "--output-dir", str(output_dir)]
 
 
 def measure_once(cfg: SwitchBenchConfig, mode: str, output_dir: Path) -> dict:

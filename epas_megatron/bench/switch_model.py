@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from epas_megatron.config.presets import decoder_layer_parameters
+
 
 @dataclass(frozen=True)
 class ClusterAssumptions:
@@ -63,8 +65,7 @@ class ClusterAssumptions:
 
 def llama_parameters(num_layers: int, hidden: int, heads: int, groups: int, ffn: int, vocab: int) -> tuple[int, int]:
     """(total parameters, parameters of one decoder layer) of a LLaMA model (untied output)."""
-    head_dim = hidden // heads
-    layer = hidden * (hidden + 2 * groups * head_dim) + hidden * hidden + 3 * hidden * ffn + 2 * hidden
+    layer = decoder_layer_parameters(hidden, heads, groups, ffn)
     return num_layers * layer + 2 * vocab * hidden + hidden, layer
 
 

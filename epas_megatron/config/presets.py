@@ -108,3 +108,32 @@ def default_ffn_hidden_size(hidden_size: int, multiple_of: int = 256) -> int:
     """LLaMA's SwiGLU width: 8/3 of the hidden size rounded up to a multiple of 256 (4096 ->
     11008, 2048 -> 5632, 768 -> 2048)."""
     return -(-(8 * hidden_size // 3) // multiple_of) * multiple_of
+
+
+def decoder_layer_parameters(hidden_size: int, num_attention_heads: int, num_query_groups: int, ffn_hidden_size: int) -> int:
+    """Parameters of one LLaMA decoder layer: fused QKV (GQA), output projection, SwiGLU's three
+    matrices and the two RMSNorm weights."""
+    head_dim = hidden_size // num_attention_heads
+    return (hidden_size * (hidden_size + 2 * num_query_groups * head_dim) + hidden_size * hidden_size
+            + 3 * hidden_size * ffn_hidden_size + 2 * hidden_size)
+
+
+def decoder_parameters(num_layers: int, hidden_size: int, num_attention_heads: int, num_query_groups: int,
+                       ffn_hidden_size: int) -> int:
+    """Parameters of the decoder layers (embeddings and LM head left out: they follow the tokenizer)."""
+    return num_layers * decoder_layer_parameters(hidden_size, num_attention_heads, num_query_groups, ffn_hidden_size)
+
+
+EMBEDDED_DATA_LARGEST_PRESET = "small"
+"""The largest preset that trains on the embedded corpus without ``--data embedded``."""
+
+
+def too_large_for_the_embedded_corpus(num_layers: int, hidden_size: int, num_attention_heads: int, num_query_groups: int,
+                                      ffn_hidden_size: int) -> bool:
+    """More decoder parameters than :data:`EMBEDDED_DATA_LARGEST_PRESET`: such a model trains on
+    the embedded demo corpus only when asked by name (``--data embedded``)."""
+    largest = get_preset(EMBEDDED_DATA_LARGEST_PRESET)
+    limit = decoder_parameters(largest.num_layers, largest.hidden_size, largest.num_attention_heads, largest.num_query_groups,
+                               largest.ffn_hidden_size)
+    return decoder_parameters(num_layers, hidden_size, num_attention_heads, num_query_groups, ffn_hidden_size) > limit
+

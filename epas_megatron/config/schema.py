@@ -203,14 +203,22 @@ class TrainingConfig:
     """Save and stop after this many iterations of this run (for tests and preemption drills)."""
 
 
+EMBEDDED_DATA = "embedded"
+"""``--data embedded``: the embedded corpus, asked for by name (what a model larger than the
+``small`` preset needs to train on it: :func:`~epas_megatron.config.validation.resolve_run`)."""
+
+
 @dataclass
 class DataConfig:
     """Training data and tokenizer."""
 
     data: Optional[list[str]] = None
     """Megatron indexed dataset prefixes (path/to/name for name.bin + name.idx, from
-    tools/preprocess_data.py), optionally weighted: '0.7 a 0.3 b'. Default: the embedded
-    corpus (standard-library documentation), tokenized and cached on first use."""
+    tools/preprocess_data.py), optionally weighted: '0.7 a 0.3 b'; or 'embedded'. Default (and
+    'embedded'): the embedded corpus (standard-library documentation, about 0.44M training
+    tokens), tokenized and cached on first use. A model larger than the 'small' preset stops
+    without --data (it would see that corpus thousands of times); '--data embedded' runs it
+    anyway."""
 
     split: str = "969,30,1"
     """Train/valid/test split weights of the documents."""
@@ -225,6 +233,11 @@ class DataConfig:
     data_cache_dir: Optional[str] = None
     """Where the embedded corpus, its tokenizer and dataset index caches go. Default:
     $EPAS_CACHE_DIR or ~/.cache/epas_megatron."""
+
+    @property
+    def embedded(self) -> bool:
+        """The run reads the embedded corpus (no --data, or --data embedded)."""
+        return self.data is None or list(self.data) == [EMBEDDED_DATA]
 
 
 @dataclass

@@ -15,11 +15,16 @@ import torch
 
 from epas_megatron.checkpointing.metadata import CheckpointMeta, model_record
 from epas_megatron.config.cli import flag_name, to_dict
-from epas_megatron.config.presets import default_ffn_hidden_size
-from epas_megatron.config.schema import RunConfig
+from epas_megatron.config.presets import (
+    EMBEDDED_DATA_LARGEST_PRESET,
+    decoder_parameters,
+    default_ffn_hidden_size,
+    too_large_for_the_embedded_corpus,
+)
+from epas_megatron.config.schema import EMBEDDED_DATA, RunConfig
 from epas_megatron.errors import ConfigError
 from epas_megatron.model.build_plan import normalise_vpp
-from epas_megatron.model.fusions import choose_precision, transformer_engine_importable
+from epas_megatron.model.fusions import BackendChoice, choose_layers, choose_precision
 from epas_megatron.sharing.ramp import SwitchRamp
 from epas_megatron.sharing.regions import RegionSpec
 from epas_megatron.sharing.rewarm import SwitchRewarm
@@ -108,6 +113,9 @@ class ResolvedRun:
     """What the run starts from, when that is not what --load names (a first start, a fall-back
     past damaged checkpoints): printed at start."""
 
+    backend_reason: str = ""
+    """Why that backend (:class:`~epas_megatron.model.fusions.BackendChoice`): printed at start-up."""
+
     @property
     def bf16(self) -> bool:
         """bf16 training."""
@@ -130,16 +138,36 @@ def _check_data(cfg: RunConfig) -> None:
     from epas_megatron.data.datasets import parse_blend
     from epas_megatron.data.indexed import bin_path, idx_path
 
-    if cfg.data.data is None:
-        return
-    if not cfg.data.data:
+    if cfg.data.data is not None and not cfg.data.data:
         raise ConfigError("--data is empty; give indexed dataset prefixes or omit it for the embedded corpus")
+    if cfg.data.embedded:
+        return
     for prefix in parse_blend(cfg.data.data).prefixes:
         for path in (bin_path(prefix), idx_path(prefix)):
             if not path.is_file():
                 raise ConfigError(f"--data {prefix}: {path} does not exist (make it with tools/preprocess_data.py)")
             if path.stat().st_size == 0:
                 raise ConfigError(f"--data {prefix}: {path} is empty")
+
+
+def _check_data_fits_model(cfg: RunConfig, m) -> None:
+    """The embedded corpus is a demo: tokenized with its own tokenizer, and about 0.44M training
+    tokens -- a 125M model at its config's batch would see it thousands of times. A model
+    larger than the 'small' preset stops unless it names its data (``--data embedded`` included)."""
+    if not cfg.data.embedded:
+        return
+    if cfg.data.tokenizer_model is not None:
+        raise ConfigError(f"--tokenizer-model {cfg.data.tokenizer_model} without --data: the embedded corpus is tokenized "
+                          "with its own tokenizer (--default-vocab-size pieces); give --data made with this tokenizer "
+                          "(tools/preprocess_data.py), or drop --tokenizer-model")
+    shape = (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size)
+    if cfg.data.data is None and too_large_for_the_embedded_corpus(*shape):
+        size = decoder_parameters(*shape)
+        raise ConfigError(f"this model ({m.num_layers} layers, hidden {m.hidden_size}: {size / 1e6:.0f}M decoder parameters, "
+                          f"more than the '{EMBEDDED_DATA_LARGEST_PRESET}' "
+                          "preset the embedded demo corpus is meant for) has no --data: it would train on that corpus (about "
+                          "0.44M tokens) over and over. Give --data PREFIX --tokenizer-model MODEL (tools/preprocess_data.py), "
+                          f"or --data {EMBEDDED_DATA} to train on the demo corpus anyway")
 
 
 def model_shape_differences(saved: dict, current: dict) -> list[str]:
@@ -153,8 +181,10 @@ def model_shape_differences(saved: dict, current: dict) -> list[str]:
     return diffs
 
 
-def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional[bool] = None) -> ResolvedRun:
-    """Validate ``cfg`` for ``world_size`` processes and derive the run's fixed quantities.
+def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional[bool] = None, *,
+                planning_only: bool = False) -> ResolvedRun:
+    """Validate ``cfg`` for ``world_size`` processes and derive the run's fixed quantities
+    (``planning_only``: for ``epas-plan``, which trains nothing -- the data need not suit the model).
 
     Section by section, pure checks and derivations first; then the two steps that read files:
     the checkpoint to resume or start from (its metadata) and the vocabulary (the tokenizer's
@@ -168,14 +198,16 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
     m = _resolve_model(cfg.model)
     p = cfg.parallel
     dp, vpp, layout = _resolve_parallel(p, m, world_size)
-    backend, precision, use_dist_opt = _resolve_devices(cfg, cuda)
+    layers, precision, use_dist_opt = _resolve_devices(cfg, cuda)
     t = _resolve_training(cfg, m, dp)
     m = replace(m, max_position_embeddings=m.max_position_embeddings or t.seq_length)
     schedule, rebalance, warnings = _resolve_epas(cfg, m, t)
     random_ltd = _resolve_random_ltd(cfg, m, t, warnings, cuda)
     eval_regions = _resolve_eval_regions(t, schedule)
     _check_data(cfg)
-    if cfg.data.data is not None and cfg.data.tokenizer_model is None:
+    if not planning_only:
+        _check_data_fits_model(cfg, m)
+    if not cfg.data.embedded and cfg.data.tokenizer_model is None:
         raise ConfigError("--data needs --tokenizer-model (the tokenizer the data was preprocessed with)")
     m = replace(m, vocab_size=resolve_vocabulary(cfg.data, m.vocab_size))
     cfg = replace(cfg, model=m, training=t)
@@ -187,7 +219,8 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
         num_microbatches=t.global_batch_size // (t.micro_batch_size * dp),
         vpp=vpp,
         layout=layout,
-        backend=backend,
+        backend=layers.backend,
+        backend_reason=layers.reason,
         precision=precision,
         use_distributed_optimizer=use_dist_opt,
         schedule=schedule,
@@ -243,17 +276,10 @@ def _resolve_parallel(p, m, world_size: int) -> tuple[int, Optional[int], Option
     return world_size // (p.tp * p.pp), normalise_vpp(p.vpp, layout), layout
 
 
-def _resolve_devices(cfg: RunConfig, cuda: bool) -> tuple[str, str, bool]:
+def _resolve_devices(cfg: RunConfig, cuda: bool) -> tuple[BackendChoice, str, bool]:
     """(layer backend, precision, distributed optimizer) for this machine, and the loss-scale flags."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
-    backend = m.transformer_impl
-    if backend == "auto":
-        backend = "transformer_engine" if cuda and _have_te() else "local"
-    if backend == "transformer_engine" and not cuda:
-        raise ConfigError("--transformer-impl transformer_engine needs a GPU; use --transformer-impl local on CPU")
-    if backend == "transformer_engine" and not _have_te():
-        raise ConfigError("--transformer-impl transformer_engine: Transformer Engine is not installed "
-                          "(pip install -r requirements-gpu.txt); use --transformer-impl local")
+    backend = choose_layers(m.transformer_impl, cuda)
     use_dist_opt = cuda if p.use_distributed_optimizer is None else p.use_distributed_optimizer
     precision = choose_precision(t.precision, cuda)
     if precision != "fp16" and t.loss_scale is not None:
@@ -454,10 +480,6 @@ def _check_same_model(meta: CheckpointMeta, cfg: RunConfig, source: str) -> None
                           "pass the --tokenizer-model (or --vocab-size) it was trained with")
     if diffs:
         raise ConfigError(f"{source}: the checkpoint holds a different model ({'; '.join(diffs)})")
-
-
-def _have_te() -> bool:
-    return transformer_engine_importable()
 
 
 def _check_layout(layout: str, num_layers: int, pp: int, vpp: Optional[int]) -> "StageLayout":

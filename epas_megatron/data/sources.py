@@ -30,10 +30,10 @@ class DataSources:
 
 
 def prepare_data_sources(data_cfg) -> DataSources:
-    """Resolve ``DataConfig``; with no ``--data``, build (once per node, under file locks) and use
+    """Resolve ``DataConfig``; with no ``--data`` (or ``--data embedded``), build (once per node, under file locks) and use
     the embedded corpus. Collective when a process group exists."""
     cache_dir = Path(data_cfg.data_cache_dir) if data_cfg.data_cache_dir else default_cache_dir()
-    if data_cfg.data is None:
+    if data_cfg.embedded:
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             prepare_default_data(cache_dir, data_cfg.default_vocab_size)
         if dist.is_initialized():

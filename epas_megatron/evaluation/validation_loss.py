@@ -35,7 +35,7 @@ def evaluate_regions(args, checkpoint: Path, meta: CheckpointMeta) -> list[dict]
     data_cfg = cfg.data
     if args.data is not None:
         data_cfg = replace(data_cfg, data=args.data, tokenizer_model=args.tokenizer_model)
-    elif data_cfg.tokenizer_model is None and data_cfg.data is not None:
+    elif data_cfg.tokenizer_model is None and not data_cfg.embedded:
         data_cfg = replace(data_cfg, tokenizer_model=meta.tokenizer_model)
     data = prepare_data_sources(data_cfg)
     t = cfg.training

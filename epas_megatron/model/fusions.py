@@ -41,11 +41,15 @@ without a GPU. What is fused where:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shutil
+import sysconfig
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
+
+from epas_megatron.errors import ConfigError
 
 _APEX_SOFTMAX = ("scaled_upper_triang_masked_softmax_cuda", "scaled_masked_softmax_cuda", "scaled_softmax_cuda")
 _APEX_GRAD_ACCUMULATION = "fused_weight_gradient_mlp_cuda"
@@ -61,13 +65,47 @@ def _importable(name: str) -> bool:
         return False
 
 
-def transformer_engine_importable() -> bool:
-    """Transformer Engine imports (never install it on a CPU machine: see requirements-gpu.txt)."""
+@dataclass(frozen=True)
+class TransformerEngineProbe:
+    """Whether Transformer Engine is installed here and, if so, whether what the TE layer spec
+    needs loads: ``transformer_engine.pytorch`` and Megatron-Core's TE extension (never install
+    TE on a CPU machine: see requirements-gpu.txt)."""
+
+    installed: bool
+    """A ``transformer_engine`` package is on the path."""
+
+    error: Optional[str] = None
+    """Why an installed TE does not load (the exception, one line), or None."""
+
+    @property
+    def loads(self) -> bool:
+        """Installed, and it loads."""
+        return self.installed and self.error is None
+
+
+@functools.lru_cache(maxsize=None)
+def probe_transformer_engine() -> TransformerEngineProbe:
+    """Probe this process once: a TE that cannot load its CUDA library or extension raises more
+    than ImportError, and a wrong version can break only Megatron's TE extension."""
+    if not _importable("transformer_engine"):
+        return TransformerEngineProbe(installed=False)
     try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # a TE that cannot load CUDA raises more than ImportError
-        return False
-    return True
+        import transformer_engine.pytorch  # noqa: F401
+
+        import megatron.core.extensions.transformer_engine  # noqa: F401
+    except Exception as error:
+        return TransformerEngineProbe(installed=True, error=_one_line(error))
+    return TransformerEngineProbe(installed=True)
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def transformer_engine_importable() -> bool:
+    """Transformer Engine is installed and loads (:func:`probe_transformer_engine`)."""
+    return probe_transformer_engine().loads
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -85,13 +123,61 @@ def choose_precision(requested: str, cuda: bool) -> str:
     return requested
 
 
-def choose_backend(transformer_impl: str, cuda: bool) -> str:
+@dataclass(frozen=True)
+class BackendChoice:
+    """The decoder layers' backend and why it was chosen (printed at start-up)."""
+
+    backend: str
+    """'local' or 'transformer_engine'."""
+
+    reason: str
+    """'--transformer-impl local', 'auto: no GPU', ..."""
+
+
+_REPAIR_TE = "repair it (requirements-gpu.txt) or uninstall it"
+
+
+def choose_layers(transformer_impl: str, cuda: bool,
+                  probe: Callable[[], TransformerEngineProbe] = probe_transformer_engine) -> BackendChoice:
+    """The backend of a training run (``--transformer-impl``): 'auto' takes Transformer Engine on
+    a GPU node where it is installed, local layers where it is not (or on CPU), and says which.
+    A backend that is chosen, or that 'auto' would choose (TE installed), but does not load is a
+    ``ConfigError`` naming it and ``--transformer-impl local`` -- never a silent fall-back."""
+    if transformer_impl == "local":
+        return BackendChoice("local", "--transformer-impl local")
+    if transformer_impl not in ("auto", "transformer_engine"):
+        raise ConfigError(f"--transformer-impl {transformer_impl!r}: choose one of auto, local, transformer_engine")
+    explicit = transformer_impl == "transformer_engine"
+    if not cuda:
+        if explicit:
+            raise ConfigError("--transformer-impl transformer_engine needs a GPU; use --transformer-impl local on CPU")
+        return BackendChoice("local", "auto: no GPU")
+    te = probe()
+    if not te.installed:
+        if explicit:
+            raise ConfigError("--transformer-impl transformer_engine: Transformer Engine is not installed "
+                              "(pip install -r requirements-gpu.txt); use --transformer-impl local")
+        return BackendChoice("local", "auto: Transformer Engine is not installed")
+    if te.error is not None:
+        raise ConfigError(f"--transformer-impl {transformer_impl}: Transformer Engine is installed but does not load "
+                          f"({te.error}); {_REPAIR_TE}, or pass --transformer-impl local for local layers")
+    return BackendChoice("transformer_engine", "--transformer-impl transformer_engine" if explicit else
+                         "auto: Transformer Engine loads on this GPU node")
+
+
+def choose_backend(transformer_impl: str, cuda: bool,
+                   probe: Callable[[], TransformerEngineProbe] = probe_transformer_engine) -> str:
     """The layer backend to load a trained model into on this machine: Transformer Engine where
-    the run used it (or left it to 'auto') and it is available here, local layers otherwise --
-    checkpoints load into either. (Training refuses an unavailable TE instead:
-    :func:`epas_megatron.config.validation.resolve_run`.)"""
-    use_te = cuda and transformer_impl != "local" and transformer_engine_importable()
-    return "transformer_engine" if use_te else "local"
+    the run used it (or left it to 'auto') and it is installed here, local layers where it is
+    not -- checkpoints load into either, with the same numbers. An installed TE that does not
+    load is a ``ConfigError`` (as in training, :func:`choose_layers`), not a quiet switch."""
+    if not cuda or transformer_impl == "local":
+        return "local"
+    te = probe()
+    if te.installed and te.error is not None:
+        raise ConfigError(f"Transformer Engine is installed but does not load ({te.error}); {_REPAIR_TE} "
+                          "(the checkpoint then loads into local layers)")
+    return "transformer_engine" if te.installed else "local"
 
 
 def triton_compiler_problem(environ: Mapping[str, str] = os.environ, which: Callable[[str], Optional[str]] = shutil.which) -> Optional[str]:
@@ -105,8 +191,53 @@ def triton_compiler_problem(environ: Mapping[str, str] = os.environ, which: Call
     return "no C compiler for Triton's CUDA launcher (CC unset, neither gcc nor clang on PATH)"
 
 
-def _jit_fuser_problem() -> Optional[str]:
-    """On a CUDA machine: None if Megatron's ``jit_fuser`` kernels can be built, else why not."""
+def python_headers_problem(include_dir: Optional[str] = None, exists: Callable[[str], bool] = os.path.isfile) -> Optional[str]:
+    """None if ``Python.h`` is where Triton's launcher build looks for it (``sysconfig``'s include
+    directory, Debian's 'posix_local' scheme read as 'posix_prefix', as ``triton/runtime/build.py``
+    does), else why not: a node with a compiler but no Python development headers fails there."""
+    if include_dir is None:
+        scheme = sysconfig.get_default_scheme()
+        include_dir = sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local" else scheme)["include"]
+    header = os.path.join(include_dir, "Python.h")
+    if exists(header):
+        return None
+    return f"no Python headers for Triton's launcher ({header} is missing; install the python3-dev package of this Python)"
+
+
+@functools.lru_cache(maxsize=None)
+def triton_launch_problem(device: str = "cuda") -> Optional[str]:
+    """Compile and launch a trivial Triton kernel on ``device`` (adds 1 to eight values) and
+    check its result: None if that works, else why not, in one line. This is what every fusion
+    ``torch.compile`` builds goes through -- the kernel's compilation and the launcher's build
+    with the host's C compiler and Python headers -- so a node that lacks any part fails here,
+    once, instead of inside Inductor at the first forward. Cached per process. Under
+    ``TRITON_INTERPRET=1`` (any device) the kernel runs in Triton's interpreter (no build): what
+    the CPU tests use to check the kernel itself."""
+    import torch
+
+    try:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def add_one(pointer, count, BLOCK: tl.constexpr):
+            offsets = tl.arange(0, BLOCK)
+            mask = offsets < count
+            tl.store(pointer + offsets, tl.load(pointer + offsets, mask=mask) + 1.0, mask=mask)
+
+        values = torch.arange(8, dtype=torch.float32, device=device)
+        add_one[(1,)](values, 8, BLOCK=8)
+        if not torch.equal(values.cpu(), torch.arange(1, 9, dtype=torch.float32)):
+            return "a trivial Triton kernel computed wrong values"
+    except Exception as error:  # compiler, headers, driver: whatever the build or launch raises
+        return f"a trivial Triton kernel did not build and run ({_one_line(error)})"
+    return None
+
+
+def _jit_fuser_problem(launch: Callable[[], Optional[str]] = triton_launch_problem) -> Optional[str]:
+    """On a CUDA machine: None if Megatron's ``jit_fuser`` kernels can be built, else why not --
+    Triton, a C compiler (or Triton's custom build hook), Python headers, and finally a trivial
+    kernel built and launched (``launch``, :func:`triton_launch_problem`)."""
     from megatron.core.fusions import fused_bias_dropout, fused_bias_swiglu
 
     compiled = (fused_bias_swiglu.swiglu, fused_bias_dropout.bias_dropout_add_fused_train)
@@ -119,9 +250,11 @@ def _jit_fuser_problem() -> Optional[str]:
     import triton
 
     knobs = getattr(triton, "knobs", None)
-    if getattr(getattr(knobs, "build", None), "impl", None) is not None:
-        return None  # a custom build hook instead of the C compiler
-    problem = triton_compiler_problem()
+    if getattr(getattr(knobs, "build", None), "impl", None) is None:  # else a custom build hook instead of the C compiler
+        problem = triton_compiler_problem() or python_headers_problem()
+        if problem:
+            return f"torch.compile cannot build Triton kernels: {problem}"
+    problem = launch()
     return f"torch.compile cannot build Triton kernels: {problem}" if problem else None
 
 

@@ -41,7 +41,8 @@ def layers_description(run: ResolvedRun) -> str:
     """Layer backend, attention kernel and the fusions in use (and why any is off)."""
     attention = "TE attention" if run.backend == "transformer_engine" else f"{run.cfg.model.core_attention} attention"
     kernels, backend = KernelAvailability.detect(), run.backend
-    return f"{backend} layers, {attention}, {describe(fusion_settings(kernels, backend), fusion_off_reasons(kernels, backend))}"
+    why = f" ({run.backend_reason})" if run.backend_reason.startswith("auto") else ""
+    return f"{backend} layers{why}, {attention}, {describe(fusion_settings(kernels, backend), fusion_off_reasons(kernels, backend))}"
 
 
 def banner(run: ResolvedRun, dims: ParallelDims) -> str:

@@ -173,3 +173,35 @@ def test_resuming_with_another_vocabulary_fails_before_data_work(isolated, capsy
 ])
 def test_random_ltd_flags(isolated, capsys, monkeypatch, argv, flag):
     fails(argv, isolated, capsys, flag, 2 if "--tp" in argv else None, monkeypatch)
+
+
+@pytest.mark.parametrize("model", [["--preset", "125m"], ["--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12",
+                                                            "--num-query-groups", "12", "--ffn-hidden-size", "2048"]],
+                         ids=["preset", "flags"])
+def test_a_model_larger_than_small_needs_its_data_named(model, isolated, capsys):
+    """No --data means the embedded demo corpus (about 0.44M tokens): a model larger than the
+    'small' preset (by decoder parameters) stops, naming --data and --data embedded."""
+    err = fails([*model, "--train-iters", "1"], isolated, capsys, "has no --data", match="--data embedded")
+    assert "12 layers, hidden 768: 85M decoder parameters" in err  # 12 x (768 x (768 + 2 x 768) + 768^2 + 3 x 768 x 2048 + 2 x 768)
+
+
+def test_a_tokenizer_without_data_is_refused(isolated, capsys):
+    """The embedded corpus is tokenized with its own tokenizer: another one would read its token
+    ids as other pieces."""
+    fails(["--tokenizer-model", str(isolated / "any.model")], isolated, capsys, "--tokenizer-model", match="without --data")
+
+
+def test_named_embedded_data_trains_a_larger_model(tmp_path, monkeypatch):
+    """--data embedded: the same corpus, asked for by name; checked before any work (the
+    resolved run keeps the name, which the data sources read as the embedded corpus)."""
+    from epas_megatron.config.cli import parse_config
+    from epas_megatron.config.presets import too_large_for_the_embedded_corpus
+    from epas_megatron.config.validation import resolve_run
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    run = resolve_run(parse_config(["--preset", "125m", "--data", "embedded", "--output-dir", str(tmp_path / "out")]), world_size=1)
+    assert run.cfg.data.data == ["embedded"] and run.cfg.data.embedded
+    assert too_large_for_the_embedded_corpus(12, 768, 12, 12, 2048)
+    assert not too_large_for_the_embedded_corpus(8, 384, 6, 2, 1024)  # 'small' itself
+    # epas-plan plans a model without training it: no data needed
+    assert resolve_run(parse_config(["--preset", "125m", "--output-dir", str(tmp_path / "p")]), world_size=1, planning_only=True)

@@ -160,6 +160,8 @@ def run_bench(*argv, launched=None):
     (["--parts", "scratch,speed"], "--parts 'scratch,speed': choose among scratch, continual, ablation, random_ltd"),
     (["--scale", "tinyllama"], "--scale tinyllama is continual pretraining only: give --base-checkpoint"),
     (["--data", "x"], "--data needs --tokenizer-model"),
+    (["--scale", "125m"], "--scale 125m (125m) has no --data: give --data PREFIX --tokenizer-model MODEL, or --data embedded"),
+    (["--scale", "tinyllama", "--base-checkpoint", "x", "--data", "embedded"], "--scale tinyllama: give --data and --tokenizer-model"),
     (["--seeds", "1234,x"], "--seeds '1234,x': give non-negative integers separated by commas"),
     (["--seeds", "1234,1234"], "--seeds '1234,1234': a seed is listed twice"),
     (["--switch-ramp", "50"], "--switch-ramp 50: give 1 to 49 (below the --epas-interval 50 of --scale cpu)"),
@@ -168,6 +170,15 @@ def run_bench(*argv, launched=None):
 def test_bad_input(argv, message):
     proc = run_bench(*argv)
     assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_named_embedded_data_reaches_every_arm(tmp_path):
+    """--data embedded (a GPU scale on the demo corpus, by name): every arm's command names it,
+    with no --tokenizer-model."""
+    proc = run_bench("--scale", "125m", "--data", "embedded", "--dry-run", "--output-dir", str(tmp_path / "q"))
+    commands = [line for line in proc.stdout.splitlines() if ": " in line and "epas_megatron" in line]
+    assert proc.returncode == 0 and commands, proc.stderr
+    assert all("--data embedded" in line and "--tokenizer-model" not in line for line in commands)
 
 
 def test_smoke_recipe_end_to_end(tmp_path):

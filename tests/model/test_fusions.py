@@ -2,6 +2,7 @@
 reasons in the banner, the compiler probe, and the LM head's own gradient-accumulation setting."""
 
 import itertools
+import re
 
 import pytest
 
@@ -138,3 +139,108 @@ def test_activation_kernels_follow_the_device_and_the_jit_fuser():
     assert activation_kernels(no_compiler)["fused_swiglu"] is False
     assert [torch_fuses_rms_norm(v) for v in ("2.6.0", "2.7.1+cu126", "2.8.0", "2.11.0+cu130", "2.14.1")] == [
         False, False, True, True, True]
+
+
+def test_the_triton_launch_probe_runs_a_real_kernel(monkeypatch):
+    """The probe's kernel compiles and computes 1..8 from 0..7 in Triton's interpreter (the CPU
+    equivalent of a launch); without the interpreter a CPU has no Triton driver, and the probe
+    says so in one line instead of raising."""
+    from epas_megatron.model.fusions import triton_launch_problem
+
+    triton_launch_problem.cache_clear()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    try:
+        assert triton_launch_problem("cpu") is None
+        triton_launch_problem.cache_clear()
+        monkeypatch.delenv("TRITON_INTERPRET")
+        import torch
+
+        if not torch.cuda.is_available():
+            problem = triton_launch_problem("cpu")
+            assert problem.startswith("a trivial Triton kernel did not build and run (") and "\n" not in problem
+    finally:
+        triton_launch_problem.cache_clear()
+
+
+def test_the_jit_fuser_probe_builds_and_launches_before_turning_fusions_on(monkeypatch):
+    """On a GPU node (faked: Triton present), the compiled fusions are on only when a trivial
+    kernel builds and runs; a node with a compiler but without Python headers, or whose launch
+    fails, keeps them off with that reason (the first forward would otherwise fail inside
+    Inductor)."""
+    import torch.utils._triton
+
+    from epas_megatron.model import fusions
+
+    monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: True)
+    monkeypatch.setattr(fusions, "triton_compiler_problem", lambda: None)
+    monkeypatch.setattr(fusions, "python_headers_problem", lambda: None)
+    launched = []
+    assert fusions._jit_fuser_problem(launch=lambda: launched.append(1)) is None and launched == [1]
+    failed = fusions._jit_fuser_problem(launch=lambda: "a trivial Triton kernel did not build and run (CalledProcessError: gcc)")
+    assert failed == "torch.compile cannot build Triton kernels: a trivial Triton kernel did not build and run (CalledProcessError: gcc)"
+    monkeypatch.setattr(fusions, "python_headers_problem", lambda: "no Python headers for Triton's launcher (x)")
+    launched.clear()
+    assert "no Python headers" in fusions._jit_fuser_problem(launch=lambda: launched.append(1)) and not launched
+    kernels = KernelAvailability(cuda=True, te_rope=False, apex_softmax=False, apex_gradient_accumulation=False,
+                                 jit_fuser_problem=failed)
+    assert "did not build and run" in describe(fusion_settings(kernels), fusion_off_reasons(kernels))
+
+
+def test_python_headers_probe(tmp_path):
+    from epas_megatron.model.fusions import python_headers_problem
+
+    assert python_headers_problem() is None  # this machine's Python has its headers (Triton's launcher builds here)
+    assert f"{tmp_path}/Python.h is missing" in python_headers_problem(str(tmp_path))
+    (tmp_path / "Python.h").write_text("")
+    assert python_headers_problem(str(tmp_path)) is None
+
+
+def _probe(installed, error=None):
+    from epas_megatron.model.fusions import TransformerEngineProbe
+
+    return lambda: TransformerEngineProbe(installed, error)
+
+
+@pytest.mark.parametrize("impl, cuda, te, expected", [
+    ("local", True, _probe(True), ("local", "--transformer-impl local")),
+    ("auto", False, _probe(True, "never asked"), ("local", "auto: no GPU")),
+    ("auto", True, _probe(False), ("local", "auto: Transformer Engine is not installed")),
+    ("auto", True, _probe(True), ("transformer_engine", "auto: Transformer Engine loads on this GPU node")),
+    ("transformer_engine", True, _probe(True), ("transformer_engine", "--transformer-impl transformer_engine")),
+    ("auto", True, _probe(True, "OSError: libcudnn.so.9: cannot open shared object file"),
+     "--transformer-impl auto: Transformer Engine is installed but does not load (OSError: libcudnn.so.9"),
+    ("transformer_engine", True, _probe(True, "ImportError: x"), "or pass --transformer-impl local for local layers"),
+    ("transformer_engine", True, _probe(False), "Transformer Engine is not installed (pip install -r requirements-gpu.txt)"),
+    ("transformer_engine", False, _probe(True), "needs a GPU; use --transformer-impl local on CPU"),
+])
+def test_layer_backend_choice_never_falls_back_in_silence(impl, cuda, te, expected):
+    """Every --transformer-impl on every kind of node: the backend and the reason printed at
+    start-up, or an error naming the backend and --transformer-impl local -- an installed TE
+    that does not load is never quietly replaced by local layers."""
+    from epas_megatron.errors import ConfigError
+    from epas_megatron.model.fusions import choose_backend, choose_layers
+
+    if isinstance(expected, tuple):
+        choice = choose_layers(impl, cuda, te)
+        assert (choice.backend, choice.reason) == expected
+        assert choose_backend(impl, cuda, te) == expected[0]  # loading a checkpoint picks the same layers
+    else:
+        with pytest.raises(ConfigError, match=re.escape(expected)):
+            choose_layers(impl, cuda, te)
+    if te().installed and te().error is not None and cuda:
+        with pytest.raises(ConfigError, match="installed but does not load"):
+            choose_backend(impl, cuda, te)
+
+
+def test_the_start_up_line_says_why_auto_chose_its_layers(tmp_path, monkeypatch):
+    from epas_megatron.config.cli import parse_config
+    from epas_megatron.config.validation import resolve_run
+    from epas_megatron.training.reporting import layers_description
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    run = resolve_run(parse_config(["--preset", "tiny", "--output-dir", str(tmp_path)]), world_size=1, cuda=False)
+    assert (run.backend, run.backend_reason) == ("local", "auto: no GPU")
+    assert layers_description(run).startswith("local layers (auto: no GPU), sdpa attention, fused kernels")
+    run = resolve_run(parse_config(["--preset", "tiny", "--transformer-impl", "local", "--output-dir", str(tmp_path)]),
+                      world_size=1, cuda=False)
+    assert layers_description(run).startswith("local layers, sdpa attention")
