@@ -106,6 +106,14 @@ def collective_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def all_reduce_tensor(tensor: torch.Tensor, op=None) -> torch.Tensor:
+    """All-reduce ``tensor`` (on :func:`collective_device`) over the world in place, with no host
+    copy (a no-op without a process group); returns it."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
+    return tensor
+
+
 def all_reduce_values(values, op=None) -> list[float]:
     """All-reduce a short list of numbers over the world (a no-op without a process group)."""
     tensor = torch.tensor(values, dtype=torch.float64, device=collective_device())

@@ -90,18 +90,30 @@ class StepResult:
     """fp16: the loss scale used for this step's gradients (None otherwise)."""
 
 
-def _reduce_losses(losses: Sequence[dict]) -> tuple[float, int]:
-    """Sum [loss, tokens] over micro-batches here, then over all ranks.
+def _loss_totals(losses: Sequence[dict]) -> torch.Tensor:
+    """``[loss sum, tokens]`` (fp64) of this rank's micro-batches, summed where they are (on the
+    GPU: no host copy per micro-batch), then over all ranks.
 
     Only last-stage ranks hold losses; TP replicas hold copies, which scales sum and count alike,
     so the ratio is exact on every rank.
     """
-    from epas_megatron.runtime.distributed import all_reduce_values
+    from epas_megatron.runtime.distributed import all_reduce_tensor, collective_device
 
-    total = torch.zeros(2, dtype=torch.float64)
-    for entry in losses:
-        total += entry["lm loss"].detach().to("cpu", torch.float64)
-    loss_sum, tokens = all_reduce_values(total.tolist())
+    if losses:
+        # [m, 2] -> [2]
+        total = torch.stack([entry["lm loss"].detach() for entry in losses]).to(collective_device(), torch.float64).sum(0)
+    else:
+        total = torch.zeros(2, dtype=torch.float64, device=collective_device())
+    return all_reduce_tensor(total)
+
+
+def _host_values(*tensors: torch.Tensor) -> list[float]:
+    """The values of small device tensors on the host, in ONE copy (one synchronisation)."""
+    return torch.cat([t.detach().reshape(-1).to(tensors[0].device, torch.float64) for t in tensors]).tolist()
+
+
+def _loss_and_tokens(totals: list[float]) -> tuple[float, int]:
+    loss_sum, tokens = totals
     return loss_sum / max(tokens, 1.0), int(round(tokens))
 
 
@@ -150,8 +162,13 @@ def train_step(model_chunks, optimizer, scheduler, data_iterators, *, num_microb
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = _run_schedule(model_chunks, data_iterators, num_microbatches, seq_length, micro_batch_size, False)
-    loss_scale = float(optimizer.get_loss_scale()) if model_chunks[0].config.fp16 else None
-    loss, tokens = _reduce_losses(losses)
+    # The step's one host copy before the optimizer: the global loss and tokens (the loss must be
+    # checked before the weights move) and, in fp16, the loss scale these gradients were made with.
+    totals = _loss_totals(losses)
+    scale = optimizer.get_loss_scale() if model_chunks[0].config.fp16 else None
+    values = _host_values(totals, scale) if scale is not None else _host_values(totals)
+    loss, tokens = _loss_and_tokens(values[:2])
+    loss_scale = values[2] if scale is not None else None
     if not math.isfinite(loss):  # before the step: the weights stay as they were
         raise NonFiniteError(f"the loss is {loss} (the weights were not updated)")
     scale_lr(optimizer, scheduler, lr_factor)  # a fresh value from the scheduler: right after a load or a switch too
@@ -180,5 +197,5 @@ def eval_step(model_chunks, data_iterators, *, num_microbatches: int, seq_length
     finally:
         for chunk in model_chunks:
             chunk.train()
-    loss, tokens = _reduce_losses(losses)
+    loss, tokens = _loss_and_tokens(_host_values(_loss_totals(losses)))
     return StepResult(lm_loss=loss, tokens=tokens)

@@ -270,11 +270,12 @@ class Trainer:
             self.checkpointer.poll()
             if self.cfg.checkpoint.save_interval and self.iteration % self.cfg.checkpoint.save_interval == 0:
                 self.checkpointer.checkpoint(self, self._train_seconds())
-            signum = self.exit_signal.agreed()
+            signum = self.exit_signal.poll()  # never blocks the step: agreed one iteration later
             if signum is not None:
                 exit_reason = f"signal {signum}"
                 break
 
+        self.exit_signal.drain()  # the all-reduce the last poll started (every rank reaches this line)
         stopped_early = self.iteration < t.train_iters
         self.checkpointer.finish()
         if (stopped_early or not self.cfg.checkpoint.no_save_final) and self.checkpointer.latest_iteration() != self.iteration:
