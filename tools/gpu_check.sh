@@ -10,7 +10,7 @@
 #   cd epas-megatron && tools/gpu_check.sh
 #
 # The wheel folder is made on any machine with PyPI access (Linux x86-64 / CPython 3.12 wheels of
-# megatron-core, numpy, pytest, ...; never torch, triton or nvidia-*; about 22 MiB):
+# megatron-core, numpy, pytest, tensorboard, ...; never torch, triton or nvidia-*; about 42 MiB):
 #
 #   tools/gpu_wheels.sh ../gpu_wheels      # then copy epas-megatron/ and gpu_wheels/ to the node
 #
@@ -29,18 +29,26 @@
 #                 network access makes the folder itself: tools/gpu_wheels.sh ../gpu_wheels
 #   VENV          where missing packages go (default: .venv-gpu): a virtual environment that sees
 #                 PYTHON's packages (torch, Triton, CUDA libraries are used as they are, also when PYTHON
-#                 is itself a venv). VENV=system installs into PYTHON's own environment instead.
+#                 is itself a venv). Made without pip where PYTHON has one (PYTHON's pip serves it), so a
+#                 python without ensurepip (Debian/Ubuntu without python3.X-venv) still makes it.
+#                 VENV=system installs into PYTHON's own environment instead (where PYTHON cannot make a
+#                 venv at all), with pip --break-system-packages where that environment is externally
+#                 managed (PEP 668).
 #   OUT           report directory (default: gpu_check_out): environment.json, gpu_suite.xml and .log,
-#                 bench.log, ledger_row.md, gpu_check.json
-#   TIME_LIMIT    seconds for the whole check (default 570); the suite gets what set-up and the benchmark
-#                 leave, and is stopped (its results so far kept) when that is spent
+#                 bench.log, stopped.txt (why the check stopped early), ledger_row.md, gpu_check.json
+#   TIME_LIMIT    seconds for the whole check, worst case included (default 570; the GPU lender's hard
+#                 limit is 600 per call): every step runs under timeout within it, kill-after grace
+#                 included, and 20 s are kept for the report. The suite gets what set-up and the
+#                 benchmark leave, and is stopped (its results so far kept) when that is spent
 #   TEST_TIMEOUT  seconds per test (default 240; pytest-timeout, which the wheel folder brings)
 #   BENCH         0 skips the benchmark (default 1); BENCH_ITERS timed iterations (default 20);
 #                 BENCH_TIMEOUT seconds (default 120)
 #
 # Exit status: 0 when nothing failed (skips are reported with their reasons); 1 when a test or the
-# benchmark failed or ran out of time; 2 when this node cannot run the check (no CUDA torch, torch
-# outside the supported range, no usable GPU, packages missing and no wheel folder).
+# benchmark failed or ran out of time (set-up included); 2 when this node cannot run the check (no
+# CUDA torch, torch outside the supported range, no usable GPU, packages missing and no wheel folder,
+# an install or import that fails). Once PYTHON and its GPU are known, every exit writes the ledger
+# row (OUT/ledger_row.md, printed), a stop with its reason: 'check stopped: import check failed: ...'.
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
@@ -56,6 +64,11 @@ REQUIREMENTS=(
     "psutil>=5.9"
     "pytest>=8.0"
     "pytest-timeout>=2.3"
+    # TensorBoard logging is on by default in every epas-train run (launch/configs/125m.yaml says so
+    # too): a user's first real run on the node needs it, though the suite and the benchmark do not.
+    # Its wheels (tensorboard, tensorboard-data-server, grpcio, protobuf, pillow, werkzeug, markdown,
+    # absl-py) are pure or manylinux cp312; setuptools and markupsafe come with the node's torch.
+    "tensorboard>=2.16"
 )
 
 MODE=run DRY_RUN=0 REPORT_DIR=
@@ -84,6 +97,22 @@ for knob in TIME_LIMIT TEST_TIMEOUT BENCH_ITERS BENCH_TIMEOUT; do
     [[ ${!knob} =~ ^[0-9]+$ ]] || { echo "error: $knob=${!knob} is not a whole number of seconds/iterations" >&2; exit 2; }
 done
 
+# The time budget. TIME_LIMIT bounds the worst case, not the usual one: every step runs under
+# timeout, and what timeout may add after its limit (--kill-after, for a process that ignores the
+# first signal) is counted inside TIME_LIMIT. Set-up steps must end by DEADLINE (SIGTERM, then SIGKILL
+# STEP_KILL_AFTER later); the suite gets SIGINT at its limit (pytest then writes its report) and
+# SIGKILL SUITE_KILL_AFTER later; the benchmark the same with BENCH_KILL_AFTER; REPORT_RESERVE
+# after DEADLINE is the report's (and, after a stop, the environment's last update).
+STEP_KILL_AFTER=5 SUITE_KILL_AFTER=30 BENCH_KILL_AFTER=15 REPORT_RESERVE=20
+BENCH_SHARE=$(( BENCH == 1 ? BENCH_TIMEOUT + BENCH_KILL_AFTER : 0 ))
+DEADLINE=$(( TIME_LIMIT - REPORT_RESERVE ))
+if [[ $MODE == run ]] && (( DEADLINE - SUITE_KILL_AFTER - BENCH_SHARE < 1 )); then
+    echo "error: TIME_LIMIT=$TIME_LIMIT leaves the GPU suite no time: the benchmark takes up to $BENCH_SHARE s" \
+         "(BENCH_TIMEOUT=$BENCH_TIMEOUT + ${BENCH_KILL_AFTER} s grace), the suite's grace ${SUITE_KILL_AFTER} s, the report" \
+         "${REPORT_RESERVE} s: raise TIME_LIMIT (at most 600 on the GPU lender), lower BENCH_TIMEOUT or set BENCH=0" >&2
+    exit 2
+fi
+
 say() { printf '%s\n' "$*"; }
 quote() {  # the words of a command line, shell-quoted where they need it (copy-pasteable)
     local word line=
@@ -96,15 +125,40 @@ run() {  # print (copy-pasteable), then run unless --dry-run
     say "+ $(quote "$@")"
     if [[ $DRY_RUN == 0 ]]; then "$@"; fi
 }
-# A check that stops a real run; under --dry-run it is reported and the plan goes on.
+# "$@" under timeout, ended (SIGTERM, then SIGKILL) by the set-up's DEADLINE; 124 or 137 when it
+# ran out of time (or there was none left to start it).
+bounded() {
+    local limit=$(( DEADLINE - SECONDS - STEP_KILL_AFTER ))
+    (( limit >= 1 )) || return 124
+    timeout --kill-after="$STEP_KILL_AFTER" "$limit" "$@"
+}
+timed_out() { [[ $1 == 124 || $1 == 137 ]]; }
+# A set-up command: printed (copy-pasteable), then run within the set-up's deadline unless --dry-run.
+# Returns the command's status; running out of time stops the check (status 1).
+step() {  # $1: what it is (for the messages); the rest: the command
+    local what=$1 status=0
+    shift
+    say "+ $(quote "$@")"
+    [[ $DRY_RUN == 1 ]] && return 0
+    bounded "$@" || status=$?
+    if timed_out "$status"; then
+        STOP_STATUS=1 stop "$what ran out of time: set-up must end by ${DEADLINE}s of TIME_LIMIT=${TIME_LIMIT}s (the rest is the suite's, the benchmark's and the report's); raise TIME_LIMIT"
+    fi
+    return "$status"
+}
+# A check that stops a real run (status STOP_STATUS, default 2); under --dry-run it is reported and the
+# plan goes on. Once the environment is known (LEDGER=1), the exit writes the ledger row with the reason.
+STOP_STATUS=2 LEDGER=0 STAGE="the start" REPORTED=0
 stop() {
     if [[ $DRY_RUN == 1 ]]; then say "note: a real run would stop here: $*"; return 0; fi
-    say "error: $*" >&2; exit 2
+    say "error: $*" >&2
+    if [[ $LEDGER == 1 ]]; then printf '%s\n' "$*" >"$OUT/stopped.txt"; fi
+    exit "$STOP_STATUS"
 }
 
 # ---- the ledger row (also --report DIR): stdlib only, reads what a run left in OUT
-ledger_report() {  # $1: python, $2: OUT directory
-    "$1" - "$2" <<'EOF'
+ledger_report() {  # $1: python, $2: OUT directory, $3: seconds it may take (default 60; killed 2 s later)
+    timeout --kill-after=2 "${3:-60}" "$1" - "$2" <<'EOF'
 import json, re, sys, xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
@@ -119,13 +173,14 @@ def read(name, default=""):
     return path.read_text() if path.exists() else default
 
 env = json.loads(read("environment.json", "{}"))
+stopped = read("stopped.txt").strip()  # why the check stopped before its end (stop() wrote it)
 suite_status = read("gpu_suite.status").strip()
 passed, failed, skipped = [], [], []
 try:
     root = ET.parse(out / "gpu_suite.xml").getroot()
 except (OSError, ET.ParseError) as error:
     root = None
-    suite_problem = f"no suite report ({type(error).__name__})"
+    suite_problem = "GPU suite not run" if stopped and not suite_status else f"no suite report ({type(error).__name__})"
 for case in (root.iter("testcase") if root is not None else ()):
     if not case.get("name"):
         continue  # the test running when the suite was stopped
@@ -138,17 +193,18 @@ for case in (root.iter("testcase") if root is not None else ()):
     else:
         passed.append(name)
 
-parts = []
+parts = [f"check stopped: {stopped}"] if stopped else []
 if root is None:
     parts.append(suite_problem)
 else:
     parts.append(f"GPU suite: {len(passed)} passed, {len(failed)} failed, {len(skipped)} skipped")
-if suite_status == "124":
+if suite_status in ("124", "137"):  # timeout's statuses: stopped at SIGINT, or killed after its grace
     running = ""
     for line in read("gpu_suite.log").splitlines():
         match = re.match(r"^(tests/gpu/\S+::\S+)\s*$", line)
         running = match.group(1) if match else running
-    parts.append(f"stopped at its time limit{f' in {running}' if running else ''}")
+    killed = " (killed: it did not stop at SIGINT)" if suite_status == "137" else ""
+    parts.append(f"stopped at its time limit{f' in {running}' if running else ''}{killed}")
 if skipped:
     reasons = Counter(reason for _, reason in skipped)
     parts.append("skipped: " + "; ".join(f"{reason} (x{n})" for reason, n in reasons.most_common()))
@@ -165,14 +221,18 @@ if bench is not None:
                  f"baseline {bench.get('baseline_tokens_per_s', 0):,.0f} tok/s")
 elif bench_status == "skipped":
     parts.append("bench not run (BENCH=0)")
+elif bench_status.startswith("not run"):
+    parts.append(f"bench {bench_status}")
 elif bench_status:
-    parts.append("bench " + ("stopped at its time limit" if bench_status == "124" else f"failed (exit {bench_status})"))
+    parts.append("bench " + ("stopped at its time limit" if bench_status in ("124", "137") else f"failed (exit {bench_status})"))
 
 device = env.get("device", "unknown device")
 row = (f"| {env.get('date', '?')} | {cell(device)} x{env.get('device_count', '?')} (driver {cell(env.get('driver', '?'))}) "
        f"| {cell(env.get('torch', '?'))} (CUDA {cell(env.get('cuda', '?'))}) | {cell(env.get('megatron_core', '?'))} "
        f"| {cell(env.get('transformer_engine', '?'))} | {cell('; '.join(parts))} |")
-ok = root is not None and not failed and suite_status in ("0", "") and bench_status in ("0", "skipped", "")
+ok = not stopped and root is not None and not failed and suite_status in ("0", "") and bench_status in ("0", "skipped", "")
+if stopped:
+    print(f"check stopped: {stopped}")
 print(f"GPU suite: {len(passed)} passed, {len(failed)} failed, {len(skipped)} skipped")
 for name, message in failed:
     print(f"  failed: {name}: {message}")
@@ -182,8 +242,9 @@ print()
 print("GPU ledger row (README.md, section 'GPU ledger'):")
 print(row)
 (out / "ledger_row.md").write_text(row + "\n")
-json.dump({"environment": env, "passed": passed, "failed": failed, "skipped": skipped, "suite_status": suite_status,
-           "bench": bench, "bench_status": bench_status, "ledger_row": row, "ok": ok}, open(out / "gpu_check.json", "w"), indent=1)
+json.dump({"environment": env, "stopped": stopped or None, "passed": passed, "failed": failed, "skipped": skipped,
+           "suite_status": suite_status, "bench": bench, "bench_status": bench_status, "ledger_row": row, "ok": ok},
+          open(out / "gpu_check.json", "w"), indent=1)
 print(f"report: {out}/gpu_check.json")
 sys.exit(0 if ok else 1)
 EOF
@@ -195,12 +256,45 @@ if [[ $MODE == report ]]; then
     exit $?
 fi
 
+# Every exit once the environment is known (LEDGER=1) writes the ledger row: a stop() has written
+# its reason to OUT/stopped.txt; any other early exit (a command failing under set -e) is named by
+# the stage it happened in. Where the full probe (section 4) has not run, the environment's
+# package versions are read first (metadata only: nothing is imported). Both within REPORT_RESERVE.
+on_exit() {
+    local status=$1
+    trap - EXIT
+    if [[ $LEDGER == 1 && $REPORTED == 0 ]]; then
+        [[ -s "$OUT/stopped.txt" ]] || printf '%s\n' "stopped during $STAGE (exit $status)" >"$OUT/stopped.txt"
+        timeout --kill-after=2 6 "$PY" - "$OUT/environment.json" <<'PYEOF' || true
+import json, sys
+from importlib import metadata
+path = sys.argv[1]
+env = json.load(open(path))
+if "fusions" not in env:  # the full probe did not run: the versions this environment has
+    for key, name in (("megatron_core", "megatron-core"), ("transformer_engine", "transformer-engine")):
+        try:
+            version = metadata.version(name)
+            env[key] = f"yes ({version})" if key == "transformer_engine" else version
+        except metadata.PackageNotFoundError:
+            env[key] = "no" if key == "transformer_engine" else "not installed"
+    json.dump(env, open(path, "w"), indent=1)
+PYEOF
+        say "gpu_check.sh took ${SECONDS}s"
+        report_within 8 || true
+    fi
+    exit "$status"
+}
+# The ledger report, killed after $1 seconds (+2): a hung report cannot push the check past TIME_LIMIT.
+report_within() { ledger_report "$PY" "$OUT" "$1"; }
+trap 'on_exit $?' EXIT
+
 [[ $DRY_RUN == 1 ]] && say "gpu_check.sh --dry-run: the plan (nothing is installed or run)"
 
 # ---- 1. the node's python and its torch, checked before anything else
+STAGE="the torch check"
 if [[ -z "${PYTHON:-}" ]]; then
     for candidate in python3.12 python3 python; do
-        if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import sys, torch; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; then
+        if command -v "$candidate" >/dev/null 2>&1 && bounded "$candidate" -c 'import sys, torch; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; then
             PYTHON=$(command -v "$candidate"); break
         fi
     done
@@ -213,10 +307,11 @@ fi
 say "python: $PYTHON"
 NEED_GPU=1
 [[ $MODE == setup ]] && NEED_GPU=0
-# Prints the torch version on success; else one line saying why and exits 2.
+# Prints, as its last line, what the ledger row needs to know of this node (JSON: torch, CUDA, the
+# GPU, the driver) on success; else one line saying why, and exits 2.
 torch_check() {
-    PYTHONPATH="$REPO" "$PYTHON" - "$NEED_GPU" <<'EOF'
-import sys
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" bounded "$PYTHON" - "$NEED_GPU" <<'PYEOF'
+import datetime, json, platform, sys
 need_gpu = sys.argv[1] == "1"
 if sys.version_info < (3, 12):
     print(f"PYTHON is Python {sys.version.split()[0]}; megatron-core 0.17+ needs >= 3.12: set PYTHON=/path/to/python3.12 (the one with the node's CUDA torch)")
@@ -242,17 +337,34 @@ if need_gpu and not facts.cuda_available:
     print(f"no usable CUDA device: torch.cuda.is_available() is False{hidden}; run gpu_check.sh on a GPU node "
           f"(--dry-run and --setup-only work anywhere)")
     sys.exit(2)
-print(facts.torch_version)
-EOF
+env = {"date": datetime.date.today().isoformat(), "torch": facts.torch_version, "cuda": facts.torch_cuda,
+       "driver": facts.driver_version or "unknown", "python": platform.python_version()}
+if facts.cuda_available:
+    env.update(device=torch.cuda.get_device_name(), device_count=torch.cuda.device_count())
+print(json.dumps(env))
+PYEOF
 }
-if [[ $PYTHON_FOUND == 0 ]]; then
-    TORCH_VERSION=
-elif TORCH_OUT=$(torch_check 2>&1); then
-    TORCH_VERSION=$(tail -n 1 <<<"$TORCH_OUT")
-    say "torch: $TORCH_VERSION (a CUDA build in the supported range; used as it is, never replaced)"
-else
-    TORCH_VERSION=
-    stop "$(tail -n 1 <<<"$TORCH_OUT")"
+TORCH_STATUS=0 NODE_FACTS=
+if [[ $PYTHON_FOUND == 1 ]]; then
+    TORCH_OUT=$(torch_check 2>&1) || TORCH_STATUS=$?
+    if [[ $TORCH_STATUS == 0 ]]; then
+        NODE_FACTS=$(tail -n 1 <<<"$TORCH_OUT")
+        say "torch: $("$PYTHON" -c 'import json, sys; print(json.loads(sys.argv[1])["torch"])' "$NODE_FACTS") (a CUDA build in the supported range; used as it is, never replaced)"
+    elif timed_out "$TORCH_STATUS"; then
+        STOP_STATUS=1 stop "the torch check ($PYTHON importing torch, looking at the GPU) ran out of time (TIME_LIMIT=${TIME_LIMIT}s)"
+    else
+        stop "$(tail -n 1 <<<"$TORCH_OUT")"
+    fi
+fi
+
+# From here on the environment is known: a real run keeps what it learns in OUT, and every exit
+# writes the ledger row (on_exit). What an earlier run left there goes first.
+PY=$PYTHON
+if [[ $DRY_RUN == 0 && $MODE == run ]]; then
+    mkdir -p "$OUT"
+    rm -f "$OUT"/environment.json "$OUT"/stopped.txt "$OUT"/gpu_suite.* "$OUT"/bench.* "$OUT"/ledger_row.md "$OUT"/gpu_check.json
+    printf '%s\n' "$NODE_FACTS" >"$OUT/environment.json"
+    LEDGER=1
 fi
 
 # ---- 2. what the node lacks, installed from the wheel folder only (torch is never touched)
@@ -261,7 +373,7 @@ fi
 # requirement (and, recursively, each requirement of what is installed or chosen) is checked
 # against the environment, and only the wheels that fill a gap are installed, with --no-deps.
 install_plan() {  # $1: python of the target environment, $2: wheel folder (may be empty or absent)
-    "$1" - "$2" "${REQUIREMENTS[@]}" <<'EOF'
+    bounded "$1" - "$2" "${REQUIREMENTS[@]}" <<'EOF'
 import email.parser, re, sys, zipfile
 from importlib import metadata
 from pathlib import Path
@@ -336,33 +448,53 @@ EOF
 link_node_packages() {  # VENV sees PYTHON's packages. A .pth file, not --system-site-packages: where PYTHON
     # is itself a venv (as on many GPU images), --system-site-packages would show its base python's instead.
     local site_dirs pth
-    site_dirs=$("$PYTHON" -c 'import os, sys; print("\n".join(p for p in sys.path if os.path.basename(p.rstrip("/")) in ("site-packages", "dist-packages") and os.path.isdir(p)))')
-    pth=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_gpu_check_node_packages.pth
+    site_dirs=$(bounded "$PYTHON" -c 'import os, sys; print("\n".join(p for p in sys.path if os.path.basename(p.rstrip("/")) in ("site-packages", "dist-packages") and os.path.isdir(p)))')
+    pth=$(bounded "$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_gpu_check_node_packages.pth
     say "+ # $pth: site.addsitedir() of PYTHON's $(tr '\n' ' ' <<<"$site_dirs")"
     while IFS= read -r dir; do
         [[ -n "$dir" ]] && printf 'import site; site.addsitedir(%s)\n' "$("$PYTHON" -c 'import sys; print(repr(sys.argv[1]))' "$dir")"
     done <<<"$site_dirs" >"$pth"
 }
 
+STAGE="the install"
 if [[ -z "${WHEELS:-}" && -d "$REPO/../gpu_wheels" ]]; then WHEELS=$(cd "$REPO/../gpu_wheels" && pwd); fi
 if [[ -n "${WHEELS:-}" && ! -d "$WHEELS" ]]; then
     stop "WHEELS=$WHEELS is not a directory: set WHEELS to the folder tools/gpu_wheels.sh made"
 fi
 say "wheels: ${WHEELS:-none (no WHEELS, no ../gpu_wheels beside the checkout)}"
-PY=$PYTHON
+PIP_INSTALL=(-m pip --isolated install -q --disable-pip-version-check --no-index --no-deps)
 if [[ $VENV != system ]]; then
     if [[ $DRY_RUN == 1 || ! -x "$VENV/bin/python" ]]; then
-        run "$PYTHON" -m venv "$VENV" || stop "$PYTHON -m venv $VENV failed (no ensurepip? e.g. apt-get install python3.12-venv); or set VENV=system to install into PYTHON's own environment"
+        # Without pip where PYTHON has one: the venv runs PYTHON's pip through the link below (pip
+        # installs into the environment of the python that runs it), so no ensurepip is needed --
+        # Debian and Ubuntu ship ensurepip only in python3.X-venv, the usual reason '-m venv' fails.
+        VENV_ARGS=()
+        if [[ $PYTHON_FOUND == 1 ]] && bounded "$PYTHON" -m pip --version >/dev/null 2>&1; then VENV_ARGS=(--without-pip); fi
+        step "making the virtual environment" "$PYTHON" -m venv ${VENV_ARGS[@]+"${VENV_ARGS[@]}"} "$VENV" \
+            || stop "$PYTHON -m venv $VENV failed (its message is above): this python cannot make a virtual environment (Debian/Ubuntu: apt-get install python3.12-venv); or set VENV=system to install the missing wheels into PYTHON's own environment (with pip --break-system-packages where it is externally managed, PEP 668)"
     fi
     if [[ $DRY_RUN == 1 ]]; then say "+ # $VENV/lib/python3.12/site-packages/_gpu_check_node_packages.pth: site.addsitedir() of PYTHON's site-packages"
     else link_node_packages; fi
     PY=$VENV/bin/python
+elif [[ $PYTHON_FOUND == 0 || "$(bounded "$PYTHON" -m pip install --help 2>/dev/null)" == *--break-system-packages* ]]; then
+    # VENV=system where PYTHON's environment is externally managed (PEP 668: Debian's and Ubuntu's
+    # system python) refuses every install unless told otherwise, and --isolated (kept: no pip.conf
+    # or PIP_* variable may point this offline install at an index) makes pip ignore
+    # PIP_BREAK_SYSTEM_PACKAGES -- so the flag is passed itself. Not --user: PEP 668 refuses user
+    # installs as well. Not a --target folder: VENV=system means PYTHON's own environment, where the
+    # user's later runs (epas-train on the node) find the packages without a PYTHONPATH. What goes
+    # in is only what the plan found missing, --no-deps; torch and its libraries are never touched.
+    # A pip that does not know the flag (before 23.0.1) predates PEP 668 and needs none.
+    PIP_INSTALL+=(--break-system-packages)
 fi
 PLAN_PY=$PY  # under --dry-run the venv does not exist: what PYTHON has is what it would see
 [[ -x "$PLAN_PY" ]] || PLAN_PY=$PYTHON
 PLAN=() MISSING=() INSTALL=() KNOWN=0
 if [[ $PYTHON_FOUND == 1 ]] && "$PLAN_PY" -c '' >/dev/null 2>&1; then
-    PLAN_OUT=$(install_plan "$PLAN_PY" "${WHEELS:-}") || stop "could not plan the install with $PLAN_PY (its error is above)"
+    PLAN_STATUS=0
+    PLAN_OUT=$(install_plan "$PLAN_PY" "${WHEELS:-}") || PLAN_STATUS=$?
+    if timed_out "$PLAN_STATUS"; then STOP_STATUS=1 stop "planning the install ran out of time (TIME_LIMIT=${TIME_LIMIT}s)"; fi
+    [[ $PLAN_STATUS == 0 ]] || stop "could not plan the install with $PLAN_PY (its error is above)"
     [[ -z "$PLAN_OUT" ]] || mapfile -t PLAN <<<"$PLAN_OUT"
     KNOWN=1
 fi
@@ -384,33 +516,68 @@ if [[ ${#INSTALL[@]} == 0 ]]; then
     say "packages: everything the check imports is here; nothing to install"
 else
     say "packages to install from ${WHEELS:-../gpu_wheels} (only what this node lacks; --no-deps, the plan checked every requirement):"
-    run "$PY" -m pip --isolated install -q --disable-pip-version-check --no-index --no-deps "${INSTALL[@]}"
+    TARGET=$VENV
+    [[ $VENV != system ]] || TARGET="PYTHON's own environment (VENV=system)"
+    step "pip install" "$PY" "${PIP_INSTALL[@]}" "${INSTALL[@]}" || stop "pip install into $TARGET failed (pip's message is above)"
     if [[ $DRY_RUN == 0 ]]; then
-        STILL=$(install_plan "$PY" "") || stop "could not check the install with $PY (its error is above)"
+        STILL_STATUS=0
+        STILL=$(install_plan "$PY" "") || STILL_STATUS=$?
+        [[ $STILL_STATUS == 0 ]] || stop "could not check the install with $PY (its error is above)"
         [[ -z "$STILL" ]] || stop "after the install, still: $(tr '\n' ';' <<<"$STILL")"
     fi
 fi
 
-# ---- 3. import check: what the suite and the benchmark load
+# ---- 3. import check: what the suite, the benchmark and a first real run (TensorBoard on) load
 # The checkout is used in place (no install): the folder kernels/ is the package epas_kernels
 # (pyproject's package-dir), which a path entry alone cannot rename -- a link named epas_kernels does.
-KERNELS_PATH=$(mktemp -d)
-run ln -s "$REPO/kernels" "$KERNELS_PATH/epas_kernels"
+STAGE="the import check"
+if [[ $DRY_RUN == 1 ]]; then  # (no folder is made for a plan)
+    say "+ KERNELS_PATH=\$(mktemp -d)"
+    say "+ ln -s $(quote "$REPO/kernels") \"\$KERNELS_PATH/epas_kernels\""
+    KERNELS_PATH='$KERNELS_PATH'
+else
+    KERNELS_PATH=$(mktemp -d)
+    run ln -s "$REPO/kernels" "$KERNELS_PATH/epas_kernels"
+fi
 say "+ export PYTHONPATH=$REPO:$KERNELS_PATH\${PYTHONPATH:+:\$PYTHONPATH}"
 export PYTHONPATH="$REPO:$KERNELS_PATH${PYTHONPATH:+:$PYTHONPATH}"
-run "$PY" -c "import numpy, yaml, sentencepiece, psutil, pytest, pytest_timeout, megatron.core, epas_megatron.train, epas_megatron.bench.cli, epas_megatron.generate, epas_megatron.inference.engine, epas_kernels.region_pv"
+IMPORTS=(numpy yaml sentencepiece psutil pytest pytest_timeout megatron.core torch.utils.tensorboard epas_megatron.train
+         epas_megatron.bench.cli epas_megatron.generate epas_megatron.inference.engine epas_kernels.region_pv)
+# One module at a time, so that the stop names the module (its traceback goes to stderr).
+IMPORT_CHECK='import importlib, sys, traceback
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except BaseException as error:
+        traceback.print_exc()
+        print(f"{name}: {type(error).__name__}: {(str(error).splitlines() or [chr(63)])[0]}")
+        sys.exit(1)'
+IMPORT_LINE=$(IFS=,; echo "${IMPORTS[*]}")
+say "+ $(quote "$PY" -c "import ${IMPORT_LINE//,/, }")"
+if [[ $DRY_RUN == 0 ]]; then
+    IMPORT_STATUS=0
+    IMPORT_OUT=$(bounded "$PY" -c "$IMPORT_CHECK" "${IMPORTS[@]}") || IMPORT_STATUS=$?
+    if timed_out "$IMPORT_STATUS"; then
+        STOP_STATUS=1 stop "the import check ran out of time: set-up must end by ${DEADLINE}s of TIME_LIMIT=${TIME_LIMIT}s; raise TIME_LIMIT"
+    elif [[ $IMPORT_STATUS != 0 ]]; then
+        say "(the traceback above is $PY's)"
+        stop "import check failed: $(tail -n 1 <<<"$IMPORT_OUT")"
+    fi
+fi
 if [[ $MODE == setup ]]; then
-    run "$PY" -m pytest --collect-only -q -m gpu tests/gpu -p no:cacheprovider
+    step "collecting the GPU suite" "$PY" -m pytest --collect-only -q -m gpu tests/gpu -p no:cacheprovider \
+        || stop "collecting the GPU suite failed (pytest's message is above)"
     say "set-up complete ($PY); the check itself: tools/gpu_check.sh"
     exit 0
 fi
 
 # ---- 4. what this node is
+STAGE="the environment probe"
 run mkdir -p "$OUT"
 say "+ $PY - $OUT  # environment.json: device, driver, CUDA, torch, megatron-core, TE, fused kernels"
 if [[ $DRY_RUN == 0 ]]; then
-    rm -f "$OUT"/gpu_suite.* "$OUT"/bench.*
-    "$PY" - "$OUT" <<'EOF'
+    PROBE_STATUS=0
+    bounded "$PY" - "$OUT" <<'PYEOF' || PROBE_STATUS=$?
 import datetime, importlib, json, platform, sys
 import torch
 from epas_megatron.runtime.accelerator import detect
@@ -437,25 +604,37 @@ env = {
 json.dump(env, open(f"{sys.argv[1]}/environment.json", "w"), indent=1)
 for key, value in env.items():
     print(f"{key}: {value}")
-EOF
+PYEOF
+    if timed_out "$PROBE_STATUS"; then STOP_STATUS=1 stop "the environment probe ran out of time (TIME_LIMIT=${TIME_LIMIT}s)"; fi
+    [[ $PROBE_STATUS == 0 ]] || stop "the environment probe failed (exit $PROBE_STATUS; its traceback is above)"
 fi
 
 # ---- 5. the GPU suite, within what the time limit leaves (stopped with SIGINT: results so far are kept)
-SUITE_LIMIT=$(( TIME_LIMIT - SECONDS - (BENCH == 1 ? BENCH_TIMEOUT : 0) - 30 ))
-(( SUITE_LIMIT >= 60 )) || SUITE_LIMIT=60
-SUITE=(timeout --signal=INT --kill-after=30 "$SUITE_LIMIT" "$PY" -m pytest -m gpu tests/gpu -v -rA -p no:cacheprovider
+# Its limit leaves, before DEADLINE, its own kill-after grace and the benchmark's whole share.
+STAGE="the GPU suite"
+SUITE_START=$SECONDS
+SUITE_LIMIT=$(( DEADLINE - SUITE_START - SUITE_KILL_AFTER - BENCH_SHARE ))
+if (( SUITE_LIMIT < 1 )); then
+    STOP_STATUS=1 stop "set-up took ${SECONDS}s: no time is left for the GPU suite within TIME_LIMIT=${TIME_LIMIT}s (the benchmark keeps ${BENCH_SHARE}s, the report ${REPORT_RESERVE}s): raise TIME_LIMIT or set BENCH=0"
+fi
+SUITE=(timeout --signal=INT --kill-after="$SUITE_KILL_AFTER" "$SUITE_LIMIT" "$PY" -m pytest -m gpu tests/gpu -v -rA -p no:cacheprovider
        --timeout "$TEST_TIMEOUT" --junitxml "$OUT/gpu_suite.xml")
 say "+ $(quote "${SUITE[@]}") 2>&1 | tee $OUT/gpu_suite.log"
 if [[ $DRY_RUN == 0 ]]; then
     set +e; "${SUITE[@]}" 2>&1 | tee "$OUT/gpu_suite.log"; echo "${PIPESTATUS[0]}" >"$OUT/gpu_suite.status"; set -e
 fi
 
-# ---- 6. a short benchmark at the 125m shape, seq 2048
+# ---- 6. a short benchmark at the 125m shape, seq 2048, within what is left before DEADLINE
+STAGE="the benchmark"
 if [[ $BENCH == 1 ]]; then
-    BENCH_CMD=(timeout --signal=INT --kill-after=15 "$BENCH_TIMEOUT" "$PY" -m epas_megatron.bench.cli train --preset 125m
+    BENCH_LIMIT=$(( DEADLINE - SECONDS - BENCH_KILL_AFTER ))
+    (( BENCH_LIMIT <= BENCH_TIMEOUT )) || BENCH_LIMIT=$BENCH_TIMEOUT
+    BENCH_CMD=(timeout --signal=INT --kill-after="$BENCH_KILL_AFTER" "$BENCH_LIMIT" "$PY" -m epas_megatron.bench.cli train --preset 125m
                --seq-length 2048 --micro-batch-size 4 --iters "$BENCH_ITERS" --blocks 4 --warmup 3)
     say "+ $(quote "${BENCH_CMD[@]}") 2>&1 | tee $OUT/bench.log"
-    if [[ $DRY_RUN == 0 ]]; then
+    if [[ $DRY_RUN == 0 ]] && (( BENCH_LIMIT < 1 )); then
+        echo "not run (the time limit was spent)" >"$OUT/bench.status"
+    elif [[ $DRY_RUN == 0 ]]; then
         set +e; "${BENCH_CMD[@]}" 2>&1 | tee "$OUT/bench.log"; echo "${PIPESTATUS[0]}" >"$OUT/bench.status"; set -e
     fi
 elif [[ $DRY_RUN == 0 ]]; then
@@ -463,10 +642,16 @@ elif [[ $DRY_RUN == 0 ]]; then
 fi
 
 # ---- 7. the report and the ledger row
+STAGE="the report"
 say "+ tools/gpu_check.sh --report $OUT"
 if [[ $DRY_RUN == 1 ]]; then
-    say "time limit: ${TIME_LIMIT}s in all (TIME_LIMIT); per test ${TEST_TIMEOUT}s (TEST_TIMEOUT); benchmark ${BENCH_TIMEOUT}s (BENCH_TIMEOUT)"
+    say "time limit: ${TIME_LIMIT}s in all (TIME_LIMIT), the worst case included; per test ${TEST_TIMEOUT}s (TEST_TIMEOUT); benchmark ${BENCH_TIMEOUT}s (BENCH_TIMEOUT)"
+    say "time budget: set-up steps end by ${DEADLINE}s; from ${SUITE_START}s (set-up so far), the suite ${SUITE_LIMIT}s +" \
+        "${SUITE_KILL_AFTER}s kill-after, the benchmark $(( BENCH_SHARE ? BENCH_TIMEOUT : 0 ))s +" \
+        "$(( BENCH_SHARE ? BENCH_KILL_AFTER : 0 ))s kill-after, the report ${REPORT_RESERVE}s:" \
+        "$(( SUITE_START + SUITE_LIMIT + SUITE_KILL_AFTER + BENCH_SHARE + REPORT_RESERVE ))s at most"
     exit 0
 fi
 say "gpu_check.sh took ${SECONDS}s"
-ledger_report "$PY" "$OUT"
+REPORTED=1
+report_within $(( TIME_LIMIT - SECONDS - 4 > 1 ? TIME_LIMIT - SECONDS - 4 : 1 ))

@@ -10,8 +10,10 @@
 #   cd epas-megatron && tools/gpu_check.sh        # finds ../gpu_wheels; or WHEELS=/path/to/it
 #
 # What it downloads: tools/gpu_check.sh --requirements (megatron-core 0.19.x, numpy, packaging,
-# pyyaml, sentencepiece, psutil, pytest, pytest-timeout) and, following each wheel's own
-# requirements for that platform, their dependencies (pytest's iniconfig, pluggy, pygments). Never
+# pyyaml, sentencepiece, psutil, pytest, pytest-timeout, tensorboard) and, following each wheel's own
+# requirements for that platform, their dependencies (pytest's iniconfig, pluggy, pygments;
+# TensorBoard's grpcio, protobuf, pillow, werkzeug, markdown, absl-py, tensorboard-data-server:
+# about 42 MiB in all, 20 of them TensorBoard's, in November 2026). Never
 # torch, nor what a CUDA torch brings with it (triton, nvidia-*, cuda-*, sympy, jinja2, ...): the
 # node's own are used. Each wheel is fetched with pip download --no-deps --only-binary=:all: for the
 # node's platform; the closure is computed here from the wheels' metadata, so a requirement nobody

@@ -1,8 +1,10 @@
-"""tools/gpu_check.sh and tools/gpu_wheels.sh on this CPU machine: the plan (--dry-run), the
-ledger row from a run's outputs (--report), the wheel folder for Linux x86-64 / CPython 3.12
-(downloaded from PyPI once per module; skipped only when PyPI is unreachable), and that folder
-installing, with no index, into a bare node -- a Python whose only packages are a CUDA torch and
-what torch requires (this venv's, linked), as on the GPU nodes this tooling serves."""
+"""tools/gpu_check.sh and tools/gpu_wheels.sh on this CPU machine: the plan (--dry-run) and its
+time budget, the ledger row from a run's outputs (--report) and from a run that stops early (a node
+whose torch is told it has a GPU: tests/tools/fake_gpu), the wheel folder for Linux x86-64 /
+CPython 3.12 (downloaded from PyPI once per module; skipped only when PyPI is unreachable), and that
+folder installing, with no index, into a bare node -- a Python whose only packages are a CUDA torch
+and what torch requires (this venv's, linked), as on the GPU nodes this tooling serves -- and into
+an externally managed system python (PEP 668) with no venv support."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import shutil
 import ssl
 import subprocess
 import sys
+import sysconfig
+import time
 import urllib.error
 import urllib.request
 import zipfile
@@ -52,7 +56,8 @@ def test_dry_run_prints_the_plan_and_changes_nothing(tmp_path):
     proc = sh(GPU_CHECK, "--dry-run", env=env)
     assert proc.returncode == 0, proc.stderr
     plan = "\n".join(plan_lines(proc.stdout))
-    assert f"{sys.executable} -m venv {tmp_path / 'venv'}" in plan
+    # this python has pip: the venv uses it through the link (no ensurepip needed)
+    assert f"{sys.executable} -m venv --without-pip {tmp_path / 'venv'}" in plan
     assert f"{tmp_path / 'venv'}/bin/python -m pytest -m gpu tests/gpu" in plan and "--timeout 240" in plan
     assert f"--junitxml {tmp_path / 'out'}/gpu_suite.xml" in plan
     assert "-m epas_megatron.bench.cli train --preset 125m --seq-length 2048" in plan
@@ -65,6 +70,8 @@ def test_requirements_are_what_the_wheel_folder_brings_and_never_torch():
     proc = sh(GPU_CHECK, "--requirements")
     names = {canonicalize_name(Requirement(line).name) for line in proc.stdout.split()}
     assert {"megatron-core", "numpy", "pyyaml", "sentencepiece", "psutil", "pytest", "pytest-timeout"} <= names
+    # a first real run on the node logs to TensorBoard (on by default; launch/configs/125m.yaml too)
+    assert "tensorboard" in names
     assert not any(n in ("torch", "triton") or n.startswith(("nvidia-", "cuda-")) for n in names)
 
 
@@ -77,10 +84,136 @@ def test_requirements_are_what_the_wheel_folder_brings_and_never_torch():
     (GPU_WHEELS, [], {}, "error: usage: tools/gpu_wheels.sh DIR"),
     (GPU_WHEELS, ["/tmp"], {"PYTHON": sys.executable}, "was not made by gpu_wheels.sh"),
     (GPU_WHEELS, ["x"], {"MAX_MIB": "lots"}, "error: MAX_MIB=lots"),
-], ids=["unknown-flag", "time-limit", "report-dir", "wheels-dir", "no-dir", "foreign-dir", "max-mib"])
+    (GPU_CHECK, ["--dry-run"], {"TIME_LIMIT": "180", "BENCH_TIMEOUT": "120"}, "error: TIME_LIMIT=180 leaves the GPU suite no time"),
+], ids=["unknown-flag", "time-limit", "report-dir", "wheels-dir", "no-dir", "foreign-dir", "max-mib", "no-time-for-the-suite"])
 def test_bad_arguments_exit_2_naming_the_knob(script, args, env, message):
     proc = sh(script, *args, env=env)
     assert proc.returncode == 2 and message in proc.stderr, (proc.stdout, proc.stderr)
+
+
+@pytest.mark.parametrize("time_limit, bench, bench_timeout", [(570, 1, 120), (600, 1, 200), (240, 1, 60), (120, 0, 120)],
+                         ids=["default", "lender-limit", "short", "no-bench"])
+def test_the_worst_case_fits_in_time_limit(tmp_path, time_limit, bench, bench_timeout):
+    """The suite's and the benchmark's timeouts with their --kill-after grace, the set-up already
+    spent when the suite's limit was set (bash's SECONDS, which the plan states, at most this dry
+    run's wall time) and the 20 s kept for the report add up to TIME_LIMIT, not more (issue #33: the
+    grace came on top, 420 + 30 + 120 + 15 s after set-up at the default 570) and not less."""
+    env = {"PYTHON": sys.executable, "WHEELS": str(tmp_path), "VENV": str(tmp_path / "venv"), "OUT": str(tmp_path / "out"),
+           "TIME_LIMIT": str(time_limit), "BENCH": str(bench), "BENCH_TIMEOUT": str(bench_timeout)}
+    start = time.monotonic()
+    proc = sh(GPU_CHECK, "--dry-run", env=env)
+    wall = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr
+    plan = "\n".join(plan_lines(proc.stdout))
+    suite = re.search(r"^timeout --signal=INT --kill-after=(\d+) (\d+) \S+ -m pytest -m gpu tests/gpu ", plan, re.M)
+    bench_run = re.search(r"^timeout --signal=INT --kill-after=(\d+) (\d+) \S+ -m epas_megatron.bench.cli train ", plan, re.M)
+    (budget,) = [line for line in proc.stdout.splitlines() if line.startswith("time budget:")]
+    set_up = int(re.search(r"from (\d+)s \(set-up so far\)", budget)[1])
+    assert suite and set_up <= wall + 1, (plan, budget)  # SECONDS counts whole seconds of the clock
+    worst = set_up + int(suite[1]) + int(suite[2]) + 20
+    if bench:
+        assert bench_run and int(bench_run[2]) == bench_timeout, plan
+        worst += int(bench_run[1]) + int(bench_run[2])
+    else:
+        assert bench_run is None
+    assert worst == time_limit, (worst, plan)
+    assert int(re.search(r"(\d+)s at most$", budget)[1]) == time_limit, budget
+
+
+# ------------------------------------------------------------------------- a node told it has a GPU
+FAKE_GPU = """\
+# gpu_check.sh's CPU tests: torch, once imported, says it has one H100 (nothing ever runs on it).
+import importlib.abc, importlib.machinery, sys
+
+
+def _one_gpu(torch):
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.get_device_name = lambda *args, **kwargs: "NVIDIA H100 80GB HBM3"
+
+
+class _TorchWithAGpu(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _one_gpu(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _TorchWithAGpu())
+"""
+
+
+@pytest.fixture
+def fake_gpu_node(tmp_path):
+    """(environment, planted-module folder) for gpu_check.sh on this venv's python as a GPU node's:
+    a sitecustomize on PYTHONPATH tells torch it has a GPU, a fake nvidia-smi names it and the
+    driver, pytest-timeout (which this venv lacks) has metadata there, and the test plants its
+    module."""
+    fake = tmp_path / "fake"
+    (fake / "pytest_timeout-2.3.1.dist-info").mkdir(parents=True)
+    (fake / "pytest_timeout-2.3.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: pytest-timeout\nVersion: 2.3.1\n")
+    (fake / "sitecustomize.py").write_text(FAKE_GPU)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvidia-smi").write_text('#!/bin/sh\necho "NVIDIA H100 80GB HBM3, 570.86.15"\n')
+    (tmp_path / "bin" / "nvidia-smi").chmod(0o755)
+    env = {"PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(fake), "PYTHON": sys.executable,
+           "VENV": str(tmp_path / "venv"), "OUT": str(tmp_path / "out"), "WHEELS": str(tmp_path / "wheels")}
+    (tmp_path / "wheels").mkdir()
+    return env, fake
+
+
+@pytest.mark.parametrize("failure", ["import", "plan"])
+def test_a_check_that_stops_after_the_gpu_is_known_writes_the_ledger_row(fake_gpu_node, tmp_path, failure):
+    """A stop after the node is known (issue #33: a failed import check left no row) writes the row,
+    with the reason, to OUT/ledger_row.md and stdout; an earlier run's suite report is not counted."""
+    env, fake = fake_gpu_node
+    if failure == "import":
+        (fake / "pytest_timeout.py").write_text('raise ImportError("planted: its plugin hooks do not load")\n')
+        reason = "check stopped: import check failed: pytest_timeout: ImportError: planted: its plugin hooks do not load"
+    else:  # a wheel for what is missing, but not a zip: the plan cannot read its requirements
+        shutil.rmtree(fake / "pytest_timeout-2.3.1.dist-info")
+        (tmp_path / "wheels" / "pytest_timeout-2.3.1-py3-none-any.whl").write_text("not a zip")
+        reason = f"check stopped: could not plan the install with {tmp_path / 'venv'}/bin/python (its error is above)"
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "gpu_suite.xml").write_text(junit([("test_gpu_training::test_bf16_run_with_switches_learns", "passed", "")]))
+    proc = sh(GPU_CHECK, env=env, drop=("CUDA_VISIBLE_DEVICES",))
+    assert proc.returncode == 2, (proc.stdout[-3000:], proc.stderr[-3000:])
+    assert f"error: {reason.removeprefix('check stopped: ')}" in proc.stderr
+    row = (out / "ledger_row.md").read_text().strip()
+    assert row in proc.stdout.splitlines()
+    cells = ledger_cells(row)
+    assert len(cells) == len(readme_ledger_columns())
+    assert cells[1:5] == ["NVIDIA H100 80GB HBM3 x1 (driver 570.86.15)", f"{torch.__version__} (CUDA {torch.version.cuda})",
+                          metadata.version("megatron-core"), "no"]
+    assert cells[5] == f"{reason}; GPU suite not run"
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert not report["ok"] and report["passed"] == [] and report["stopped"] == reason.removeprefix("check stopped: ")
+    # --report prints the same row again
+    again = sh(GPU_CHECK, "--report", out, env={"PYTHON": sys.executable})
+    assert again.returncode == 1 and row in again.stdout.splitlines()
+
+
+def test_a_set_up_step_that_hangs_is_stopped_within_time_limit(fake_gpu_node):
+    """Set-up steps run under timeout too, their kill-after inside TIME_LIMIT: an import that ignores
+    SIGTERM is killed, and the whole check ends by TIME_LIMIT, exit 1 (ran out of time)."""
+    env, fake = fake_gpu_node
+    (fake / "pytest_timeout.py").write_text("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(100)\n")
+    start = time.monotonic()
+    env = {k: v for k, v in env.items() if k != "PATH"}  # set-up needs no GPU: no nvidia-smi either
+    proc = sh(GPU_CHECK, "--setup-only", env={**env, "TIME_LIMIT": "40"}, timeout=120)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1 and "error: the import check ran out of time" in proc.stderr, (proc.stdout, proc.stderr)
+    assert elapsed <= 40, elapsed
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a real GPU that torch can use: the fake nvidia-smi cannot make it unusable")
@@ -203,6 +336,21 @@ def wheel_folder(tmp_path_factory):
     return folder
 
 
+def requirement_closure(*names: str) -> set[str]:
+    """``names`` and, in this venv, what they require, recursively (canonical names)."""
+    todo, done = list(names), set()
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in done:
+            continue
+        done.add(name)
+        for line in metadata.distribution(name).requires or []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return done
+
+
 def wheel_requires(path: Path) -> list[Requirement]:
     with zipfile.ZipFile(path) as archive:
         meta = next(n for n in archive.namelist() if re.fullmatch(r"[^/]+\.dist-info/METADATA", n))
@@ -222,8 +370,9 @@ def test_wheel_folder_holds_exactly_what_the_check_needs_for_linux_cp312(wheel_f
     # exactly: every wheel is a requirement of the check or of another wheel there ...
     needed = top_level | {canonicalize_name(r.name) for p in wheels.values() for r in wheel_requires(p)}
     assert set(wheels) <= needed, set(wheels) - needed
-    # ... and every requirement of a wheel is there, or is the node's torch (and what it brings)
-    torch_tree = {canonicalize_name(Requirement(r).name) for r in metadata.requires("torch") or []} | {"torch"}
+    # ... and every requirement of a wheel is there, or is the node's torch (and what it brings:
+    # its requirements and theirs, e.g. werkzeug's markupsafe, which torch's jinja2 brings)
+    torch_tree = requirement_closure("torch")
     for name, path in wheels.items():
         for req in wheel_requires(path):
             dep = canonicalize_name(req.name)
@@ -255,25 +404,21 @@ def bare_node(tmp_path_factory):
     python = root / "venv" / "bin" / "python"
     site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                check=True, capture_output=True, text=True).stdout.strip())
-    todo, done = ["torch"], set()
-    while todo:
-        name = canonicalize_name(todo.pop())
-        if name in done:
-            continue
-        done.add(name)
-        dist = metadata.distribution(name)
-        for line in dist.requires or []:
-            req = Requirement(line)
-            if req.marker is None or req.marker.evaluate({"extra": ""}):
-                todo.append(req.name)
-        location = Path(dist.locate_file(""))
-        for top in {f.parts[0] for f in dist.files or [] if f.parts[0] not in ("..", "__pycache__")}:
-            if (location / top).exists() and not (site / top).exists():
-                (site / top).symlink_to(location / top)
+    link_packages(site, "torch")
     probe = subprocess.run([python, "-c", "import torch, importlib.util as u; print(torch.__version__, u.find_spec('numpy') is None)"],
                            capture_output=True, text=True, timeout=120)
     assert probe.returncode == 0 and probe.stdout.split() == [torch_version(), "True"], probe.stderr[-2000:]
     return python
+
+
+def link_packages(site: Path, *names: str) -> None:
+    """Link this venv's ``names`` and everything they require into ``site`` (a node's own packages)."""
+    for name in requirement_closure(*names):
+        dist = metadata.distribution(name)
+        location = Path(dist.locate_file(""))
+        for top in {f.parts[0] for f in dist.files or [] if f.parts[0] not in ("..", "__pycache__")}:
+            if (location / top).exists() and not (site / top).exists():
+                (site / top).symlink_to(location / top)
 
 
 def torch_version():
@@ -299,6 +444,18 @@ def test_wheel_folder_installs_offline_on_a_bare_node(wheel_folder, bare_node, t
     site = next((tmp_path / "venv" / "lib").glob("python3.*/site-packages"))
     assert (site / "megatron" / "core").is_dir() and (site / "pytest_timeout.py").exists()
     assert not [p.name for p in site.iterdir() if p.name.startswith(("torch", "triton", "nvidia"))]
+    # a first real run at the 125m config logs to TensorBoard (issue #33: tensorboard was not in the
+    # folder): its logger writes an event file with what this node now has
+    assert (site / "tensorboard").is_dir()
+    script = ("import sys; from epas_megatron.config.cli import parse_config; from epas_megatron.metrics.logger import MetricsLogger\n"
+              "config = parse_config(['--config', 'launch/configs/125m.yaml'])\n"
+              "assert config.logging.tensorboard, '125m.yaml no longer logs to TensorBoard'\n"
+              "log = MetricsLogger(sys.argv[1], enabled=True, tensorboard=config.logging.tensorboard)\n"
+              "log.log({'iteration': 1, 'lm_loss': 2.5}, step=1); log.close()")
+    run = subprocess.run([tmp_path / "venv" / "bin" / "python", "-c", script, tmp_path / "run"], cwd=REPO, capture_output=True,
+                         text=True, timeout=300, env={**{k: v for k, v in os.environ.items() if k not in PIP_ENV}, "PYTHONPATH": str(REPO)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
 
 
 def test_a_wheel_folder_missing_a_dependency_fails_naming_it(wheel_folder, bare_node, tmp_path):
@@ -309,3 +466,82 @@ def test_a_wheel_folder_missing_a_dependency_fails_naming_it(wheel_folder, bare_
     assert proc.returncode == 2, proc.stdout[-3000:]
     assert re.search(r"pluggy\S* \(for pytest", proc.stdout) and f"WHEELS={partial} lacks" in proc.stderr, (proc.stdout, proc.stderr)
     assert not list((tmp_path / "venv").glob("lib/python3.12/site-packages/pytest")), "nothing is installed from an incomplete folder"
+
+
+# ------------------------------------------------------------------------- a system python (PEP 668)
+@pytest.fixture
+def system_python(tmp_path):
+    """A Debian/Ubuntu-like system python3.12: not a venv, its environment externally managed (an
+    EXTERNALLY-MANAGED marker beside the stdlib, PEP 668), no ensurepip (python3.12-venv not
+    installed), pip and the node's CUDA torch in its site-packages. A copy of this venv's base
+    interpreter with its stdlib linked entry by entry (the marker is the copy's own)."""
+    base = Path(getattr(sys, "_base_executable", sys.executable)).resolve()
+    stdlib, version = Path(sysconfig.get_path("stdlib")), f"python{sys.version_info.major}.{sys.version_info.minor}"
+    lib = tmp_path / "system" / "lib" / version
+    lib.mkdir(parents=True)
+    (tmp_path / "system" / "bin").mkdir()
+    shutil.copy2(base, tmp_path / "system" / "bin" / version)
+    for shared in base.parent.parent.glob("lib/libpython*"):  # where the interpreter finds it relative to itself
+        (tmp_path / "system" / "lib" / shared.name).symlink_to(shared)
+    for entry in stdlib.iterdir():
+        if entry.name not in ("site-packages", "ensurepip", "EXTERNALLY-MANAGED"):
+            (lib / entry.name).symlink_to(entry)
+    (lib / "EXTERNALLY-MANAGED").write_text("[externally-managed]\nError=this python is the system's (planted by test_gpu_tooling.py)\n")
+    (lib / "site-packages").mkdir()
+    link_packages(lib / "site-packages", "torch", "pip")
+    python = tmp_path / "system" / "bin" / version
+    script = "import sys, sysconfig, torch; print(sys.prefix == sys.base_prefix, sysconfig.get_path('stdlib'))"
+    probe = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0 and probe.stdout.split() == ["True", str(lib)], probe.stderr[-2000:]
+    return python
+
+
+def system_site(python: Path) -> Path:
+    return python.parent.parent / "lib" / python.name / "site-packages"
+
+
+def test_a_system_python_without_ensurepip_still_gets_its_venv(wheel_folder, system_python, tmp_path):
+    """No python3.12-venv (no ensurepip): the default venv is made without pip and runs the node's
+    pip; what was missing goes into it, nothing into the system's environment."""
+    before = sorted(p.name for p in system_site(system_python).iterdir())
+    env = {**NO_PIP_CONFIG, "PYTHON": str(system_python), "WHEELS": str(wheel_folder), "VENV": str(tmp_path / "venv"),
+           "OUT": str(tmp_path / "out")}
+    proc = sh(GPU_CHECK, "--setup-only", env=env, drop=PIP_ENV, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert f"{system_python} -m venv --without-pip {tmp_path / 'venv'}" in plan_lines(proc.stdout)
+    site = next((tmp_path / "venv" / "lib").glob("python3.*/site-packages"))
+    assert (site / "megatron" / "core").is_dir() and (site / "tensorboard").is_dir()
+    assert sorted(p.name for p in system_site(system_python).iterdir()) == before
+
+
+def test_venv_system_installs_into_an_externally_managed_python(wheel_folder, system_python, tmp_path):
+    """VENV=system on a PEP 668 python: pip --isolated ignores PIP_BREAK_SYSTEM_PACKAGES (shown
+    first, with this python's pip), so the check passes --break-system-packages itself and the
+    install lands in the system's site-packages (issue #33: it failed there)."""
+    a_wheel = next(wheel_folder.glob("iniconfig-*.whl"))
+    refused = subprocess.run([system_python, "-m", "pip", "--isolated", "install", "--no-index", "--no-deps", a_wheel],
+                             capture_output=True, text=True, timeout=300,
+                             env={**{k: v for k, v in os.environ.items() if k not in PIP_ENV}, "PIP_BREAK_SYSTEM_PACKAGES": "1"})
+    assert refused.returncode != 0 and "externally-managed-environment" in refused.stdout + refused.stderr, refused
+    env = {**NO_PIP_CONFIG, "PYTHON": str(system_python), "WHEELS": str(wheel_folder), "VENV": "system", "OUT": str(tmp_path / "out")}
+    proc = sh(GPU_CHECK, "--setup-only", env=env, drop=PIP_ENV, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    (install,) = [line for line in plan_lines(proc.stdout) if " -m pip " in line]
+    assert install.startswith(f"{system_python} -m pip --isolated install") and "--break-system-packages" in install
+    site = system_site(system_python)
+    assert (site / "megatron" / "core").is_dir() and (site / "tensorboard").is_dir() and "set-up complete" in proc.stdout
+    assert not (tmp_path / "venv").exists()
+
+
+def test_a_python_that_cannot_make_a_venv_stops_naming_venv_system(system_python, tmp_path):
+    """Where '-m venv' itself fails (here: a venv module that does not load), the stop says to set
+    VENV=system, and nothing is installed."""
+    (tmp_path / "broken" / "venv").mkdir(parents=True)
+    (tmp_path / "broken" / "venv" / "__init__.py").write_text('raise ImportError("planted: no venv module here")\n')
+    env = {"PYTHON": str(system_python), "VENV": str(tmp_path / "venv"), "OUT": str(tmp_path / "out"), "WHEELS": str(tmp_path),
+           "PYTHONPATH": str(tmp_path / "broken")}
+    proc = sh(GPU_CHECK, "--setup-only", env=env, timeout=300)
+    assert proc.returncode == 2, (proc.stdout[-3000:], proc.stderr[-3000:])
+    (error,) = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert f"{system_python} -m venv {tmp_path / 'venv'} failed" in error and "set VENV=system" in error, error
+    assert "--break-system-packages" in error and not (tmp_path / "venv" / "bin" / "python").exists()
