@@ -38,7 +38,7 @@ from epas_megatron.errors import ConfigError
 from epas_megatron.metrics.memory_model import RankMemorySettings
 from epas_megatron.model.architecture import architecture_from_config, architecture_from_preset
 from epas_megatron.model.build_plan import BuildPlan, RandomLTDSettings, RecomputeSettings
-from epas_megatron.model.fusions import KernelAvailability, activation_kernels, choose_backend, choose_precision
+from epas_megatron.model.fusions import KernelAvailability, activation_kernels, choose_backend, choose_precision, fusion_settings
 from epas_megatron.parallel.memory_budget import MemoryLimit, memory_limit_for
 from epas_megatron.parallel.stage_layouts import balanced_layout_noted
 from epas_megatron.sharing.regions import parse_regions
@@ -95,6 +95,17 @@ def plan_after_switch(run: ResolvedRun, current: BuildPlan, sharing_layers: Sequ
     return current.with_region(sharing_layers, layout), notice
 
 
+def memory_kernels(kernels: KernelAvailability, backend: str = "local", random_ltd: bool = False) -> dict[str, bool]:
+    """The memory model's kernel settings (``fused_norm``, ``fused_swiglu``, ``fused_rope`` of
+    :class:`~epas_megatron.metrics.memory_model.RankMemorySettings`) for a model built with
+    ``kernels`` and ``backend``: :func:`~epas_megatron.model.fusions.activation_kernels`, and RoPE
+    fused where the builder sets ``apply_rope_fusion`` -- the flag of
+    :func:`~epas_megatron.model.fusions.fusion_settings`, off with Random-LTD
+    (:func:`~epas_megatron.model.builder.make_transformer_config`)."""
+    return {**activation_kernels(kernels, backend),
+            "fused_rope": fusion_settings(kernels, backend)["apply_rope_fusion"] and not random_ltd}
+
+
 def memory_settings(run: ResolvedRun, vocab_size: int, kernels: Optional[KernelAvailability] = None) -> RankMemorySettings:
     """The memory model's settings for ``run`` on a node with ``kernels`` (default: this
     process's, :meth:`~epas_megatron.model.fusions.KernelAvailability.detect`)."""
@@ -103,7 +114,7 @@ def memory_settings(run: ResolvedRun, vocab_size: int, kernels: Optional[KernelA
     return RankMemorySettings(vocab_size=vocab_size, tp=p.tp, dp=run.dp, num_microbatches=run.num_microbatches,
                               precision=run.precision, distributed_optimizer=run.use_distributed_optimizer,
                               sequence_parallel=p.sequence_parallel, recompute=p.recompute if p.recompute != "full" else "none",
-                              share=run.cfg.epas.epas_share, **activation_kernels(kernels, run.backend))
+                              share=run.cfg.epas.epas_share, **memory_kernels(kernels, run.backend, run.random_ltd is not None))
 
 
 def stage_memory_limit(run: ResolvedRun, plan: BuildPlan, device_memory_gb: Optional[float] = None,

@@ -87,3 +87,31 @@ def test_a_plan_for_gpus_counts_the_gpus_kernels(tmp_path):
         vocab_size=8192, precision="bf16", distributed_optimizer=True, fused_norm=fused, fused_swiglu=fused))["activations"] / 2**30
         for fused in (True, False)}
     assert f"{shown:.2f}" == f"{activations[True]:.2f}" != f"{activations[False]:.2f}", (row, activations)
+
+
+@pytest.mark.parametrize("backend", ["local", "transformer_engine"])
+@pytest.mark.parametrize("random_ltd", [False, True])
+def test_the_memory_models_kernels_are_the_builders(monkeypatch, backend, random_ltd):
+    """``memory_kernels`` (what epas-plan, the memory budget and the GPU suite give the memory
+    model) says RoPE is fused exactly where the model builder turns ``apply_rope_fusion`` on:
+    on a GPU with Transformer Engine, either layer backend, not with Random-LTD -- read off the
+    ``TransformerConfig`` the builder makes (TE's kernel stood in for: it cannot load here)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from epas_megatron.assembly import memory_kernels
+    from epas_megatron.model.architecture import LlamaArchitecture
+    from epas_megatron.model.build_plan import BuildPlan, RandomLTDSettings
+    from epas_megatron.model.builder import make_transformer_config
+    from epas_megatron.model.fusions import ASSUMED_GPU, KernelAvailability
+
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", lambda *a, **k: None)  # (TransformerConfig checks it exists)
+    arch = LlamaArchitecture(4, 64, 4, 2, 176, 512, 64)
+    plan = BuildPlan.for_region(arch, (), seq_length=64, backend=backend,
+                                random_ltd=RandomLTDSettings((1, 2)) if random_ltd else None)
+    te_gpu = KernelAvailability(cuda=True, te_rope=True, apex_softmax=False, apex_gradient_accumulation=False)
+    cpu = KernelAvailability(cuda=False, te_rope=False, apex_softmax=False, apex_gradient_accumulation=False)
+    for kernels in (cpu, ASSUMED_GPU, te_gpu):
+        built = make_transformer_config(plan, kernels).apply_rope_fusion
+        assert memory_kernels(kernels, backend, random_ltd)["fused_rope"] == built, kernels
+    assert memory_kernels(te_gpu, backend, random_ltd)["fused_rope"] is not random_ltd
+

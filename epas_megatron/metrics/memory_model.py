@@ -64,6 +64,17 @@ SwiGLU (``bias_activation_fusion``) keeps only its input (``fc1_output``), so ``
 output alone, fc2's input: ``s·b·F``. At the GPU test's shape (h 1024, F 2816, s 1024, b 2, bf16)
 the two take 46 MiB off a computing layer's 111 MiB.
 
+Fused RoPE (``fused_rope``: ``apply_rope_fusion``, Transformer Engine's kernel, which Megatron-Core
+calls for local layers too where TE is installed). The unfused rotation ``t·cos + rotate(t)·sin``
+keeps ``cos`` and ``sin`` -- fresh ``s·d`` tables in the activation dtype -- for every rotated
+tensor: the ``rope_tables`` term. TE's ``FusedRoPEFunc`` keeps only ``freqs`` (``ctx.save_for_backward(freqs,
+cu_seqlens)``, ``cu_seqlens`` None here), and ``freqs`` is Megatron's ``RotaryEmbedding`` output,
+an fp32 ``[s, 1, 1, d]`` table its ``lru_cache`` holds for the run -- one tensor for every layer and
+micro-batch, which exists whether RoPE is fused or not. So a fused layer keeps no RoPE term of its
+own; the rotated Q and K (``q_rope``, ``k_rope``: the kernel's outputs, which core attention
+keeps) stay. :func:`rotary_table_bytes` is the shared table, resident, outside the
+per-micro-batch terms.
+
 Scope: the local backend's kernels (SDPA's flash path; Transformer Engine fuses more and
 keeps less). Full recompute (each group keeps only its inputs -- for a group that starts inside
 a sharing region, the hand-off Q and K too) and the pipeline's in-flight micro-batches are not
@@ -107,9 +118,10 @@ class LayerShape:
 
 def layer_activation_terms(shape: LayerShape, role: Role, share: str = "qk", element_bytes: int = 4, *,
                            tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
-                           fused_norm: bool = False, fused_swiglu: bool = False) -> dict[str, int]:
+                           fused_norm: bool = False, fused_swiglu: bool = False, fused_rope: bool = False) -> dict[str, int]:
     """Bytes per term (see the module doc) that one layer keeps for backward, per micro-batch,
-    on one tensor-parallel rank; ``fused_norm`` / ``fused_swiglu``: the GPU kernels (module doc)."""
+    on one tensor-parallel rank; ``fused_norm`` / ``fused_swiglu`` / ``fused_rope``: the fused
+    kernels (module doc)."""
     if share not in ("qk", "kv"):
         raise ValueError(f"share must be 'qk' or 'kv', got {share!r}")
     if recompute not in ("none", "selective"):
@@ -134,12 +146,14 @@ def layer_activation_terms(shape: LayerShape, role: Role, share: str = "qk", ele
         terms["qkv_output"] = s * b * (a + 2 * g) * d * e
         terms["q_rope"] = s * b * a * d * e
         terms["k_rope"] = s * b * g * d * e
-        terms["rope_tables"] = 4 * s * d * e
+        if not fused_rope:  # cos and sin for Q and for K (the fused kernel keeps the shared freqs)
+            terms["rope_tables"] = 4 * s * d * e
     elif role == "share" and share == "qk":
         terms["v_output"] = s * b * g * d * e
     elif role == "share":
         terms["q_rope"] = s * b * a * d * e
-        terms["rope_tables"] = 2 * s * d * e
+        if not fused_rope:
+            terms["rope_tables"] = 2 * s * d * e
     else:
         raise ValueError(f"role must be 'compute' or 'share', got {role!r}")
     terms["attention_output"] = s * b * a * d * e
@@ -155,6 +169,13 @@ def layer_activation_terms(shape: LayerShape, role: Role, share: str = "qk", ele
 TENSORS_PER_TERM = {"rope_tables": None, "swiglu": 3}
 """Terms that stand for several equal tensors: RoPE's cos and sin per rotated tensor (4 for a
 computing layer, 2 for a ``kv`` sharing layer: ``None`` = one per ``s·d`` block), SwiGLU's 3."""
+
+
+def rotary_table_bytes(shape: LayerShape) -> int:
+    """The rotary embedding's fp32 ``[s, 1, 1, d]`` table (``freqs``), one per model chunk: held by
+    Megatron's ``RotaryEmbedding`` cache for the run, fused RoPE or not; the only tensor the fused
+    kernel keeps for backward (module doc), shared by every layer and micro-batch."""
+    return shape.seq_length * shape.head_dim * 4
 
 
 def layer_activation_tensors(shape: LayerShape, role: Role, share: str = "qk", element_bytes: int = 4, **parallel) -> list[int]:
@@ -272,10 +293,14 @@ class RankMemorySettings:
     fused_swiglu: bool = False
     """SwiGLU is Megatron's fused kernel (``bias_activation_fusion``), which keeps only its input."""
 
+    fused_rope: bool = False
+    """RoPE is Transformer Engine's fused kernel (``apply_rope_fusion``), which keeps no tables of
+    its own: :func:`epas_megatron.assembly.memory_kernels` reads it off the builder's flags."""
+
     @property
     def kernels(self) -> dict[str, bool]:
         """The kernel keywords of :func:`layer_activation_terms`."""
-        return {"fused_norm": self.fused_norm, "fused_swiglu": self.fused_swiglu}
+        return {"fused_norm": self.fused_norm, "fused_swiglu": self.fused_swiglu, "fused_rope": self.fused_rope}
 
     @property
     def element_bytes(self) -> int:
@@ -319,3 +344,4 @@ def rank_memory_bytes(shape: LayerShape, roles_by_chunk: list[list[Role]], pp_ra
     in_flight = in_flight_microbatches(pp_rank, pp, vpp, settings.num_microbatches)
     return {"parameters": static, "activations": activation * in_flight, "in_flight": in_flight,
             "total": static + activation * in_flight}
+

@@ -2,7 +2,9 @@
 over NCCL (a one-GPU world; DP=2 with two GPUs).
 
 Memory (bf16, local layers, SDPA on the flash kernel, one micro-batch, PP=1), with the GPU's
-kernels in the model (torch's one-kernel ``rms_norm``, Megatron's fused SwiGLU):
+kernels in the model (torch's one-kernel ``rms_norm``, Megatron's fused SwiGLU, and Transformer
+Engine's fused RoPE where TE is installed -- as ``assembly.memory_kernels`` reads them off the
+builder's flags):
 
 - each layer's saved tensors (saved-tensor hooks, storage by storage) are the model's
   tensors, byte for byte, computing and sharing layers alike;
@@ -17,7 +19,11 @@ kernels in the model (torch's one-kernel ``rms_norm``, Megatron's fused SwiGLU):
 - the peak of a whole training step (``torch.cuda.max_memory_allocated()``) lies between the
   model's total (less 3%) and 1.5x it: the model counts what is kept, the peak adds what is transient
   (activation gradients of the layer in backward, the logits' gradient, optimizer temporaries).
-  The measured ratio is printed for the ledger.
+  The measured ratio is printed for the ledger;
+- fused RoPE (Transformer Engine installed; skipped otherwise): the real kernel keeps no cos/sin
+  tables -- each layer's saved tensors are the model's ``fused_rope=True`` ones, the shared
+  rotary table once -- and a forward keeps exactly the model's ``rope_tables`` less than the same
+  model with the fusion off (the allocator's difference).
 """
 
 import gc
@@ -25,6 +31,7 @@ import gc
 import pytest
 import torch
 
+from epas_megatron.model.fusions import transformer_engine_importable
 from epas_testing import TINY, run_trainer
 
 pytestmark = pytest.mark.gpu
@@ -36,10 +43,11 @@ ARGS = [*TINY, "--train-iters", "9", "--global-batch-size", "8", "--micro-batch-
 
 
 def _setup(sharing):
+    from epas_megatron.assembly import memory_kernels
     from epas_megatron.metrics.memory_model import LayerShape, RankMemorySettings
     from epas_megatron.model.architecture import LlamaArchitecture
     from epas_megatron.model.build_plan import BuildPlan
-    from epas_megatron.model.fusions import KernelAvailability, activation_kernels
+    from epas_megatron.model.fusions import KernelAvailability
     from epas_megatron.training.optimizer import OptimizerSettings
     from epas_megatron.training.state import build_training_state
 
@@ -52,7 +60,7 @@ def _setup(sharing):
                                   warmup_iters=1, decay_iters=10, decay_style="cosine", precision="bf16")
     state = build_training_state(plan, optimizer, seed=1)
     shape = LayerShape(arch.hidden_size, arch.num_attention_heads, arch.num_query_groups, arch.ffn_hidden_size, s, b)
-    settings = RankMemorySettings(vocab_size=arch.vocab_size, precision="bf16", **activation_kernels(KernelAvailability.detect()))
+    settings = RankMemorySettings(vocab_size=arch.vocab_size, precision="bf16", **memory_kernels(KernelAvailability.detect(), plan.backend))
     return arch, plan, state, shape, settings
 
 
@@ -89,7 +97,7 @@ def _batch(arch, s, b):
 
 def test_saved_tensors_on_the_gpu_equal_the_model_tensor_by_tensor(world):
     from epas_megatron.metrics.activation_memory import measure_saved_bytes
-    from epas_megatron.metrics.memory_model import layer_activation_tensors
+    from epas_megatron.metrics.memory_model import layer_activation_tensors, rotary_table_bytes
     from epas_megatron.runtime.device import to_compute_device
 
     sharing = (2, 3)
@@ -98,7 +106,9 @@ def test_saved_tensors_on_the_gpu_equal_the_model_tensor_by_tensor(world):
     saved = measure_saved_bytes(state.model[0], inputs["tokens"], inputs["position_ids"], None, labels=inputs["labels"])
     for index in range(arch.num_layers):
         role = "share" if index in sharing else "compute"
-        model = layer_activation_tensors(shape, role, "qk", 2, **settings.kernels)
+        # Fused RoPE keeps the rotary embedding's cached table: one storage, charged to layer 0.
+        table = [rotary_table_bytes(shape)] if settings.fused_rope and index == 0 else []
+        model = sorted(layer_activation_tensors(shape, role, "qk", 2, **settings.kernels) + table)
         # The flash kernel's RNG seed and offset are scalars; the model counts tensors of a token or more.
         small = [n for n in saved.tensors[index] if n < 1024]
         print(f"layer {index} ({role}): saved {sorted(saved.tensors[index])}, model {model}")
@@ -171,6 +181,53 @@ def test_memory_model_against_the_cuda_allocator(world, sharing):
     print(f"region {len(sharing)}: peak of a step {peak / 2**20:.1f} MiB, model total {predicted['total'] / 2**20:.1f} MiB "
           f"(measured / model {peak / predicted['total']:.3f})")
     assert 0.97 * predicted["total"] <= peak <= 1.5 * predicted["total"], (peak, predicted)
+
+
+@pytest.mark.skipif(not transformer_engine_importable(), reason="Transformer Engine is not installed: fused RoPE "
+                    "(apply_rope_fusion) is its kernel (pip install -r requirements-gpu.txt on a node that can build it)")
+def test_fused_rope_against_the_cuda_allocator(world, monkeypatch):
+    """TE's fused RoPE keeps no cos/sin tables: per layer the model's ``fused_rope=True`` tensors
+    (the rotary table once, in layer 0), and what a forward keeps is less than with the fusion
+    off by exactly the model's ``rope_tables`` terms (4·s·d bf16 elements per computing layer)."""
+    from epas_megatron.metrics.activation_memory import measure_saved_bytes
+    from epas_megatron.metrics.memory_model import layer_activation_tensors, layer_activation_terms, rotary_table_bytes
+    from epas_megatron.model import builder
+    from epas_megatron.runtime.device import to_compute_device
+
+    sharing = (2, 3)
+    roles = ["share" if i in sharing else "compute" for i in range(4)]
+
+    def kept_for_backward():
+        arch, plan, state, shape, settings = _setup(sharing)
+        inputs = to_compute_device({k: v for k, v in _batch(arch, shape.seq_length, shape.micro_batch_size).items()
+                                    if k != "sample_ids"})
+        gc.collect()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        loss = state.model[0](inputs["tokens"], inputs["position_ids"], None, labels=inputs["labels"])
+        torch.cuda.synchronize()
+        kept = torch.cuda.memory_allocated() - before
+        del loss
+        saved = measure_saved_bytes(state.model[0], inputs["tokens"], inputs["position_ids"], None, labels=inputs["labels"])
+        del state
+        return kept, saved, shape, settings
+
+    fused, saved, shape, settings = kept_for_backward()
+    assert settings.fused_rope, "Transformer Engine imports but the builder did not fuse RoPE"
+    for index, role in enumerate(roles):
+        table = [rotary_table_bytes(shape)] if index == 0 else []
+        model = sorted(layer_activation_tensors(shape, role, "qk", 2, **settings.kernels) + table)
+        assert sorted(n for n in saved.tensors[index] if n >= 1024) == model, (index, role, sorted(saved.tensors[index]))
+    settings_of = builder.fusion_settings
+    monkeypatch.setattr(builder, "fusion_settings", lambda *a, **k: {**settings_of(*a, **k), "apply_rope_fusion": False})
+    unfused, _, _, _ = kept_for_backward()
+    rope = sum(layer_activation_terms(shape, role, "qk", 2, **{**settings.kernels, "fused_rope": False}).get("rope_tables", 0)
+               for role in roles)
+    print(f"kept for backward: fused RoPE {fused / 2**20:.3f} MiB, unfused {unfused / 2**20:.3f} MiB; difference "
+          f"{(unfused - fused) / 2**10:.1f} KiB, model's rope_tables {rope / 2**10:.1f} KiB")
+    # The first forward of a build also makes the rotary table (both builds), so only the
+    # tables differ; 4 KiB for the allocator's 512-byte rounding of the small tensors.
+    assert abs((unfused - fused) - rope) <= 4096, (unfused, fused, rope)
 
 
 def test_in_memory_switch_equals_the_checkpoint_switch_over_nccl(tmp_path):

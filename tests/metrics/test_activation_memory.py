@@ -173,3 +173,103 @@ def test_fused_norm_keeps_its_input_and_rstd_only():
         composite = layer_activation_bytes(SHAPE, "compute", "qk", e)
         assert composite - layer_activation_bytes(SHAPE, "compute", "qk", e, fused_norm=True) == 2 * s * b * h * (8 - e)
         assert head_activation_bytes(SHAPE, 512, e) - head_activation_bytes(SHAPE, 512, e, fused_norm=True) == s * b * h * (8 - e)
+
+
+class _FusedRoPEStandIn(torch.autograd.Function):
+    """Transformer Engine's ``FusedRoPEFunc`` (``transformer_engine/pytorch/attention/rope.py``,
+    what Megatron-Core's ``fused_apply_rotary_pos_emb`` calls; TE cannot be installed on a CPU
+    machine) with torch arithmetic: forward rotates ``t`` by ``freqs`` (fp32, made fp32 if it is
+    not) and keeps ``ctx.save_for_backward(freqs, cu_seqlens)`` -- ``cu_seqlens`` None for the
+    ``sbhd`` layout --, backward rotates the gradient back by ``-freqs``. What autograd keeps is
+    the Function's choice, not its kernel's, so this keeps what TE keeps."""
+
+    saved: list = []
+    """The ``freqs`` of every call (the test checks they are one storage)."""
+
+    @staticmethod
+    def forward(ctx, t, freqs):
+        if freqs.dtype != torch.float32:
+            freqs = freqs.float()
+        ctx.save_for_backward(freqs, None)
+        _FusedRoPEStandIn.saved.append(freqs)
+        return _rotate(t, freqs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        freqs, _ = ctx.saved_tensors
+        return _rotate(grad, -freqs), None
+
+
+def _rotate(t, freqs):
+    # t [s, b, n, d], freqs [s, 1, 1, d] (halves equal): t·cos + rotate_half(t)·sin, new storage.
+    first, second = t.chunk(2, dim=-1)
+    return t * freqs.cos().to(t.dtype) + torch.cat((-second, first), dim=-1) * freqs.sin().to(t.dtype)
+
+
+def _stand_in_rope(monkeypatch):
+    """Layers built from here on run RoPE through the stand-in, as with ``apply_rope_fusion`` on
+    (the builder's flag, set the way TE's presence sets it in ``fusion_settings``)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from epas_megatron.model import builder
+
+    def fused_apply_rotary_pos_emb(t, freqs, transpose_output_memory=False, interleaved=False):
+        assert not interleaved
+        return _FusedRoPEStandIn.apply(t, freqs)
+
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", fused_apply_rotary_pos_emb)
+    settings = builder.fusion_settings
+    monkeypatch.setattr(builder, "fusion_settings", lambda *a, **k: {**settings(*a, **k), "apply_rope_fusion": True})
+    monkeypatch.setattr(_FusedRoPEStandIn, "saved", [])
+
+
+@pytest.mark.parametrize("share", ["qk", "kv"])
+@pytest.mark.parametrize("precision,element_bytes", [("fp32", 4), ("bf16", 2)])
+def test_fused_rope_layers_keep_the_models_fused_rope_tensors(monkeypatch, share, precision, element_bytes):
+    """With fused RoPE a layer keeps no cos/sin tables: its tensors are the model's
+    ``fused_rope=True`` ones, one for one; the one table the kernel keeps is the rotary
+    embedding's cached ``freqs``, the same storage for every layer (so the measurement charges
+    it once, to layer 0) and for the next micro-batch -- the model's resident
+    ``rotary_table_bytes``, not a per-micro-batch term."""
+    from epas_megatron.metrics.memory_model import rotary_table_bytes
+
+    _stand_in_rope(monkeypatch)
+    got = measured(share, precision)
+    table = rotary_table_bytes(SHAPE)
+    for index, role in ((0, "compute"), (1, "compute"), (2, "share"), (3, "share")):
+        want = layer_activation_tensors(SHAPE, role, share, element_bytes, fused_rope=True)
+        assert sorted(got.tensors[index]) == sorted(want + [table] * (index == 0)), (index, role)
+    saved = _FusedRoPEStandIn.saved
+    assert len(saved) == 2 * 2 + (2 if share == "kv" else 0)  # Q and K of each computing layer (and a kv layer's Q)
+    assert len({f.untyped_storage().data_ptr() for f in saved}) == 1 and saved[0].untyped_storage().nbytes() == table
+    unfused = layer_activation_terms(SHAPE, "compute", share, element_bytes)
+    fused = layer_activation_terms(SHAPE, "compute", share, element_bytes, fused_rope=True)
+    assert unfused.keys() - fused.keys() == {"rope_tables"} and unfused["rope_tables"] == 4 * S * 16 * element_bytes
+    assert fused["q_rope"] == unfused["q_rope"] and fused["k_rope"] == unfused["k_rope"]  # core attention keeps them
+
+
+def test_the_fused_rope_stand_in_is_rope(monkeypatch):
+    """The stand-in computes what the unfused path computes -- loss and every gradient -- so the
+    layers measured above run RoPE, not something that keeps less."""
+    from epas_megatron.model.architecture import LlamaArchitecture
+    from epas_testing import build
+
+    arch = LlamaArchitecture(num_layers=4, hidden_size=128, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=352,
+                             vocab_size=512, max_sequence_length=S)
+    tokens = torch.randint(0, 512, (B, S), generator=torch.Generator().manual_seed(0))
+
+    def loss_and_grads():
+        model = build(arch, (2, 3))
+        loss = model(tokens, torch.arange(S).expand(B, S), None, labels=tokens).float().mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    with pytest.MonkeyPatch.context() as patch:
+        _stand_in_rope(patch)
+        fused = loss_and_grads()
+        assert _FusedRoPEStandIn.saved  # it ran
+    unfused = loss_and_grads()
+    torch.testing.assert_close(fused[0], unfused[0], rtol=1e-6, atol=1e-6)
+    assert fused[1].keys() == unfused[1].keys() and len(fused[1]) > 10
+    for name, grad in unfused[1].items():
+        torch.testing.assert_close(fused[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
