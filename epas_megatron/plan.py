@@ -8,7 +8,10 @@ prints -- without starting processes or touching data beyond the tokenizer's siz
 parallel shape, the model FLOPs of an iteration at the first and the final sharing region, the
 pipeline layout planned for every switch (within the memory budget), and every pipeline rank's
 memory at the first and the final region from :mod:`epas_megatron.metrics.memory_model`:
-weights + gradients + Adam state, and the activations of its in-flight micro-batches. The
+weights + gradients + Adam state, and the activations of its in-flight micro-batches; with
+in-memory switches (``--epas-switch-mode memory``, the default) also each rank's peak through
+its worst switch: the parameter state plus what the switch allocates before the old state goes
+(new weights, gradient buffer and optimizer state; no activations then). The
 figures are the model's (local layers; no CUDA context, workspaces or allocator fragmentation,
 which the budget's 10% reserve stands for). Exit 0 when every rank fits, 3 when one does not,
 2 on bad input. The launcher's ``DRY_RUN=1`` prints it too.
@@ -103,8 +106,58 @@ def report(run, gpu_memory_gb: Optional[float]) -> tuple[list[str], bool]:
             fits = fits and not over
             lines.append(f"  {rank:7d}  {need['parameters'] / GIB:17.2f} GiB  {need['activations'] / GIB:8.2f} GiB ({need['in_flight']:g})"
                          f"  {need['total'] / GIB:8.2f} GiB{'  DOES NOT FIT' if over else ''}")
-    lines.append("fits" if fits else "does NOT fit: raise --pp or --tp, use --recompute selective or --use-distributed-optimizer, "
-                                     "or lower --micro-batch-size")
+    switch_fits = True
+    if schedule.num_switches and cfg.epas.epas_switch_mode == "memory":
+        switch_lines, switch_fits = _switch_peaks(run, base, limit, measure, budget)
+        lines += switch_lines
+    if fits and switch_fits:
+        lines.append("fits")
+    elif fits:
+        lines.append("does NOT fit through an in-memory switch: raise --pp or --tp, use --use-distributed-optimizer, or switch "
+                     "through a checkpoint (--epas-switch-mode checkpoint)")
+    else:
+        lines.append("does NOT fit: raise --pp or --tp, use --recompute selective or --use-distributed-optimizer, "
+                     "or lower --micro-batch-size")
+    fits = fits and switch_fits
+    return lines, fits
+
+
+def _switch_peaks(run, base, limit, measure, budget: Optional[float]) -> tuple[list[str], bool]:
+    """Each pipeline rank's largest in-memory switch (:meth:`~epas_megatron.parallel.memory_budget.MemoryLimit.switch_bytes`
+    between the layouts planned for the regions before and after it): the report's lines and
+    whether every rank fits ``budget``."""
+    from epas_megatron.assembly import plan_after_switch
+    from epas_megatron.parallel.layout import StageLayout
+    from epas_megatron.parallel.memory_budget import GIB
+    from epas_megatron.sharing.shape import RegionShape
+
+    schedule, p = run.schedule, run.cfg.parallel
+    region = RegionShape.of(schedule)
+    layouts: dict = {}
+
+    def layout_of(sharing):
+        if sharing not in layouts:  # (the budget's notices are printed with the first and final regions)
+            planned = plan_after_switch(run, base, sharing, memory=limit)[0].layout
+            layouts[sharing] = planned or StageLayout.even(run.cfg.model.num_layers, p.pp, run.vpp or 1)
+        return layouts[sharing]
+
+    worst: list = [None] * p.pp
+    for iteration, _ in schedule.switch_iterations():
+        before, after = schedule.sharing_layers(iteration - 1), schedule.sharing_layers(iteration)
+        per_rank = measure.switch_bytes(layout_of(before), region.modes(before), layout_of(after), region.modes(after))
+        for rank, need in enumerate(per_rank):
+            if worst[rank] is None or need["peak"] > worst[rank][0]["peak"]:
+                worst[rank] = (need, iteration)
+    lines = ["memory per GPU through its largest in-memory switch (--epas-switch-mode memory: the new model, gradient "
+             "buffer and optimizer state exist before the old go; no micro-batch in flight)"
+             + (f" (budget {budget / GIB:.1f} GiB)" if budget else "") + ":",
+             "  pp rank  state before  switch transient        peak"]
+    fits = True
+    for rank, (need, iteration) in enumerate(worst):
+        over = budget is not None and need["peak"] > budget
+        fits = fits and not over
+        lines.append(f"  {rank:7d}  {need['parameters'] / GIB:8.2f} GiB  {need['transient'] / GIB:12.2f} GiB  "
+                     f"{need['peak'] / GIB:8.2f} GiB  (switch at iteration {iteration}){'  DOES NOT FIT' if over else ''}")
     return lines, fits
 
 

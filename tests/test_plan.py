@@ -115,3 +115,32 @@ def test_the_memory_models_kernels_are_the_builders(monkeypatch, backend, random
         assert memory_kernels(kernels, backend, random_ltd)["fused_rope"] == built, kernels
     assert memory_kernels(te_gpu, backend, random_ltd)["fused_rope"] is not random_ltd
 
+
+def test_an_in_memory_switch_that_does_not_fit_says_so(tmp_path):
+    """Every region fits the budget, but the in-memory switch -- new model, gradient buffer and
+    optimizer state before the old go -- does not: exit 3, the switch's rank flagged; the same
+    run switching through a checkpoint fits. The shown peak is the parameter state plus the
+    memory model's transient for that switch."""
+    from epas_megatron.metrics.memory_model import LayerShape, RankMemorySettings, rank_memory_bytes, switch_transient_terms
+
+    args = ["--world-size", "1", "--gpu-memory-gb", "80", "--preset", "small", "--micro-batch-size", "1",
+            "--no-use-distributed-optimizer", "--epas-target-layers", "2", "--epas-interval", "10", "--train-iters", "40",
+            "--epas-memory-budget-gb", "0.5"]
+    proc = plan(*args, "--output-dir", str(tmp_path / "m"))
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "DOES NOT FIT" not in proc.stdout.split("largest in-memory switch")[0]  # every region fits
+    row = next(line for line in proc.stdout.split("largest in-memory switch")[1].splitlines() if line.strip().startswith("0 "))
+    assert "DOES NOT FIT" in row and "(switch at iteration 10)" in row
+    assert proc.stdout.rstrip().endswith("(--epas-switch-mode checkpoint)")
+    # The figures: bf16 (a GPU's), the mixed-precision optimizer; the largest switch is the first
+    # (region 0 -> 1: the most trainable parameters before it).
+    shape = LayerShape(384, 6, 2, 1024, 256, 1)
+    settings = RankMemorySettings(vocab_size=8192, precision="bf16", fused_norm=True, fused_swiglu=True)
+    before, after = ["compute"] * 8, ["compute"] * 7 + ["share"]
+    parameters = rank_memory_bytes(shape, [before], 0, 1, 1, settings)["parameters"]
+    transient = switch_transient_terms(shape, before, after, range(8), range(8), 0, 1, settings)["transient"]
+    shown = [float(part.split()[-1]) for part in row.split("GiB")[:3]]
+    assert shown == [round(v / 2**30, 2) for v in (parameters, transient, parameters + transient)], row
+    assert parameters + transient > 0.5 * 2**30 > rank_memory_bytes(shape, [after], 0, 1, 1, settings)["total"]
+    staged = plan(*args, "--epas-switch-mode", "checkpoint", "--output-dir", str(tmp_path / "c"))
+    assert staged.returncode == 0 and "in-memory switch" not in staged.stdout, staged.stdout[-3000:]

@@ -79,12 +79,17 @@ Scope: the local backend's kernels (SDPA's flash path; Transformer Engine fuses 
 keeps less). Full recompute (each group keeps only its inputs -- for a group that starts inside
 a sharing region, the hand-off Q and K too) and the pipeline's in-flight micro-batches are not
 modelled yet.
+
+Below the layers: a whole pipeline rank (:func:`rank_memory_bytes`: parameter state, in-flight
+activations) and what an in-memory switch allocates on it before the old state goes
+(:func:`switch_transient_terms`: new weights, gradient buffer and optimizer state, phase by
+phase; equal to torch's allocation counter within 32 KiB on CPU).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Collection, Iterable, Literal, Sequence
 
 Role = Literal["compute", "share"]
 
@@ -345,3 +350,102 @@ def rank_memory_bytes(shape: LayerShape, roles_by_chunk: list[list[Role]], pp_ra
     return {"parameters": static, "activations": activation * in_flight, "in_flight": in_flight,
             "total": static + activation * in_flight}
 
+
+# ---------------------------------------------------------------- the in-memory switch's transient
+def qkv_parameters(shape: LayerShape, tp: int = 1) -> int:
+    """A computing layer's fused QKV weight on one tensor-parallel rank: ``h·(a + 2g)·d / t``."""
+    return shape.hidden_size * (shape.num_attention_heads + 2 * shape.num_query_groups) * shape.head_dim // tp
+
+
+def rank_parameters(shape: LayerShape, roles: Iterable[Role], pp_rank: int, pp: int, settings: RankMemorySettings) -> tuple[int, int]:
+    """(trainable, frozen) parameters of one pipeline rank holding layers of ``roles``: theirs,
+    the embedding on the first rank, the LM head and final norm on the last."""
+    trainable = frozen = 0
+    for role in roles:
+        layer_trainable, layer_frozen = layer_parameters(shape, role, settings.share, settings.tp)
+        trainable, frozen = trainable + layer_trainable, frozen + layer_frozen
+    table = settings.vocab_size // settings.tp * shape.hidden_size
+    return trainable + table * (pp_rank == 0) + (table + shape.hidden_size) * (pp_rank == pp - 1), frozen
+
+
+def switch_transient_terms(shape: LayerShape, roles_before: Sequence[Role], roles_after: Sequence[Role],
+                           layers_before: Collection[int], layers_after: Collection[int], pp_rank: int, pp: int,
+                           settings: RankMemorySettings) -> dict[str, float]:
+    """What one pipeline rank allocates during an in-memory switch above the parameter state it
+    held before (weights, gradients, optimizer state of the region before: ``parameters`` of
+    :func:`rank_memory_bytes`), by term, and the phases' totals -- ``build``, ``ddp_copy_peak``
+    (the distributed optimizer's DDP copying the new weights into its buffer),
+    ``optimizer_exchange`` -- and ``transient``, their maximum: the switch peaks at the
+    parameter state before plus ``transient``.
+
+    ``roles_before`` / ``roles_after``: every decoder layer's role in the regions before and after
+    the switch; ``layers_before`` / ``layers_after``: the rank's layers in the layouts before and
+    after it (the same without a re-layout). Weights of ``w`` bytes; ``N``, ``T`` parameters
+    (all, trainable) of the rank before, ``N'``, ``T'`` after; ``/ dp`` with the distributed
+    optimizer. What
+    :mod:`epas_megatron.checkpointing.in_memory` (driven by ``training.switch``) allocates, and
+    when:
+
+    1. *Build* (after the old model, DDP and optimizer objects are dropped, their tensors held):
+       the new weights, never drawn (``w·N'``); DDP's new fp32 gradient buffer (``4·T'``); in
+       half precision the optimizer's new fp32 main weights (``4·T' / dp``). The old gradient
+       buffer is released first only with the plain fp32 optimizer (``-4·T``): with fp32 main
+       weights (half precision, or the distributed optimizer) their ``.grad`` are views into it,
+       and a held fused-tensor factory keeps them alive until the switch ends (the factory's
+       build function closes over the old parameter, whose ``main_param`` they are). The
+       distributed optimizer's DDP copies the new trainable weights into its parameter buffer
+       (``w·T'`` more until each module tensor is released: ``ddp_copy``).
+    2. *Model exchange*: a new weight with storage of its own takes the old one's storage over
+       (the plain and mixed-precision optimizers: the new allocation is released; the
+       distributed optimizer's weights are views into DDP's buffer, filled by copy, and the old
+       buffer stays). A switching layer's fused QKV rows are split into its new ``linear_v`` and
+       frozen Q/K and released; the merged frozen rows stay alive in the loaded state until the
+       switch ends (``w`` per frozen element of a switching layer: ``frozen_copy``). Never above
+       1 or 3: the adopted fused FC1 and QKV storages go before a switching layer is split, and
+       3 keeps all of the distributed optimizer's 2.
+    3. *Optimizer exchange*: the plain fp32 optimizer adopts the old Adam moments of every
+       parameter that kept its identity; only the switching layers' new projections and layers
+       that arrived from another pipeline stage get new ones (``8`` bytes each). The
+       mixed-precision optimizer allocates all its moments (``8·T'``) and copies the old in, the
+       distributed optimizer its shard (``8·T' / dp``); the old state goes when the switch ends.
+       A switching layer's fused QKV optimizer state is split: the plain optimizer's two moments
+       (``8`` bytes per element), three fp32 tensors with main weights (``12``), assembled whole
+       first by the distributed optimizer (``24``: on one rank; counted on each).
+
+    With state in the optimizer (after its first step; before it, 3 allocates nothing). Layers
+    that leave the rank (a re-layout) are counted as held until the switch ends. Measured: the
+    CPU's torch allocation counter (tests/metrics/test_switch_memory.py) and the CUDA allocator
+    (tests/gpu/test_gpu_memory_and_nccl.py)."""
+    w, half, dist = settings.element_bytes, settings.precision != "fp32", settings.distributed_optimizer
+    plain = not half and not dist  # Megatron's FP32Optimizer: Adam state on the model's own parameters
+    div = settings.dp if dist else 1
+    t_before, _ = rank_parameters(shape, [roles_before[i] for i in layers_before], pp_rank, pp, settings)
+    t_after, f_after = rank_parameters(shape, [roles_after[i] for i in layers_after], pp_rank, pp, settings)
+    arrived = rank_parameters(shape, [roles_after[i] for i in layers_after if i not in layers_before], -1, pp, settings)
+    switching = {i for i, (old, new) in enumerate(zip(roles_before, roles_after)) if old == "compute" and new == "share"}
+    share_trainable, share_frozen = layer_parameters(shape, "share", settings.share, settings.tp)
+    own = share_trainable - (layer_parameters(shape, "compute", settings.share, settings.tp)[0] - qkv_parameters(shape, settings.tp))
+    stayed = len(switching & set(layers_before) & set(layers_after))  # switching layers whose new parameters are built here
+    terms = {
+        "new_weights": w * (t_after + f_after),
+        "new_gradient_buffer": 4 * t_after,
+        "old_gradient_buffer_released": -4 * t_before if plain else 0,
+        "new_main_weights": 4 * t_after / div if half else 0,
+        "ddp_copy": w * t_after if dist else 0,
+        "frozen_copy": w * share_frozen * len(switching & set(layers_after)),
+        "new_moments": 8 * (arrived[0] + own * stayed) if plain else 8 * t_after / div,
+        "split_optimizer_state": (8 if plain else 12) * (2 if dist else 1) * qkv_parameters(shape, settings.tp)
+        * len(switching & set(layers_before)),
+    }
+    grads = terms["new_gradient_buffer"] + terms["old_gradient_buffer_released"]
+    build = terms["new_weights"] + grads + terms["new_main_weights"]
+    ddp_copy = terms["new_weights"] + terms["ddp_copy"] + grads
+    # The exchanged weights: the distributed optimizer's new buffer (the old one held); otherwise
+    # the old storages, adopted, and new storage only for the layers that arrived.
+    weights = terms["new_weights"] if dist else w * sum(arrived)
+    optimizer = (weights + terms["frozen_copy"] + grads + terms["new_main_weights"] + terms["new_moments"]
+                 + terms["split_optimizer_state"])
+    if not dist:
+        ddp_copy = 0
+    return {**terms, "build": build, "ddp_copy_peak": ddp_copy, "optimizer_exchange": optimizer,
+            "transient": max(build, ddp_copy, optimizer)}

@@ -8,7 +8,8 @@ even split did. :class:`MemoryLimit` prices a rank with :mod:`epas_megatron.metr
 micro-batches; the embedding on the first rank, the LM head on the last, a received hand-off)
 and tells the balancer's search which ranks fit; among the layouts whose every rank fits, the
 balancer still minimises the slowest rank. :func:`layout_within_budget` also reports when the
-FLOP-optimal layout would not have fitted.
+FLOP-optimal layout would not have fitted. :meth:`MemoryLimit.switch_bytes` prices a rank through
+an in-memory switch (``epas-plan`` checks it against the budget; the balancer does not).
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from epas_megatron.metrics.memory_model import LayerShape, RankMemorySettings, layer_memory, rank_memory_bytes
+from epas_megatron.metrics.memory_model import (
+    LayerShape,
+    RankMemorySettings,
+    layer_memory,
+    rank_memory_bytes,
+    switch_transient_terms,
+)
 from epas_megatron.sharing.schedule import LayerMode
 
 GIB = 2**30
@@ -70,6 +77,25 @@ class MemoryLimit:
         for rank in range(self.pp):
             chunks = [[roles[i] for i in layout.layer_ids(rank, c)] for c in range(self.vpp)]
             out.append(self.rank_bytes(rank, chunks))
+        return out
+
+    def switch_bytes(self, layout_before, modes_before: Sequence[LayerMode], layout_after,
+                     modes_after: Sequence[LayerMode]) -> list[dict[str, float]]:
+        """Per-rank memory of an in-memory switch (``--epas-switch-mode memory``) from one region
+        and layout to the next: ``parameters`` (the state before it), ``transient`` (what the
+        switch allocates before the old is released:
+        :func:`~epas_megatron.metrics.memory_model.switch_transient_terms`) and ``peak``, their
+        sum. No micro-batch is in flight during a switch."""
+        roles_before = ["share" if m == LayerMode.SHARE else "compute" for m in modes_before]
+        roles_after = ["share" if m == LayerMode.SHARE else "compute" for m in modes_after]
+        out = []
+        for rank in range(self.pp):
+            chunks = [list(layout_before.layer_ids(rank, c)) for c in range(self.vpp)]
+            parameters = self.rank_bytes(rank, [[roles_before[i] for i in chunk] for chunk in chunks])["parameters"]
+            after = [i for c in range(self.vpp) for i in layout_after.layer_ids(rank, c)]
+            transient = switch_transient_terms(self.shape, roles_before, roles_after, [i for chunk in chunks for i in chunk], after,
+                                               rank, self.pp, self.settings)["transient"]
+            out.append({"parameters": parameters, "transient": transient, "peak": parameters + transient})
         return out
 
 

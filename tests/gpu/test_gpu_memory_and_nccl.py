@@ -23,16 +23,24 @@ builder's flags):
 - fused RoPE (Transformer Engine installed; skipped otherwise): the real kernel keeps no cos/sin
   tables -- each layer's saved tensors are the model's ``fused_rope=True`` ones, the shared
   rotary table once -- and a forward keeps exactly the model's ``rope_tables`` less than the same
-  model with the fusion off (the allocator's difference).
+  model with the fusion off (the allocator's difference);
+- the in-memory switch (a real trainer's, in a process of its own: tests/switch_memory_check.py):
+  ``torch.cuda.max_memory_allocated`` through the switch, above what was allocated before it,
+  equals the memory model's transient (``switch_transient_terms``) for the plain fp32, the
+  mixed-precision and the distributed optimizer, within 1% + 1 MiB (the caching allocator rounds
+  each block to 512 bytes; on CPU the model equals torch's allocation counter within 32 KiB,
+  tests/metrics/test_switch_memory.py).
 """
 
 import gc
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from epas_megatron.model.fusions import transformer_engine_importable
-from epas_testing import TINY, run_trainer
+from epas_testing import REPO, TINY, child_environ, json_lines, run_trainer
 
 pytestmark = pytest.mark.gpu
 
@@ -228,6 +236,25 @@ def test_fused_rope_against_the_cuda_allocator(world, monkeypatch):
     # The first forward of a build also makes the rotary table (both builds), so only the
     # tables differ; 4 KiB for the allocator's 512-byte rounding of the small tensors.
     assert abs((unfused - fused) - rope) <= 4096, (unfused, fused, rope)
+
+
+def test_in_memory_switch_against_the_cuda_allocator(tmp_path):
+    """The peak of a real in-memory switch (one layer of a 4-layer bf16/fp32 model, after a
+    step) above what was allocated before it, ``torch.cuda.max_memory_allocated``, against the
+    memory model's transient, for the plain, mixed-precision and distributed optimizers. In a
+    process of its own: the trainer makes its own world (this module's fixture holds one)."""
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "switch_memory_check.py"), "--output-dir", str(tmp_path)],
+                          cwd=REPO, env={**child_environ(), "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json_lines(proc.stdout, "RESULT")
+    assert len(results) == 3 and all(r["device"] == "cuda" for r in results), proc.stdout[-2000:]
+    for r in results:
+        model = r["model"]
+        print(f"{r['precision']} {'distributed' if r['distributed_optimizer'] else 'plain'} optimizer: switch peak "
+              f"{r['peak'] / 2**20:.2f} MiB, model {model['transient'] / 2**20:.2f} MiB (measured / model "
+              f"{r['peak'] / model['transient']:.4f}); build {r['build_peak'] / 2**20:.2f} MiB, model "
+              f"{max(model['build'], model['ddp_copy_peak']) / 2**20:.2f} MiB")
+        assert abs(r["peak"] - model["transient"]) <= 0.01 * model["transient"] + 2**20, r
 
 
 def test_in_memory_switch_equals_the_checkpoint_switch_over_nccl(tmp_path):
