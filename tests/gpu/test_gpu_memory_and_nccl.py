@@ -33,6 +33,7 @@ builder's flags):
 """
 
 import gc
+import os
 import subprocess
 import sys
 
@@ -244,7 +245,9 @@ def test_in_memory_switch_against_the_cuda_allocator(tmp_path):
     memory model's transient, for the plain, mixed-precision and distributed optimizers. In a
     process of its own: the trainer makes its own world (this module's fixture holds one)."""
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "switch_memory_check.py"), "--output-dir", str(tmp_path)],
-                          cwd=REPO, env={**child_environ(), "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=600)
+                          cwd=REPO, env={**child_environ(), "PYTHONUNBUFFERED": "1",
+                                         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json_lines(proc.stdout, "RESULT")
     assert len(results) == 3 and all(r["device"] == "cuda" for r in results), proc.stdout[-2000:]
