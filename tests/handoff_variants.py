@@ -85,7 +85,8 @@ def pre_rope_hand_off():
         assert kept_index is None and self.blend is None, "the pre-RoPE control is for plain sources"
         # [sq, b, h] -> [sq, b, np, hn], [sq, b, ng, hn], [sq, b, ng, hn]
         query, key, value = self.get_query_key_value_tensors(hidden_states)
-        raw = (query, key) if self.hand_off == "qk" else (key, value)
+        # (copies: the projection's split views, where a kernel may want contiguous tensors)
+        raw = tuple(t.contiguous() for t in ((query, key) if self.hand_off == "qk" else (key, value)))
         pos = attention._rope_pair(rotary_pos_emb)
         if pos is not None:
             query, key = self._rope(query, pos[0]), self._rope(key, pos[1])
