@@ -389,18 +389,20 @@ def switch_transient_terms(shape: LayerShape, roles_before: Sequence[Role], role
     1. *Build* (after the old model, DDP and optimizer objects are dropped, their tensors held):
        the new weights, never drawn (``w·N'``); DDP's new fp32 gradient buffer (``4·T'``); in
        half precision the optimizer's new fp32 main weights (``4·T' / dp``). The old gradient
-       buffer is released first only with the plain fp32 optimizer (``-4·T``): with fp32 main
-       weights (half precision, or the distributed optimizer) their ``.grad`` are views into it,
-       and a held fused-tensor factory keeps them alive until the switch ends (the factory's
-       build function closes over the old parameter, whose ``main_param`` they are). The
-       distributed optimizer's DDP copies the new trainable weights into its parameter buffer
+       buffer is released first (``-4·T``): ``drop_gradients`` detaches every view of it --
+       ``.grad``, ``.main_grad`` and the fp32 main weights' ``.grad`` (half precision, or the
+       distributed optimizer), which a held fused-tensor factory would otherwise keep alive until
+       the switch ends (its build function closes over the old parameter, whose ``main_param``
+       they are). Not with fp32 and the distributed optimizer: there the whole old DDP outlives
+       the switch (measured on CPU: every earlier training state stays, a leak not found yet).
+       The distributed optimizer's DDP copies the new trainable weights into its parameter buffer
        (``w·T'`` more until each module tensor is released: ``ddp_copy``).
     2. *Model exchange*: a new weight with storage of its own takes the old one's storage over
        (the plain and mixed-precision optimizers: the new allocation is released; the
        distributed optimizer's weights are views into DDP's buffer, filled by copy, and the old
        buffer stays). A switching layer's fused QKV rows are split into its new ``linear_v`` and
-       frozen Q/K and released; the merged frozen rows stay alive in the loaded state until the
-       switch ends (``w`` per frozen element of a switching layer: ``frozen_copy``). Never above
+       frozen Q/K and released; the loaded state (the merged frozen rows among it) is dropped
+       once the model holds it. Never above
        1 or 3: the adopted fused FC1 and QKV storages go before a switching layer is split, and
        3 keeps all of the distributed optimizer's 2.
     3. *Optimizer exchange*: the plain fp32 optimizer adopts the old Adam moments of every
@@ -423,16 +425,17 @@ def switch_transient_terms(shape: LayerShape, roles_before: Sequence[Role], role
     t_after, f_after = rank_parameters(shape, [roles_after[i] for i in layers_after], pp_rank, pp, settings)
     arrived = rank_parameters(shape, [roles_after[i] for i in layers_after if i not in layers_before], -1, pp, settings)
     switching = {i for i, (old, new) in enumerate(zip(roles_before, roles_after)) if old == "compute" and new == "share"}
-    share_trainable, share_frozen = layer_parameters(shape, "share", settings.share, settings.tp)
+    share_trainable, _ = layer_parameters(shape, "share", settings.share, settings.tp)
     own = share_trainable - (layer_parameters(shape, "compute", settings.share, settings.tp)[0] - qkv_parameters(shape, settings.tp))
     stayed = len(switching & set(layers_before) & set(layers_after))  # switching layers whose new parameters are built here
     terms = {
         "new_weights": w * (t_after + f_after),
         "new_gradient_buffer": 4 * t_after,
-        "old_gradient_buffer_released": -4 * t_before if plain else 0,
+        # fp32 with the distributed optimizer: the old DDP outlives the switch (a known leak:
+        # something outside Python's collector holds it), its buffer with it.
+        "old_gradient_buffer_released": 0 if (dist and not half) else -4 * t_before,
         "new_main_weights": 4 * t_after / div if half else 0,
         "ddp_copy": w * t_after if dist else 0,
-        "frozen_copy": w * share_frozen * len(switching & set(layers_after)),
         "new_moments": 8 * (arrived[0] + own * stayed) if plain else 8 * t_after / div,
         "split_optimizer_state": (8 if plain else 12) * (2 if dist else 1) * qkv_parameters(shape, settings.tp)
         * len(switching & set(layers_before)),
@@ -443,8 +446,7 @@ def switch_transient_terms(shape: LayerShape, roles_before: Sequence[Role], role
     # The exchanged weights: the distributed optimizer's new buffer (the old one held); otherwise
     # the old storages, adopted, and new storage only for the layers that arrived.
     weights = terms["new_weights"] if dist else w * sum(arrived)
-    optimizer = (weights + terms["frozen_copy"] + grads + terms["new_main_weights"] + terms["new_moments"]
-                 + terms["split_optimizer_state"])
+    optimizer = weights + grads + terms["new_main_weights"] + terms["new_moments"] + terms["split_optimizer_state"]
     if not dist:
         ddp_copy = 0
     return {**terms, "build": build, "ddp_copy_peak": ddp_copy, "optimizer_exchange": optimizer,

@@ -20,8 +20,10 @@ UNMODELLED = 32 * 1024
 """Bytes the model leaves out of a switch: allocations smaller than any weight -- Adam's step
 counters, the exchange's shard bookkeeping, scalars -- measured at 5.0-5.3 KiB in every
 configuration here (h 64 to 512), whatever the model's size. The smallest modelled term (the
-merged frozen Q/K copy: 160 KiB in bf16 at this shape) is five times this, so the check fails if
-any term is missing or miscounted."""
+plain optimizer's new Adam moments of the switching layer's V projection: 128 KiB at this
+shape) is four times this, so the check fails if any term is missing or miscounted (the merged
+frozen Q/K rows that the switch held until its end, 160 KiB in bf16, were caught this way when
+the switch started dropping them)."""
 
 
 @pytest.mark.parametrize("precision,distributed", [*CONFIGURATIONS, ("fp32", True)],
@@ -60,21 +62,24 @@ def test_switch_terms_by_hand():
                                                 RankMemorySettings(vocab_size=512, dp=2, **kw))
     plain = terms()
     assert plain["build"] == 4 * n_after + 4 * t_after - 4 * t_before
-    assert plain["optimizer_exchange"] == 4 * frozen + 4 * t_after - 4 * t_before + 8 * 64 * 2 * 16 + 8 * qkv
+    assert plain["optimizer_exchange"] == 4 * t_after - 4 * t_before + 8 * 64 * 2 * 16 + 8 * qkv
     assert plain["transient"] == plain["build"]
     mixed = terms(precision="bf16")
-    assert mixed["build"] == 2 * n_after + 4 * t_after + 4 * t_after  # the old gradient buffer is held
-    assert mixed["optimizer_exchange"] == 2 * frozen + 4 * t_after + 4 * t_after + 8 * t_after + 12 * qkv
+    # The old gradient buffer is released before the build (drop_gradients detaches the main
+    # weights' .grad views of it too).
+    assert mixed["build"] == 2 * n_after + 4 * t_after - 4 * t_before + 4 * t_after
+    assert mixed["optimizer_exchange"] == 4 * t_after - 4 * t_before + 4 * t_after + 8 * t_after + 12 * qkv
     dist = terms(precision="bf16", distributed_optimizer=True)
-    assert dist["ddp_copy_peak"] == 2 * n_after + 2 * t_after + 4 * t_after
-    assert dist["optimizer_exchange"] == 2 * n_after + 2 * frozen + 4 * t_after + 4 * t_after / 2 + 8 * t_after / 2 + 24 * qkv
+    assert dist["ddp_copy_peak"] == 2 * n_after + 2 * t_after + 4 * t_after - 4 * t_before
+    assert dist["optimizer_exchange"] == (2 * n_after + 4 * t_after - 4 * t_before + 4 * t_after / 2
+                                          + 8 * t_after / 2 + 24 * qkv)
     assert dist["transient"] == dist["optimizer_exchange"]
-    # Against the parameter state of the region before: the distributed optimizer's switch
-    # more than doubles it at this size (a step adds the activations; the switch adds this).
+    # Against the parameter state of the region before: the distributed optimizer's switch adds
+    # about three quarters of it at this size (a step adds the activations; the switch adds this).
     state = rank_memory_bytes(shape, [["compute"] * 2], 0, 1, 1, RankMemorySettings(vocab_size=512, dp=2, precision="bf16",
                                                                                    distributed_optimizer=True))["parameters"]
     assert state == 2 * t_before + 4 * t_before + 12 * t_before // 2
-    assert dist["transient"] > state
+    assert 0.7 * state < dist["transient"] < 0.8 * state
 
 
 def test_a_layer_moving_stage_is_new_on_its_new_rank():
