@@ -114,7 +114,8 @@ def memory_settings(run: ResolvedRun, vocab_size: int, kernels: Optional[KernelA
     return RankMemorySettings(vocab_size=vocab_size, tp=p.tp, dp=run.dp, num_microbatches=run.num_microbatches,
                               precision=run.precision, distributed_optimizer=run.use_distributed_optimizer,
                               sequence_parallel=p.sequence_parallel, recompute=p.recompute if p.recompute != "full" else "none",
-                              share=run.cfg.epas.epas_share, **memory_kernels(kernels, run.backend, run.random_ltd is not None))
+                              share=run.cfg.epas.epas_share, tie_embeddings=not run.cfg.model.untie_embeddings_and_output_weights,
+                              **memory_kernels(kernels, run.backend, run.random_ltd is not None))
 
 
 def stage_memory_limit(run: ResolvedRun, plan: BuildPlan, device_memory_gb: Optional[float] = None,

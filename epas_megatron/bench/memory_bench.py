@@ -70,10 +70,11 @@ def run_memory_bench(cfg: MemoryBenchConfig, log=print) -> dict:
     """Measure and model every configuration one process can run -- ``qk`` and ``kv`` sharing,
     without and with selective recompute -- (call inside an initialised single-process group).
     The record's top-level figures are ``cfg.share`` without recompute."""
+    from epas_megatron.assembly import memory_kernels
     from epas_megatron.config.presets import get_preset
     from epas_megatron.metrics.memory_model import LayerShape, layer_activation_terms
     from epas_megatron.model.architecture import architecture_from_preset
-    from epas_megatron.model.fusions import KernelAvailability, activation_kernels
+    from epas_megatron.model.fusions import KernelAvailability
     from epas_megatron.sharing.schedule import region_layers
 
     preset = get_preset(cfg.preset)
@@ -82,8 +83,9 @@ def run_memory_bench(cfg: MemoryBenchConfig, log=print) -> dict:
     shape = LayerShape(arch.hidden_size, arch.num_attention_heads, arch.num_query_groups, arch.ffn_hidden_size,
                        cfg.seq_length, cfg.micro_batch_size)
     e = 4 if cfg.precision == "fp32" else 2
-    # The model as the kernels of this device keep it (CPU: composite norm, unfused SwiGLU).
-    parallel = dict(tp=cfg.tp, sequence_parallel=cfg.sequence_parallel, **activation_kernels(KernelAvailability.detect()))
+    # The model as the kernels of this device keep it (CPU: composite norm, unfused SwiGLU; with
+    # Transformer Engine installed, fused RoPE -- as the builder sets it for these local layers).
+    parallel = dict(tp=cfg.tp, sequence_parallel=cfg.sequence_parallel, **memory_kernels(KernelAvailability.detect()))
     s, b, h, a = cfg.seq_length, cfg.micro_batch_size, arch.hidden_size, arch.num_attention_heads
     mb = 1 / 2**20
     log(f"bench: activation bytes kept for backward, {cfg.preset} ({arch.num_layers} layers, h {h}, {a}/{arch.num_query_groups} heads, "

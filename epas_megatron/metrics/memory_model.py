@@ -291,6 +291,10 @@ class RankMemorySettings:
     share: str = "qk"
     """What sharing layers reuse."""
 
+    tie_embeddings: bool = False
+    """The LM head uses the embedding's weight: one table where one rank holds both (PP = 1);
+    with PP > 1 the last stage keeps Megatron's copy of it, a table of its own."""
+
     fused_norm: bool = False
     """RMSNorm is one kernel keeping its input and 1 / rms (torch's CUDA ``rms_norm``), not the
     composite fp32 one (CPU): :func:`epas_megatron.model.fusions.activation_kernels`."""
@@ -359,13 +363,15 @@ def qkv_parameters(shape: LayerShape, tp: int = 1) -> int:
 
 def rank_parameters(shape: LayerShape, roles: Iterable[Role], pp_rank: int, pp: int, settings: RankMemorySettings) -> tuple[int, int]:
     """(trainable, frozen) parameters of one pipeline rank holding layers of ``roles``: theirs,
-    the embedding on the first rank, the LM head and final norm on the last."""
+    the embedding on the first rank, the LM head (unless tied to the embedding on the same rank)
+    and final norm on the last."""
     trainable = frozen = 0
     for role in roles:
         layer_trainable, layer_frozen = layer_parameters(shape, role, settings.share, settings.tp)
         trainable, frozen = trainable + layer_trainable, frozen + layer_frozen
     table = settings.vocab_size // settings.tp * shape.hidden_size
-    return trainable + table * (pp_rank == 0) + (table + shape.hidden_size) * (pp_rank == pp - 1), frozen
+    head = 0 if (settings.tie_embeddings and pp == 1) else table
+    return trainable + table * (pp_rank == 0) + (head + shape.hidden_size) * (pp_rank == pp - 1), frozen
 
 
 def switch_transient_terms(shape: LayerShape, roles_before: Sequence[Role], roles_after: Sequence[Role],

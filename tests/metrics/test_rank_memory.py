@@ -31,6 +31,21 @@ def test_layer_parameters_match_a_built_model(share):
         assert frozen == sum(p.numel() for p in params if not p.requires_grad)
 
 
+@pytest.mark.usefixtures("single_process")
+@pytest.mark.parametrize("tied", [False, True])
+def test_rank_parameters_match_a_built_model_with_and_without_tied_embeddings(tied):
+    """One rank (PP = 1) holding everything: a tied LM head has no weight of its own."""
+    from epas_megatron.metrics.memory_model import rank_parameters
+    from epas_megatron.model.architecture import LlamaArchitecture
+    from epas_testing import build
+
+    model = build(LlamaArchitecture(4, 64, 4, 2, 176, 512, 64, tie_embeddings=tied), (2, 3))
+    roles = ["compute", "compute", "share", "share"]
+    trainable, frozen = rank_parameters(SHAPE, roles, 0, 1, RankMemorySettings(vocab_size=512, tie_embeddings=tied))
+    assert trainable == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert frozen == sum(p.numel() for p in model.parameters() if not p.requires_grad)
+
+
 def test_in_flight_microbatches():
     assert [in_flight_microbatches(r, 4, 1, 8) for r in range(4)] == [4, 3, 2, 1]
     assert in_flight_microbatches(0, 4, 1, 2) == 2  # never more than the micro-batches
