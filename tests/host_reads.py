@@ -112,3 +112,22 @@ class HostReads(TorchDispatchMode):
 
     def from_project(self) -> Counter:
         return Counter({k: v for k, v in self.events.items() if k.startswith("epas_megatron/")})
+
+
+CUDA_SYNC = "synchronizing CUDA operation"  # PyTorch's sync-debug message (warn and error modes)
+
+
+def cuda_syncs(fn) -> int:
+    """On a GPU: how many synchronizing CUDA operations ``fn()`` runs (PyTorch's sync-debug
+    warnings), what :class:`HostReads` stands in for on CPU."""
+    import warnings
+
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    return sum(CUDA_SYNC in str(w.message) for w in caught)
