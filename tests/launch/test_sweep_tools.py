@@ -44,7 +44,8 @@ def test_region_flags_switch_the_whole_region_at_once(preset, region, layers):
     assert flags == ["--epas-target-layers", str(layers), "--epas-first-switch", str(record.FIRST_SWITCH), "--epas-interval", "1",
                      "--epas-growth", str(layers)]
     # The trainer's own schedule agrees: nothing before FIRST_SWITCH, the full region from it.
-    cfg = parse_config(["--preset", preset, *flags, "--train-iters", "10", "--output-dir", "/nonexistent/epas-test"])
+    cfg = parse_config(["--preset", preset, *flags, "--train-iters", "10", "--data", "embedded",  # as sweep_point.sbatch passes it
+                        "--output-dir", "/nonexistent/epas-test"])
     schedule = resolve_run(cfg, world_size=1, cuda=False).schedule
     num_layers = cfg.model.num_layers
     assert schedule.sharing_layers(record.FIRST_SWITCH - 1) == ()
