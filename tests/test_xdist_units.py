@@ -28,7 +28,7 @@ import pytest
 @pytest.mark.parametrize("i", range({count}))
 def test_records_its_worker(i, request):
     with open(os.environ["EPAS_WORKER_LOG"], "a") as f:
-        f.write(f"{{os.environ['PYTEST_XDIST_WORKER']}} {{request.node.nodeid}}\\n")
+        f.write(f"{{os.environ.get('PYTEST_XDIST_WORKER', 'main')}} {{request.node.nodeid}}\\n")
 """
 
 FILES = {  # planted file -> number of tests; the Slurm ones last in collection order
@@ -50,7 +50,10 @@ def _plant(tmp_path, files, slurm_outside=False):
 
 
 def _pytest(tmp_path, *args):
-    env = {**os.environ, "EPAS_WORKER_LOG": str(tmp_path / "workers.log")}
+    # The inner run is its own: no xdist variables of an outer run under -n (they would make the
+    # planted tests see a worker that does not exist, or, alone, miss one).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env["EPAS_WORKER_LOG"] = str(tmp_path / "workers.log")
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", os.devnull, "--rootdir",
                            str(tmp_path), "-o", "markers=slurm: planted", *args, "tests"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
