@@ -185,6 +185,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "pipeline":
             _check_pipeline(args, preset)
         methods = _methods(args, args.seq_length or preset.seq_length) if args.command == "train" else ()
+        from epas_megatron.bench.common import default_backend
+
+        default_backend()  # an installed Transformer Engine that does not load: one error line, before any work
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return ConfigError.exit_code

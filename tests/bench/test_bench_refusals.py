@@ -46,3 +46,20 @@ def test_refusal_is_one_error_line_before_any_work(argv, world_size, message, ca
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and len(errors) == 1 and errors[0].startswith(message), err
     assert not dist.is_initialized() and not any(tmp_path.iterdir())
+
+
+def test_a_transformer_engine_that_does_not_load_is_one_error_line(capsys, monkeypatch, tmp_path):
+    """On a GPU node (faked) whose Transformer Engine is installed but broken, the train and
+    pipeline benches stop naming it, before any process group -- not a traceback mid-run."""
+    from epas_megatron.bench import common
+    from epas_megatron.model import fusions
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    broken = fusions.TransformerEngineProbe(True, "OSError: libcudnn.so.9: cannot open shared object file")
+    # the bench's backend choice as on a GPU node (choose_backend's cases: tests/model/test_fusions.py)
+    monkeypatch.setattr(common, "default_backend", lambda: fusions.choose_backend("auto", True, lambda: broken))
+    code = main(["train", "--preset", "tiny"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Transformer Engine is installed but does not load (OSError: libcudnn.so.9" in err, err
+    assert not dist.is_initialized()
