@@ -23,16 +23,15 @@ logit.
 import os
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
 
 from epas_testing import REPO, build, child_environ, json_lines
+from host_reads import cuda_syncs as count_syncs
 
 pytestmark = pytest.mark.gpu
 
-SYNC = "synchronizing CUDA operation"  # PyTorch's sync-debug message (warn and error modes)
 PROMPT_LENGTHS = (9, 4, 13)  # one left-padded batch
 NEW_TOKENS = 12
 
@@ -44,19 +43,6 @@ def ieee_fp32():
     torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32 = previous
-
-
-def count_syncs(fn):
-    """How many synchronizing CUDA operations ``fn()`` runs (PyTorch's sync-debug warnings)."""
-    previous = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
-    return sum(SYNC in str(w.message) for w in caught)
 
 
 def _arch():

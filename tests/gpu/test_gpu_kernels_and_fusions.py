@@ -6,15 +6,16 @@ torch.compile'd kernels build where detection says they can, and a forward/backw
 detected flags equals one with every fusion off."""
 
 import dataclasses
-import warnings
 from contextlib import contextmanager
 
 import pytest
 import torch
 
+from host_reads import CUDA_SYNC as SYNC
+from host_reads import cuda_syncs as count_syncs
+
 pytestmark = pytest.mark.gpu
 
-SYNC = "synchronizing CUDA operation"  # PyTorch's sync-debug message (warn and error modes)
 
 
 @contextmanager
@@ -25,15 +26,6 @@ def sync_debug(mode):
         yield
     finally:
         torch.cuda.set_sync_debug_mode(previous)
-
-
-def count_syncs(fn):
-    """How many synchronizing CUDA operations ``fn()`` runs (PyTorch's sync-debug warnings)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with sync_debug("warn"):
-            fn()
-    return sum(SYNC in str(w.message) for w in caught)
 
 
 def _arch(**kwargs):
