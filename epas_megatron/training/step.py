@@ -121,7 +121,17 @@ def _schedule_iterators(data_iterators: Sequence[Iterator]):
     return data_iterators[0] if len(data_iterators) == 1 else list(data_iterators)
 
 
-def _run_schedule(model_chunks, data_iterators, num_microbatches, seq_length, micro_batch_size, forward_only):
+def _run_schedule(model_chunks, data_iterators, num_microbatches, seq_length, micro_batch_size, forward_only, schedule=None):
+    """Megatron-Core's schedule for the chunks (1F1B, interleaved), or the action lists of
+    ``schedule`` (a :class:`~epas_megatron.parallel.pipeline_schedule.PipelineSchedule`) on the
+    project's executor."""
+    if schedule is not None:
+        from epas_megatron.training.pipeline_executor import run_pipeline_schedule
+
+        if schedule.microbatches != num_microbatches:
+            raise ValueError(f"the schedule is for {schedule.microbatches} micro-batches, the step runs {num_microbatches}")
+        return run_pipeline_schedule(schedule, model_chunks, data_iterators, forward_step_func=forward_step, seq_length=seq_length,
+                                     micro_batch_size=micro_batch_size, forward_only=forward_only)
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=_schedule_iterators(data_iterators),
@@ -148,7 +158,8 @@ def scale_lr(optimizer, scheduler, factor: Optional[float]) -> None:
 
 
 def train_step(model_chunks, optimizer, scheduler, data_iterators, *, num_microbatches: int, seq_length: int, micro_batch_size: int,
-               lr_increment: int = 1, lr_factor: Optional[float] = None, next_lr_factor: Optional[float] = None) -> StepResult:
+               lr_increment: int = 1, lr_factor: Optional[float] = None, next_lr_factor: Optional[float] = None,
+               pipeline_schedule=None) -> StepResult:
     """Forward/backward over a global batch, optimizer step, LR schedule step.
 
     ``seq_length`` is what Megatron's schedules size p2p tensors with (see
@@ -157,11 +168,12 @@ def train_step(model_chunks, optimizer, scheduler, data_iterators, *, num_microb
     step runs with the scheduler's LR times it; ``next_lr_factor``: the next step's, set on the
     parameter groups after the schedule's step (so they hold, and the logs show, the LR the next
     step uses; also after a skipped fp16 step, whose LR count stands still). None (the default):
-    the scheduler's LR untouched (``--epas-switch-rewarm``, :mod:`epas_megatron.sharing.rewarm`)."""
+    the scheduler's LR untouched (``--epas-switch-rewarm``, :mod:`epas_megatron.sharing.rewarm`).
+    ``pipeline_schedule``: run these action lists instead of Megatron-Core's schedule."""
     for chunk in model_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    losses = _run_schedule(model_chunks, data_iterators, num_microbatches, seq_length, micro_batch_size, False)
+    losses = _run_schedule(model_chunks, data_iterators, num_microbatches, seq_length, micro_batch_size, False, pipeline_schedule)
     # The step's one host copy before the optimizer: the global loss and tokens (the loss must be
     # checked before the weights move) and, in fp16, the loss scale these gradients were made with.
     totals = _loss_totals(losses)
@@ -188,12 +200,14 @@ def train_step(model_chunks, optimizer, scheduler, data_iterators, *, num_microb
 
 
 @torch.no_grad()
-def eval_step(model_chunks, data_iterators, *, num_microbatches: int, seq_length: int, micro_batch_size: int) -> StepResult:
-    """Forward-only loss over ``num_microbatches`` micro-batches per DP rank."""
+def eval_step(model_chunks, data_iterators, *, num_microbatches: int, seq_length: int, micro_batch_size: int,
+              pipeline_schedule=None) -> StepResult:
+    """Forward-only loss over ``num_microbatches`` micro-batches per DP rank (``pipeline_schedule``:
+    as :func:`train_step`)."""
     for chunk in model_chunks:
         chunk.eval()
     try:
-        losses = _run_schedule(model_chunks, data_iterators, num_microbatches, seq_length, micro_batch_size, True)
+        losses = _run_schedule(model_chunks, data_iterators, num_microbatches, seq_length, micro_batch_size, True, pipeline_schedule)
     finally:
         for chunk in model_chunks:
             chunk.train()

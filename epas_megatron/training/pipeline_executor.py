@@ -1,0 +1,140 @@
+"""Run a pipeline schedule's action lists (:mod:`epas_megatron.parallel.pipeline_schedule`) on this
+rank's model chunks: the one runtime for schedules Megatron-Core does not have.
+
+Why not ``torch.distributed.pipelining`` (whose runtime takes custom action lists): its weight
+gradient step writes ``weight.grad`` through ``autograd.grad``, past Megatron DDP's ``main_grad``
+hooks, and its stages exchange plain activations, not the EPAS hand-off rows the project's
+blocks pack into the p2p tensor. So the lists run here on the project's own pieces:
+
+* each forward and backward is Megatron-Core's own ``schedules.forward_step`` /
+  ``backward_step`` -- the same loss function and per-token loss accounting, loss scaling
+  (``config.grad_scale_func``), ``set_input_tensor`` and ``retain_grad`` as its 1F1B;
+* a tensor between ranks goes point to point on the pipeline group (``isend`` after the pass
+  that made it, a blocking ``recv`` right before the pass that takes it, a tag per message so
+  that a transport that matches tags, as gloo does, needs no order); the activation p2p tensor
+  is ``[rows, b, h]`` with the hand-off rows the blocks pack (``schedule_seq_length``), exactly
+  what Megatron's schedules exchange; a stage boundary inside a rank (V placement's turn) hands
+  the output on without a copy, as a new leaf;
+* gradient reduction: Megatron DDP's ``no_sync`` for the whole iteration, then
+  ``config.finalize_model_grads_func`` with the iteration's token count (the data-parallel
+  all-reduce, the embedding group's, the per-token division) -- what Megatron's schedules end
+  with.
+
+Scope of this first part (issue #34): the lists of ``1f1b`` on Megatron's placement (equal to
+Megatron-Core's 1F1B, tested), forward-only runs, whole backward passes (``BW``). V placement's
+chunks and the weight-gradient split are the next parts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import schedules as megatron_schedules
+
+from epas_megatron.parallel.pipeline_schedule import Action, PipelineSchedule, with_p2p
+
+
+def _message_tag(schedule: PipelineSchedule, kind: str, stage: int, microbatch: int) -> int:
+    """A tag per message of the iteration: activations and gradients apart, stage, micro-batch."""
+    return ((0 if kind == "F" else 1) * schedule.stages + stage) * schedule.microbatches + microbatch
+
+
+def run_pipeline_schedule(schedule: PipelineSchedule, model_chunks: Sequence, data_iterators: Sequence[Iterator], *,
+                          forward_step_func, seq_length: int, micro_batch_size: int, forward_only: bool = False) -> list:
+    """This rank's part of ``schedule`` on ``model_chunks`` (one per chunk of the placement),
+    reading each chunk's micro-batches from ``data_iterators``. Returns what Megatron's schedules
+    return: the loss function's reported values, one per micro-batch, on the rank with the loss."""
+    config = model_chunks[0].config
+    group = parallel_state.get_pipeline_model_parallel_group()
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    if schedule.pp != parallel_state.get_pipeline_model_parallel_world_size():
+        raise ValueError(f"a schedule for {schedule.pp} pipeline ranks on {parallel_state.get_pipeline_model_parallel_world_size()}")
+    if len(model_chunks) != schedule.chunks_per_rank:
+        raise ValueError(f"{schedule.name} runs {schedule.chunks_per_rank} chunk(s) per rank, got {len(model_chunks)}")
+    (shape,) = megatron_schedules.get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=None,
+                                                    config=config, tp_group=parallel_state.get_tensor_model_parallel_group(),
+                                                    cp_group=parallel_state.get_context_parallel_group())
+    device = next(model_chunks[0].parameters()).device
+    dtype = config.pipeline_dtype
+    last = schedule.stages - 1
+    actions = [a for a in with_p2p(schedule)[rank] if not (forward_only and a.kind not in ("F", "RECV_F", "SEND_F"))]
+
+    inputs: dict[tuple[int, int], torch.Tensor] = {}   # (stage, microbatch) -> the forward's input
+    outputs: dict[tuple[int, int], torch.Tensor] = {}  # -> its output (a loss on the last stage)
+    received: dict[tuple[str, int, int], torch.Tensor] = {}  # what a receive brought, for its pass
+    local_grads: dict[tuple[int, int], torch.Tensor] = {}    # a gradient handed back inside this rank
+    sends = []
+    forward_data_store: list = []
+    total_tokens = torch.zeros([], dtype=torch.int, device=device)
+
+    no_sync = contextlib.ExitStack()
+    if not forward_only and config.no_sync_func is not None:
+        funcs = config.no_sync_func if isinstance(config.no_sync_func, list) else [config.no_sync_func]
+        for func in funcs:
+            no_sync.enter_context(func())
+
+    def peer(action: Action) -> int:
+        return dist.get_global_rank(group, action.peer)
+
+    with no_sync:
+        for action in actions:
+            key = (action.stage, action.microbatch)
+            chunk = schedule.chunk_of(action.stage)
+            if action.kind in ("RECV_F", "RECV_B"):
+                kind = action.kind[-1]
+                tensor = torch.empty(shape, dtype=dtype, device=device, requires_grad=kind == "F")
+                dist.recv(tensor, src=peer(action), group=group, tag=_message_tag(schedule, kind, action.stage, action.microbatch))
+                received[(kind, action.stage, action.microbatch)] = tensor
+            elif action.kind in ("SEND_F", "SEND_B"):
+                kind = action.kind[-1]
+                if kind == "F":
+                    tensor = outputs.pop(key) if forward_only else outputs[key]
+                else:
+                    tensor = inputs.pop(key).grad
+                sends.append(dist.isend(tensor.detach().contiguous(), dst=peer(action), group=group,
+                                        tag=_message_tag(schedule, kind, action.stage, action.microbatch)))
+                if kind == "F":  # as Megatron's schedules: only its grad_fn is needed now (the send holds the data)
+                    megatron_schedules.deallocate_output_tensor(tensor, config.deallocate_pipeline_outputs)
+            elif action.kind == "F":
+                if action.stage == 0:
+                    input_tensor = None
+                elif schedule.rank_of(action.stage - 1) == rank:  # V placement's turn: no send
+                    handed = (outputs.pop if forward_only else outputs.get)((action.stage - 1, action.microbatch))
+                    input_tensor = handed.detach().requires_grad_()
+                    megatron_schedules.deallocate_output_tensor(handed, config.deallocate_pipeline_outputs)
+                else:
+                    input_tensor = received.pop(("F", action.stage - 1, action.microbatch))
+                output, tokens = megatron_schedules.forward_step(
+                    forward_step_func, data_iterators[chunk], model_chunks[chunk], schedule.microbatches, input_tensor,
+                    forward_data_store, config, cp_group_size=1, current_microbatch=action.microbatch,
+                    is_first_microbatch=action.microbatch == 0, is_last_stage=action.stage == last)
+                total_tokens += tokens
+                outputs[key] = output
+                if not forward_only:
+                    inputs[key] = input_tensor
+            elif action.kind == "BW":
+                if action.stage == last:
+                    output_grad = None
+                elif schedule.rank_of(action.stage + 1) == rank:
+                    output_grad = local_grads.pop(key)
+                else:
+                    output_grad = received.pop(("B", action.stage + 1, action.microbatch))
+                input_tensor, output = inputs[key], outputs.pop(key)
+                megatron_schedules.backward_step(input_tensor, output, output_grad, config)
+                if action.stage > 0 and schedule.rank_of(action.stage - 1) == rank:
+                    local_grads[(action.stage - 1, action.microbatch)] = input_tensor.grad
+                if action.stage == 0 or schedule.rank_of(action.stage - 1) == rank:
+                    inputs.pop(key)  # else its SEND_B takes the gradient and drops it
+            else:
+                raise ValueError(f"{schedule.name}: the executor does not run {action.kind} yet (the weight-gradient split)")
+        for work in sends:
+            work.wait()
+
+    if not forward_only and config.finalize_model_grads_func is not None:
+        config.finalize_model_grads_func(list(model_chunks), total_tokens if config.calculate_per_token_loss else None)
+    return forward_data_store
