@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("epas_megatron.metrics", "epas_megatron.parallel"),
     # 5: checkpoints and the training components (optimizer, state, one step)
     ("epas_megatron.checkpointing", "epas_megatron.training.optimizer", "epas_megatron.training.state",
-     "epas_megatron.training.step", "epas_megatron.training.progress"),
+     "epas_megatron.training.step", "epas_megatron.training.pipeline_executor", "epas_megatron.training.progress"),
     # 6: a run's config resolved against the world, its data and the checkpoint it resumes
     ("epas_megatron.config.validation",),
     # 7: one assembly from every source to a build plan
