@@ -71,7 +71,7 @@ def plan_for_run(run: ResolvedRun, sharing_layers: Sequence[int] = ()) -> BuildP
         layout=run.layout,
         sequence_parallel=p.sequence_parallel,
         precision=run.precision,
-        recompute=RecomputeSettings(p.recompute, p.recompute_method, p.recompute_num_layers),
+        recompute=RecomputeSettings(p.recompute, p.recompute_method, p.recompute_num_layers, recompute_modules(run)),
         backend=run.backend,
         core_attention=m.core_attention,
         share=e.epas_share,
@@ -106,6 +106,11 @@ def memory_kernels(kernels: KernelAvailability, backend: str = "local", random_l
             "fused_rope": fusion_settings(kernels, backend)["apply_rope_fusion"] and not random_ltd}
 
 
+def recompute_modules(run: ResolvedRun) -> tuple[str, ...]:
+    """The selective-recompute modules of a run (``--recompute-modules``, default core attention)."""
+    return tuple(run.cfg.parallel.recompute_modules or ("core_attn",))
+
+
 def memory_settings(run: ResolvedRun, vocab_size: int, kernels: Optional[KernelAvailability] = None) -> RankMemorySettings:
     """The memory model's settings for ``run`` on a node with ``kernels`` (default: this
     process's, :meth:`~epas_megatron.model.fusions.KernelAvailability.detect`)."""
@@ -114,6 +119,7 @@ def memory_settings(run: ResolvedRun, vocab_size: int, kernels: Optional[KernelA
     return RankMemorySettings(vocab_size=vocab_size, tp=p.tp, dp=run.dp, num_microbatches=run.num_microbatches,
                               precision=run.precision, distributed_optimizer=run.use_distributed_optimizer,
                               sequence_parallel=p.sequence_parallel, recompute=p.recompute if p.recompute != "full" else "none",
+                              recompute_modules=recompute_modules(run),
                               share=run.cfg.epas.epas_share, tie_embeddings=not run.cfg.model.untie_embeddings_and_output_weights,
                               **memory_kernels(kernels, run.backend, run.random_ltd is not None))
 

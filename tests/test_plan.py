@@ -144,3 +144,27 @@ def test_an_in_memory_switch_that_does_not_fit_says_so(tmp_path):
     assert parameters + transient > 0.5 * 2**30 > rank_memory_bytes(shape, [after], 0, 1, 1, settings)["total"]
     staged = plan(*args, "--epas-switch-mode", "checkpoint", "--output-dir", str(tmp_path / "c"))
     assert staged.returncode == 0 and "in-memory switch" not in staged.stdout, staged.stdout[-3000:]
+
+
+def test_mlp_recompute_in_the_plan(tmp_path):
+    """--recompute-modules mlp reaches the memory model through the assembly: each rank's
+    activations shrink by the MLP's fc1 and SwiGLU terms (the model's own, per in-flight
+    micro-batch), the parameters stay."""
+    import re
+
+    from epas_megatron.assembly import memory_settings
+    from epas_megatron.config.cli import parse_config
+    from epas_megatron.config.validation import resolve_run
+
+    common = ["--world-size", "8", "--gpu-memory-gb", "80", "--config", "launch/configs/7b.yaml", "--recompute", "selective"]
+    rows = {}
+    for name, extra in (("attention", []), ("mlp", ["--recompute-modules", "core_attn", "mlp"])):
+        proc = plan(*common, *extra, "--output-dir", str(tmp_path / name))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        first = proc.stdout.split("memory per GPU at the first region")[1].splitlines()[2]  # pp rank 0
+        rows[name] = [float(x) for x in re.findall(r"([\d.]+) GiB", first)]
+    assert rows["mlp"][0] == rows["attention"][0]  # parameters
+    assert rows["mlp"][1] < 0.75 * rows["attention"][1]  # activations: the MLP's terms are most of a layer's
+    run = resolve_run(parse_config(["--config", "launch/configs/7b.yaml", "--recompute", "selective", "--recompute-modules", "mlp",
+                                    "--output-dir", str(tmp_path / "r")]), world_size=8, cuda=True, planning_only=True)
+    assert memory_settings(run, 32000).recompute_modules == ("mlp",)

@@ -95,7 +95,12 @@ class ParallelConfig:
     """Overlap the data-parallel gradient reduction with the backward pass."""
 
     recompute: str = "none"
-    """Activation recompute: 'none', 'selective' (core attention) or 'full'."""
+    """Activation recompute: 'none', 'selective' (the modules of --recompute-modules) or 'full'."""
+
+    recompute_modules: Optional[list[str]] = None
+    """With --recompute selective: the parts of each layer Megatron-Core recomputes in backward --
+    'core_attn' (the attention kernel), 'mlp' (the whole SwiGLU MLP: it keeps only its input).
+    Default: core_attn."""
 
     recompute_method: str = "uniform"
     """With --recompute full: 'uniform' (chunks of --recompute-num-layers) or 'block' (the first

@@ -23,7 +23,7 @@ from epas_megatron.config.presets import (
 )
 from epas_megatron.config.schema import EMBEDDED_DATA, RunConfig
 from epas_megatron.errors import ConfigError
-from epas_megatron.model.build_plan import normalise_vpp
+from epas_megatron.model.build_plan import RECOMPUTE_MODULES, normalise_vpp
 from epas_megatron.model.fusions import BackendChoice, choose_layers, choose_precision
 from epas_megatron.sharing.ramp import SwitchRamp
 from epas_megatron.sharing.regions import RegionSpec
@@ -273,6 +273,13 @@ def _resolve_parallel(p, m, world_size: int) -> tuple[int, Optional[int], Option
         layout = _check_layout(p.pipeline_layout, m.num_layers, p.pp, p.vpp)
     if p.sequence_parallel and p.tp < 2:
         raise ConfigError("--sequence-parallel needs --tp >= 2")
+    if p.recompute_modules is not None:
+        if p.recompute != "selective":
+            raise ConfigError(f"--recompute-modules needs --recompute selective (this run: --recompute {p.recompute})")
+        unknown = [name for name in p.recompute_modules if name not in RECOMPUTE_MODULES]
+        if unknown or not p.recompute_modules:
+            raise ConfigError(f"--recompute-modules {' '.join(p.recompute_modules)}: choose among {', '.join(RECOMPUTE_MODULES)} "
+                              "(Megatron-Core's 'layernorm' is not done by EPAS source and sharing layers)")
     return world_size // (p.tp * p.pp), normalise_vpp(p.vpp, layout), layout
 
 

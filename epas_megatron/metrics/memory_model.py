@@ -54,7 +54,9 @@ with sequence parallelism (Megatron's column-parallel GEMM keeps its local input
 again in backward). Selective recompute (``core_attn``) runs the attention kernel again in
 backward from Q, K and V, which the layer keeps anyway: it drops only the log-sum-exp (and keeps
 a 4-byte argument) -- Korthikanti's ``5·a·s²·b`` that it was designed to remove is never stored
-by a fused kernel.
+by a fused kernel. Recomputing the MLP (``mlp``: Megatron-Core's checkpoint around the whole
+SwiGLU MLP) keeps only its input, ``norm2_output``, which the layer keeps anyway: it drops
+``fc1_output`` and ``swiglu`` -- about half a layer's bytes -- for one more MLP forward.
 
 GPU kernels keep less (``fused_norm``, ``fused_swiglu``; measured against the CUDA allocator by
 ``tests/gpu/test_gpu_memory_and_nccl.py``). torch's CUDA ``rms_norm`` is one kernel that keeps
@@ -123,10 +125,12 @@ class LayerShape:
 
 def layer_activation_terms(shape: LayerShape, role: Role, share: str = "qk", element_bytes: int = 4, *,
                            tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
+                           recompute_modules: Sequence[str] = ("core_attn",),
                            fused_norm: bool = False, fused_swiglu: bool = False, fused_rope: bool = False) -> dict[str, int]:
     """Bytes per term (see the module doc) that one layer keeps for backward, per micro-batch,
-    on one tensor-parallel rank; ``fused_norm`` / ``fused_swiglu`` / ``fused_rope``: the fused
-    kernels (module doc)."""
+    on one tensor-parallel rank; ``recompute_modules``: what selective recompute runs again
+    (module doc); ``fused_norm`` / ``fused_swiglu`` / ``fused_rope``: the fused kernels (module
+    doc)."""
     if share not in ("qk", "kv"):
         raise ValueError(f"share must be 'qk' or 'kv', got {share!r}")
     if recompute not in ("none", "selective"):
@@ -162,12 +166,14 @@ def layer_activation_terms(shape: LayerShape, role: Role, share: str = "qk", ele
     else:
         raise ValueError(f"role must be 'compute' or 'share', got {role!r}")
     terms["attention_output"] = s * b * a * d * e
-    if recompute == "selective":  # the kernel runs again in backward from the Q, K, V kept above
+    selective = set(recompute_modules) if recompute == "selective" else set()
+    if "core_attn" in selective:  # the kernel runs again in backward from the Q, K, V kept above
         terms["recompute_argument"] = 4  # an int32 scalar the checkpoint keeps
     else:
         terms["attention_lse"] = b * a * s * 4
-    terms["fc1_output"] = s * b * 2 * f * e
-    terms["swiglu"] = (1 if fused_swiglu else 3) * s * b * f * e
+    if "mlp" not in selective:  # recomputed, the MLP keeps only its input (norm2_output, above)
+        terms["fc1_output"] = s * b * 2 * f * e
+        terms["swiglu"] = (1 if fused_swiglu else 3) * s * b * f * e
     return terms
 
 
@@ -288,6 +294,9 @@ class RankMemorySettings:
     recompute: str = "none"
     """'none' or 'selective'."""
 
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    """With 'selective': what is recomputed ('core_attn', 'mlp')."""
+
     share: str = "qk"
     """What sharing layers reuse."""
 
@@ -322,6 +331,7 @@ def layer_memory(shape: LayerShape, role: Role, settings: RankMemorySettings) ->
     static = parameter_state_bytes(trainable, frozen, settings.precision, settings.distributed_optimizer, settings.dp)
     activations = layer_activation_bytes(shape, role, settings.share, settings.element_bytes, tp=settings.tp,
                                          sequence_parallel=settings.sequence_parallel, recompute=settings.recompute,
+                                         recompute_modules=settings.recompute_modules,
                                          **settings.kernels)
     return static, activations
 

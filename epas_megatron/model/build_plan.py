@@ -39,18 +39,26 @@ def normalise_vpp(vpp: Optional[int], layout: Optional["StageLayout"] = None) ->
     return vpp if vpp and vpp > 1 else None
 
 
+RECOMPUTE_MODULES = ("core_attn", "mlp")
+"""Megatron-Core's selective-recompute modules that local and TE layers, computing and sharing,
+recompute here."""
+
+
 @dataclass(frozen=True)
 class RecomputeSettings:
     """Activation recomputation (Megatron's ``recompute_*`` settings)."""
 
     granularity: str = "none"
-    """'none', 'selective' (core attention only) or 'full' (whole layers)."""
+    """'none', 'selective' (the ``modules``) or 'full' (whole layers)."""
 
     method: str = "uniform"
     """With 'full': 'uniform' or 'block'."""
 
     num_layers: int = 1
     """With 'full': layers per recomputed group ('uniform') or recomputed per stage ('block')."""
+
+    modules: tuple[str, ...] = ("core_attn",)
+    """With 'selective': Megatron-Core's ``recompute_modules`` (among :data:`RECOMPUTE_MODULES`)."""
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,7 @@ def make_transformer_config(plan: BuildPlan, kernels: Optional[KernelAvailabilit
             recompute_num_layers=recompute.num_layers,
         )
     elif recompute.granularity == "selective":
-        kwargs.update(recompute_granularity="selective", recompute_modules=["core_attn"])
+        kwargs.update(recompute_granularity="selective", recompute_modules=list(recompute.modules))
     return TransformerConfig(**kwargs)
 
 

@@ -205,3 +205,9 @@ def test_named_embedded_data_trains_a_larger_model(tmp_path, monkeypatch):
     assert not too_large_for_the_embedded_corpus(8, 384, 6, 2, 1024)  # 'small' itself
     # epas-plan plans a model without training it: no data needed
     assert resolve_run(parse_config(["--preset", "125m", "--output-dir", str(tmp_path / "p")]), world_size=1, planning_only=True)
+
+
+def test_recompute_modules_need_selective_recompute_and_known_modules(isolated, capsys):
+    fails(["--recompute-modules", "mlp"], isolated, capsys, "--recompute-modules", match="needs --recompute selective")
+    fails(["--recompute", "selective", "--recompute-modules", "layernorm"], isolated, capsys, "--recompute-modules",
+          match="choose among core_attn, mlp")

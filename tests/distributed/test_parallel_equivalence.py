@@ -97,8 +97,9 @@ def test_switch_modes_are_bit_identical(name, parallel_runs, tmp_path):
 
 @pytest.mark.parametrize("recompute", [["--recompute", "full", "--recompute-num-layers", "1"],
                                        ["--recompute", "full", "--recompute-method", "block", "--recompute-num-layers", "3"],
-                                       ["--recompute", "selective"]],
-                         ids=["full_uniform_1", "full_block_3", "selective"])
+                                       ["--recompute", "selective"],
+                                       ["--recompute", "selective", "--recompute-modules", "core_attn", "mlp"]],
+                         ids=["full_uniform_1", "full_block_3", "selective", "selective_core_attn_mlp"])
 def test_activation_recompute_matches(recompute, reference, tmp_path):
     """Recompute groups that split the source from its sharing layers replay the same hand-off."""
     run = run_trainer([*ARGS, *recompute], tmp_path / "run")

@@ -273,3 +273,28 @@ def test_the_fused_rope_stand_in_is_rope(monkeypatch):
     assert fused[1].keys() == unfused[1].keys() and len(fused[1]) > 10
     for name, grad in unfused[1].items():
         torch.testing.assert_close(fused[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("modules", [("mlp",), ("core_attn", "mlp")], ids=["mlp", "core_attn+mlp"])
+@pytest.mark.parametrize("precision,element_bytes", [("fp32", 4), ("bf16", 2)])
+def test_mlp_recompute_keeps_only_the_mlps_input(modules, precision, element_bytes):
+    """``--recompute selective --recompute-modules mlp``: Megatron-Core's checkpoint around the
+    MLP keeps its input (the second norm's output, which the layer keeps anyway) and nothing of
+    fc1 or SwiGLU -- measured equal to the model, and the model's saving by hand."""
+    from epas_megatron.metrics.activation_memory import measure_saved_bytes
+    from epas_megatron.model.architecture import LlamaArchitecture
+    from epas_megatron.model.build_plan import BuildPlan, RecomputeSettings
+    from epas_megatron.model.builder import build_model
+
+    arch = LlamaArchitecture(num_layers=4, hidden_size=128, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=352,
+                             vocab_size=512, max_sequence_length=S)
+    plan = BuildPlan.for_region(arch, (2, 3), seq_length=S, precision=precision, recompute=RecomputeSettings("selective", modules=modules))
+    tokens = torch.randint(0, 512, (B, S), generator=torch.Generator().manual_seed(0))
+    got = measure_saved_bytes(build_model(plan, seed=1).chunks[0], tokens, torch.arange(S).expand(B, S), None, labels=tokens)
+    kw = dict(recompute="selective", recompute_modules=modules)
+    compute = layer_activation_bytes(SHAPE, "compute", "qk", element_bytes, **kw)
+    sharing = layer_activation_bytes(SHAPE, "share", "qk", element_bytes, **kw)
+    assert got.layers == {0: compute, 1: compute, 2: sharing, 3: sharing}
+    f, e = 352, element_bytes
+    saved = layer_activation_bytes(SHAPE, "compute", "qk", element_bytes) - compute
+    assert saved == S * B * 2 * f * e + 3 * S * B * f * e + (B * 8 * S * 4 - 4 if "core_attn" in modules else 0)
