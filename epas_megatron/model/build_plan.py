@@ -101,6 +101,11 @@ class BuildPlan:
     layout: Optional["StageLayout"] = None
     """Explicit split of the layers over (virtual) stages; None: Megatron's even split."""
 
+    v_stage_sizes: Optional[tuple[int, ...]] = None
+    """V placement (a V pipeline schedule, :mod:`epas_megatron.parallel.pipeline_schedule`):
+    decoder layers per virtual stage, ``2 * pp`` of them in V order (:mod:`epas_megatron.model.v_placement`);
+    None: Megatron's placement (``layout`` / ``vpp``)."""
+
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs TP >= 2)."""
 
@@ -153,6 +158,15 @@ class BuildPlan:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.vpp != normalise_vpp(self.vpp, self.layout):
             raise ValueError(f"BuildPlan: vpp {self.vpp!r} is not normalised (use BuildPlan.for_region)")
+        if self.v_stage_sizes is not None:
+            if self.pp < 2 or self.vpp is not None or self.layout is not None:
+                raise ValueError("BuildPlan: V placement needs pp >= 2 and no vpp or interleaved layout")
+            if len(self.v_stage_sizes) != 2 * self.pp or sum(self.v_stage_sizes) != self.arch.num_layers:
+                raise ValueError(f"BuildPlan: V stage sizes {self.v_stage_sizes} are not a split of {self.arch.num_layers} layers "
+                                 f"over 2 x pp = {2 * self.pp} stages")
+            if self.arch.tie_embeddings:
+                raise ValueError("BuildPlan: V placement puts the embedding and the LM head in two chunks of rank 0; "
+                                 "tied embeddings are not supported there yet")
         if self.layout is not None and (
             self.layout.num_layers != self.arch.num_layers or self.layout.pipeline_parallel_size != self.pp
         ):

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state
 from megatron.core.transformer.enums import LayerType
-from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
@@ -30,10 +29,12 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from epas_megatron.model.build_plan import BuildPlan
+from epas_megatron.model.float16 import StageFloat16Module
 from epas_megatron.model.fusions import KernelAvailability, fusion_settings, output_layer_gradient_accumulation_fusion
 from epas_megatron.model.gpt import EpasGPTModel
 from epas_megatron.model.init import initialize_model
 from epas_megatron.model.specs import decoder_layer_specs, get_backend
+from epas_megatron.model.v_layout import VPipelineLayout
 from epas_megatron.runtime.device import compute_device
 from epas_megatron.sharing import handoff as qk_handoff
 from epas_megatron.sharing.schedule import LayerMode
@@ -70,9 +71,10 @@ def make_transformer_config(plan: BuildPlan, kernels: Optional[KernelAvailabilit
         perform_initialization=megatron_init,
         tensor_model_parallel_size=plan.tp,
         pipeline_model_parallel_size=plan.pp,
-        # With a layout, Megatron takes the chunks per rank from it.
-        virtual_pipeline_model_parallel_size=plan.vpp if plan.layout is None else None,
-        pipeline_model_parallel_layout=plan.layout_string,
+        # With a layout, Megatron takes the chunks per rank from it (V placement: two).
+        virtual_pipeline_model_parallel_size=plan.vpp if plan.layout is None and plan.v_stage_sizes is None else None,
+        pipeline_model_parallel_layout=(VPipelineLayout(plan.v_stage_sizes, plan.pp) if plan.v_stage_sizes is not None
+                                        else plan.layout_string),
         sequence_parallel=plan.sequence_parallel,
         pipeline_dtype=dtype,
         params_dtype=dtype,
@@ -140,9 +142,12 @@ def chunk_placements(config: TransformerConfig, modes: Sequence[LayerMode], pp_r
     placements = []
     for vp_stage in range(vpp) if vpp else [None]:
         stage = vp_stage if vp_stage is not None else 0
-        first = pp_rank == 0 and stage == 0
-        last = pp_rank == pp_size - 1 and stage == (vpp or 1) - 1
         layout = config.pipeline_model_parallel_layout
+        if isinstance(layout, VPipelineLayout):  # embedding and loss both on rank 0
+            first, last = layout.is_first_stage(pp_rank, vp_stage), layout.is_last_stage(pp_rank, vp_stage)
+        else:
+            first = pp_rank == 0 and stage == 0
+            last = pp_rank == pp_size - 1 and stage == (vpp or 1) - 1
         if layout is not None:  # (Megatron's helpers ignore pp_rank for layouts)
             offset = layout.get_layer_offset(LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank)
             count = layout.get_num_layers_to_build(LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank)
@@ -254,5 +259,5 @@ def build_model(plan: BuildPlan, seed: Optional[int] = None, kernels: Optional[K
         model.decoder.set_p2p_rows(hidden_rows, total_rows)
         if plan.random_ltd is not None:
             model.decoder.configure_random_ltd(plan.random_ltd.layers, plan.random_ltd.seed, plan.random_ltd.kernels)
-        chunks.append(Float16Module(config, model) if (config.bf16 or config.fp16) else model)
+        chunks.append(StageFloat16Module(config, model) if (config.bf16 or config.fp16) else model)
     return BuiltModel(plan, chunks, config, schedule_seq)

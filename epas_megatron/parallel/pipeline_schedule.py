@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from epas_megatron.errors import ConfigError
+from epas_megatron.model.v_placement import v_chunk, v_rank
 
 SCHEDULES = ("1f1b", "interleaved", "v-1f1b", "v-half", "v-min")
 """``--pipeline-schedule`` values: Megatron-Core's two, and the V schedules of this module."""
@@ -90,16 +91,6 @@ class Action:
     def __str__(self) -> str:
         peer = f"->{self.peer}" if self.kind.startswith("SEND") else f"<-{self.peer}" if self.peer is not None else ""
         return f"{self.kind}{self.stage}.{self.microbatch}{peer}"
-
-
-def v_rank(stage: int, pp: int) -> int:
-    """The rank holding virtual ``stage`` under V placement: ``s`` going down, ``2p-1-s`` back up."""
-    return stage if stage < pp else 2 * pp - 1 - stage
-
-
-def v_chunk(stage: int, pp: int) -> int:
-    """The model chunk of its rank that virtual ``stage`` is: 0 going down, 1 coming back up."""
-    return 0 if stage < pp else 1
 
 
 @dataclass(frozen=True)

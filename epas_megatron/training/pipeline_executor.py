@@ -136,5 +136,9 @@ def run_pipeline_schedule(schedule: PipelineSchedule, model_chunks: Sequence, da
             work.wait()
 
     if not forward_only and config.finalize_model_grads_func is not None:
+        if config.calculate_per_token_loss:
+            # The tokens are counted where the loss is (V placement: rank 0); Megatron takes them
+            # from the last pipeline rank: every rank gets the sum first.
+            dist.all_reduce(total_tokens, group=group)
         config.finalize_model_grads_func(list(model_chunks), total_tokens if config.calculate_per_token_loss else None)
     return forward_data_store
