@@ -39,7 +39,9 @@ from epas_megatron.metrics.memory_model import RankMemorySettings
 from epas_megatron.model.architecture import architecture_from_config, architecture_from_preset
 from epas_megatron.model.build_plan import BuildPlan, RandomLTDSettings, RecomputeSettings
 from epas_megatron.model.fusions import KernelAvailability, activation_kernels, choose_backend, choose_precision, fusion_settings
+from epas_megatron.model.v_placement import even_v_stage_sizes
 from epas_megatron.parallel.memory_budget import MemoryLimit, memory_limit_for
+from epas_megatron.parallel.pipeline_schedule import V_SCHEDULES, PipelineSchedule, build_schedule
 from epas_megatron.parallel.stage_layouts import balanced_layout_noted
 from epas_megatron.sharing.regions import parse_regions
 
@@ -80,7 +82,16 @@ def plan_for_run(run: ResolvedRun, sharing_layers: Sequence[int] = ()) -> BuildP
         blocks=e.epas_blocks,
         deterministic=cfg.training.deterministic,
         random_ltd=random_ltd_settings(run),
+        v_stage_sizes=even_v_stage_sizes(m.num_layers, p.pp) if run.pipeline_schedule in V_SCHEDULES else None,
     )
+
+
+def pipeline_schedule_for(run: ResolvedRun, num_microbatches: int) -> Optional[PipelineSchedule]:
+    """The action lists the project's executor runs for ``num_microbatches`` (training or
+    evaluation), or None where Megatron-Core's own schedule runs (1f1b, interleaved)."""
+    if run.pipeline_schedule not in V_SCHEDULES:
+        return None
+    return build_schedule(run.pipeline_schedule, run.cfg.parallel.pp, num_microbatches)
 
 
 def plan_after_switch(run: ResolvedRun, current: BuildPlan, sharing_layers: Sequence[int], *, timer=None,

@@ -45,6 +45,7 @@ def report(run, gpu_memory_gb: Optional[float]) -> tuple[list[str], bool]:
     from epas_megatron.model.fusions import ASSUMED_GPU, KernelAvailability
     from epas_megatron.parallel.layout import StageLayout
     from epas_megatron.parallel.memory_budget import GIB
+    from epas_megatron.parallel.pipeline_schedule import V_SCHEDULES
     from epas_megatron.runtime.device import device_memory_gb
     from epas_megatron.sharing.shape import RegionShape
 
@@ -95,10 +96,13 @@ def report(run, gpu_memory_gb: Optional[float]) -> tuple[list[str], bool]:
                                               t.seq_length, t.micro_batch_size),
                                    memory_settings(run, first.arch.vocab_size, kernels), p.pp, run.vpp or 1, float("inf"))
     for label, sharing in (("first region (0 layers sharing)", ()), (f"final region ({len(final)} layers sharing)", final)):
-        layout = region_plan(sharing).layout or StageLayout.even(n, p.pp, run.vpp or 1)
         modes = RegionShape.of(schedule).modes(sharing)
-        per_rank = measure.layout_bytes(layout, modes)
-        lines.append(f"memory per GPU at the {label}, layout {layout.to_layout_string()}"
+        if run.pipeline_schedule in V_SCHEDULES:
+            per_rank, where = _v_rank_bytes(run, first, measure, modes), f"{run.pipeline_schedule}, V placement"
+        else:
+            layout = region_plan(sharing).layout or StageLayout.even(n, p.pp, run.vpp or 1)
+            per_rank, where = measure.layout_bytes(layout, modes), f"layout {layout.to_layout_string()}"
+        lines.append(f"memory per GPU at the {label}, {where}"
                      + (f" (budget {budget / GIB:.1f} GiB)" if budget else "") + ":")
         lines.append("  pp rank  parameters+grads+Adam  activations (in flight)       total")
         for rank, need in enumerate(per_rank):
@@ -107,7 +111,9 @@ def report(run, gpu_memory_gb: Optional[float]) -> tuple[list[str], bool]:
             lines.append(f"  {rank:7d}  {need['parameters'] / GIB:17.2f} GiB  {need['activations'] / GIB:8.2f} GiB ({need['in_flight']:g})"
                          f"  {need['total'] / GIB:8.2f} GiB{'  DOES NOT FIT' if over else ''}")
     switch_fits = True
-    if schedule.num_switches and cfg.epas.epas_switch_mode == "memory":
+    if schedule.num_switches and cfg.epas.epas_switch_mode == "memory" and run.pipeline_schedule in V_SCHEDULES:
+        lines.append("memory through an in-memory switch: not modelled yet under V placement (the region's figures above are)")
+    elif schedule.num_switches and cfg.epas.epas_switch_mode == "memory":
         switch_lines, switch_fits = _switch_peaks(run, base, limit, measure, budget)
         lines += switch_lines
     if fits and switch_fits:
@@ -120,6 +126,26 @@ def report(run, gpu_memory_gb: Optional[float]) -> tuple[list[str], bool]:
                      "or lower --micro-batch-size")
     fits = fits and switch_fits
     return lines, fits
+
+
+def _v_rank_bytes(run, plan, measure, modes) -> list[dict]:
+    """Every rank's memory under V placement: its two chunks' layers (the V stages of the even
+    split), the embedding and the LM head both on rank 0, and the schedule's own peak of
+    in-flight micro-batches from its simulation."""
+    from epas_megatron.metrics.memory_model import rank_memory_bytes
+    from epas_megatron.model.v_placement import even_v_stage_sizes, v_stage
+    from epas_megatron.parallel.pipeline_schedule import build_schedule, simulate
+
+    pp = run.cfg.parallel.pp
+    sizes = even_v_stage_sizes(plan.arch.num_layers, pp)
+    starts = [sum(sizes[:s]) for s in range(len(sizes))]
+    peaks = simulate(build_schedule(run.pipeline_schedule, pp, run.num_microbatches)).peak_in_flight
+    rows = []
+    for rank in range(pp):
+        stages = [v_stage(rank, chunk, pp) for chunk in (0, 1)]
+        roles = [["share" if modes[i] == "share" else "compute" for i in range(starts[s], starts[s] + sizes[s])] for s in stages]
+        rows.append(rank_memory_bytes(measure.shape, roles, rank, pp, 2, measure.settings, in_flight=peaks[rank], head_rank=0))
+    return rows
 
 
 def _switch_peaks(run, base, limit, measure, budget: Optional[float]) -> tuple[list[str], bool]:

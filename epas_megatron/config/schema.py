@@ -80,6 +80,12 @@ class ParallelConfig:
     vpp: Optional[int] = None
     """Virtual pipeline stages (model chunks) per pipeline rank (interleaved 1F1B)."""
 
+    pipeline_schedule: Optional[str] = None
+    """Pipeline schedule: '1f1b' or 'interleaved' (Megatron-Core's), or 'v-1f1b' (V placement: rank
+    r holds the (r+1)-th and the (2p-r)-th of 2p stages, embedding and loss on rank 0, run by the
+    project's executor; 'v-half' and 'v-min' are planned). Default: interleaved with --vpp or an
+    interleaved --pipeline-layout, else 1f1b."""
+
     pipeline_layout: Optional[str] = None
     """Explicit Megatron-Core pipeline layout, e.g. 'Ettt|tttL' ('E' embedding, 't' decoder
     layer, 'L' loss, '|' stage boundary). Default: even split (rebalanced at EPAS switches)."""

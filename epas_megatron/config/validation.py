@@ -25,6 +25,7 @@ from epas_megatron.config.schema import EMBEDDED_DATA, RunConfig
 from epas_megatron.errors import ConfigError
 from epas_megatron.model.build_plan import RECOMPUTE_MODULES, normalise_vpp
 from epas_megatron.model.fusions import BackendChoice, choose_layers, choose_precision
+from epas_megatron.parallel.pipeline_schedule import SPLIT_BACKWARD, V_SCHEDULES, check_schedule_config
 from epas_megatron.sharing.ramp import SwitchRamp
 from epas_megatron.sharing.regions import RegionSpec
 from epas_megatron.sharing.rewarm import SwitchRewarm
@@ -112,6 +113,9 @@ class ResolvedRun:
     notices: tuple[str, ...] = ()
     """What the run starts from, when that is not what --load names (a first start, a fall-back
     past damaged checkpoints): printed at start."""
+
+    pipeline_schedule: str = "1f1b"
+    """The resolved ``--pipeline-schedule`` (see :mod:`epas_megatron.parallel.pipeline_schedule`)."""
 
     backend_reason: str = ""
     """Why that backend (:class:`~epas_megatron.model.fusions.BackendChoice`): printed at start-up."""
@@ -202,6 +206,9 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
     t = _resolve_training(cfg, m, dp)
     m = replace(m, max_position_embeddings=m.max_position_embeddings or t.seq_length)
     schedule, rebalance, warnings = _resolve_epas(cfg, m, t)
+    pipeline_schedule = _resolve_pipeline_schedule(cfg, m, vpp, t.global_batch_size // (t.micro_batch_size * dp))
+    if pipeline_schedule in V_SCHEDULES:
+        rebalance = _v_rebalance(cfg)
     random_ltd = _resolve_random_ltd(cfg, m, t, warnings, cuda)
     eval_regions = _resolve_eval_regions(t, schedule)
     _check_data(cfg)
@@ -225,6 +232,7 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
         use_distributed_optimizer=use_dist_opt,
         schedule=schedule,
         rebalance=rebalance,
+        pipeline_schedule=pipeline_schedule,
         warnings=tuple(warnings),
         eval_regions=eval_regions,
         random_ltd=random_ltd,
@@ -245,6 +253,45 @@ def _resolve_model(m):
     if m.num_attention_heads % m.num_query_groups:
         raise ConfigError(f"--num-attention-heads {m.num_attention_heads} is not divisible by --num-query-groups {m.num_query_groups}")
     return m
+
+
+def _resolve_pipeline_schedule(cfg: RunConfig, m, vpp: Optional[int], num_microbatches: int) -> str:
+    """``--pipeline-schedule`` resolved (default: Megatron's, by --vpp) and checked against the run."""
+    p = cfg.parallel
+    name = p.pipeline_schedule or ("interleaved" if vpp else "1f1b")
+    check_schedule_config(name, p.pp, num_microbatches, p.vpp)
+    if name == "1f1b" and vpp:
+        raise ConfigError(f"--pipeline-schedule 1f1b runs one chunk per rank: drop --vpp {vpp} (or use --pipeline-schedule interleaved)")
+    if name == "interleaved" and not vpp:
+        raise ConfigError("--pipeline-schedule interleaved needs --vpp >= 2 (or an interleaved --pipeline-layout)")
+    if name not in V_SCHEDULES:
+        return name
+    if name in SPLIT_BACKWARD:
+        raise ConfigError(f"--pipeline-schedule {name} needs the weight-gradient split of the layers, not built yet; "
+                          "use --pipeline-schedule v-1f1b")
+    refusals = [
+        (p.pipeline_layout is not None, "--pipeline-layout (Megatron's interleaved order; V placement splits the layers evenly "
+                                        "over its 2 x --pp stages itself)"),
+        (not m.untie_embeddings_and_output_weights, "--no-untie-embeddings-and-output-weights (the embedding and the LM head "
+                                                   "are two chunks of rank 0)"),
+        (p.overlap_grad_reduce, "--overlap-grad-reduce (the executor reduces after the iteration)"),
+        (cfg.random_ltd.random_ltd, "--random-ltd (not tested with V placement yet)"),
+    ]
+    for refused, what in refusals:
+        if refused:
+            raise ConfigError(f"--pipeline-schedule {name} does not run with {what} yet; drop it or use --pipeline-schedule 1f1b")
+    if m.num_layers < 2 * p.pp:
+        raise ConfigError(f"--pipeline-schedule {name} splits the layers over 2 x --pp {p.pp} = {2 * p.pp} stages; "
+                          f"--num-layers {m.num_layers} is too few")
+    return name
+
+
+def _v_rebalance(cfg: RunConfig) -> bool:
+    """Stage rebalancing under V placement: not built yet (the layers stay evenly split)."""
+    if cfg.epas.epas_rebalance == "on":
+        raise ConfigError(f"--epas-rebalance on: stage rebalancing under --pipeline-schedule {cfg.parallel.pipeline_schedule} is not "
+                          "built yet; use --epas-rebalance off (or auto)")
+    return False
 
 
 def _resolve_parallel(p, m, world_size: int) -> tuple[int, Optional[int], Optional["StageLayout"]]:

@@ -41,9 +41,11 @@ def copy_weights(source_chunks: Sequence[torch.nn.Module], target_chunks: Sequen
 
 
 def evaluate_region(plan: BuildPlan, sharing_layers: Sequence[int], training_chunks: Sequence[torch.nn.Module],
-                    valid_iterators: Callable[[], list], *, num_microbatches: int, micro_batch_size: int):
+                    valid_iterators: Callable[[], list], *, num_microbatches: int, micro_batch_size: int,
+                    pipeline_schedule=None):
     """Validation loss (a :class:`~epas_megatron.training.step.StepResult`) of the training
-    chunks' weights with ``sharing_layers`` sharing, on the layout of ``plan``."""
+    chunks' weights with ``sharing_layers`` sharing, on the layout of ``plan`` (run with
+    ``pipeline_schedule``'s action lists where the run has one)."""
     from epas_megatron.runtime.rng import preserved_rng_state
     from epas_megatron.training.state import build_training_state
     from epas_megatron.training.step import eval_step
@@ -53,6 +55,6 @@ def evaluate_region(plan: BuildPlan, sharing_layers: Sequence[int], training_chu
         state = build_training_state(region_plan)  # chunks only
     copy_weights(training_chunks, state.model)
     result = eval_step(state.model, valid_iterators(), num_microbatches=num_microbatches,
-                       seq_length=state.schedule_seq_length, micro_batch_size=micro_batch_size)
+                       seq_length=state.schedule_seq_length, micro_batch_size=micro_batch_size, pipeline_schedule=pipeline_schedule)
     del state
     return result

@@ -91,7 +91,7 @@ phase; equal to torch's allocation counter within 32 KiB on CPU).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection, Iterable, Literal, Sequence
+from typing import Collection, Iterable, Literal, Optional, Sequence
 
 Role = Literal["compute", "share"]
 
@@ -337,11 +337,14 @@ def layer_memory(shape: LayerShape, role: Role, settings: RankMemorySettings) ->
 
 
 def rank_memory_bytes(shape: LayerShape, roles_by_chunk: list[list[Role]], pp_rank: int, pp: int, vpp: int,
-                      settings: RankMemorySettings) -> dict[str, float]:
+                      settings: RankMemorySettings, *, in_flight: Optional[float] = None, head_rank: Optional[int] = None,
+                      ) -> dict[str, float]:
     """Peak bytes of one pipeline rank, by kind: ``parameters`` (weights, gradients, optimizer
-    state of its layers, the embedding on rank 0, the LM head and final norm on the last rank)
-    and ``activations`` (one micro-batch's, times :func:`in_flight_microbatches`; a chunk that
-    starts inside the sharing region also keeps the hand-off it received)."""
+    state of its layers, the embedding on rank 0, the LM head and final norm on ``head_rank``,
+    default the last rank -- rank 0 under V placement) and ``activations`` (one micro-batch's,
+    times ``in_flight``, default :func:`in_flight_microbatches` -- a schedule's own peak, e.g.
+    :func:`~epas_megatron.parallel.pipeline_schedule.simulate`'s; a chunk that starts inside the
+    sharing region also keeps the hand-off it received)."""
     static = activation = 0.0
     e, tp, d = settings.element_bytes, settings.tp, shape.head_dim
     handoff_heads = (shape.num_attention_heads + shape.num_query_groups if settings.share == "qk" else 2 * shape.num_query_groups) // tp
@@ -356,11 +359,12 @@ def rank_memory_bytes(shape: LayerShape, roles_by_chunk: list[list[Role]], pp_ra
     if pp_rank == 0:
         static += parameter_state_bytes(table, 0, settings.precision, settings.distributed_optimizer, settings.dp)
         activation += embedding_activation_bytes(shape)
-    if pp_rank == pp - 1:
+    if pp_rank == (pp - 1 if head_rank is None else head_rank):
         static += parameter_state_bytes(table + shape.hidden_size, 0, settings.precision, settings.distributed_optimizer, settings.dp)
         activation += head_activation_bytes(shape, settings.vocab_size, settings.element_bytes, tp=settings.tp,
                                             sequence_parallel=settings.sequence_parallel, fused_norm=settings.fused_norm)
-    in_flight = in_flight_microbatches(pp_rank, pp, vpp, settings.num_microbatches)
+    if in_flight is None:
+        in_flight = in_flight_microbatches(pp_rank, pp, vpp, settings.num_microbatches)
     return {"parameters": static, "activations": activation * in_flight, "in_flight": in_flight,
             "total": static + activation * in_flight}
 

@@ -27,7 +27,9 @@ from epas_megatron.metrics.flops import Convention, ModelShape, layerwise_forwar
 from epas_megatron.metrics.logger import MetricsLogger
 from epas_megatron.model.build_plan import BuildPlan
 from epas_megatron.model.fusions import KernelAvailability, describe, fusion_off_reasons, fusion_settings
+from epas_megatron.model.v_placement import even_v_stage_sizes
 from epas_megatron.parallel.memory_budget import MemoryLimit
+from epas_megatron.parallel.pipeline_schedule import V_SCHEDULES
 from epas_megatron.parallel.stage_layouts import describe_schedule_layouts
 from epas_megatron.runtime.distributed import ParallelDims
 from epas_megatron.runtime.fs import atomic_write_text
@@ -45,13 +47,22 @@ def layers_description(run: ResolvedRun) -> str:
     return f"{backend} layers{why}, {attention}, {describe(fusion_settings(kernels, backend), fusion_off_reasons(kernels, backend))}"
 
 
+def pipeline_note(run: ResolvedRun, dims: ParallelDims) -> str:
+    """' (VPP v)' for the interleaved schedule, ' (v-1f1b, V placement: stages of L1|L2|...)' for a
+    V schedule (its layers per stage, in V order), '' otherwise."""
+    if run.pipeline_schedule in V_SCHEDULES:
+        sizes = even_v_stage_sizes(run.cfg.model.num_layers, dims.pp)
+        return f" ({run.pipeline_schedule}, V placement: {'|'.join(map(str, sizes))} layers per stage)"
+    return f" (VPP {dims.vpp})" if dims.vpp else ""
+
+
 def banner(run: ResolvedRun, dims: ParallelDims) -> str:
     """The start-up line: model shape, parallel sizes, batch, precision, layers, device."""
     m, t, d = run.cfg.model, run.cfg.training, dims
     return (
         f"epas-megatron: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}/{m.num_query_groups}, "
         f"ffn {m.ffn_hidden_size}, vocab {m.vocab_size}, seq {t.seq_length} | world {d.world_size} = TP {d.tp} x PP {d.pp}"
-        f"{f' (VPP {d.vpp})' if d.vpp else ''} x DP {d.dp} | global batch {t.global_batch_size} = {run.num_microbatches} micro-batches"
+        f"{pipeline_note(run, d)} x DP {d.dp} | global batch {t.global_batch_size} = {run.num_microbatches} micro-batches"
         f" x {t.micro_batch_size} x DP {d.dp} | {run.precision}, {layers_description(run)},"
         f" {'CUDA' if torch.cuda.is_available() else 'CPU (gloo)'}"
         f"{', distributed optimizer' if run.use_distributed_optimizer else ''}"

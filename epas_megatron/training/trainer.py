@@ -24,13 +24,14 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from epas_megatron.assembly import optimizer_settings_for_run, plan_after_switch, plan_for_run, stage_memory_limit
+from epas_megatron.assembly import optimizer_settings_for_run, pipeline_schedule_for, plan_after_switch, plan_for_run, stage_memory_limit
 from epas_megatron.checkpointing.checkpoint import load_checkpoint
 from epas_megatron.config.validation import ResolvedRun
 from epas_megatron.errors import NonFiniteError
 from epas_megatron.evaluation.region_eval import evaluate_region
 from epas_megatron.model.build_plan import BuildPlan
 from epas_megatron.parallel.layer_timing import LayerTimer
+from epas_megatron.parallel.pipeline_schedule import V_SCHEDULES
 from epas_megatron.random_ltd.feature import RandomLTDFeature
 from epas_megatron.runtime.device import device_memory_gb, use_deterministic_kernels
 from epas_megatron.runtime.distributed import ParallelDims, destroy_distributed, init_distributed
@@ -124,7 +125,8 @@ class Trainer:
         cfg, run = self.cfg, self.run
         if cfg.training.deterministic:
             use_deterministic_kernels()
-        self.dims = init_distributed(cfg.parallel.tp, cfg.parallel.pp, run.vpp, cfg.training.seed)
+        chunks_per_rank = 2 if run.pipeline_schedule in V_SCHEDULES else run.vpp  # V placement: two chunks per rank
+        self.dims = init_distributed(cfg.parallel.tp, cfg.parallel.pp, chunks_per_rank, cfg.training.seed)
         self.reporter = Reporter(run, self.dims, self.features, self.out)
         self.data.prepare()
         self.reporter.write_run_dir()
@@ -226,10 +228,12 @@ class Trainer:
         num_microbatches = self.run.num_microbatches * t.eval_iters
         if region is None or region == len(self.sharing_layers):
             result = eval_step(self.model, self.data.valid_iterators(self.model), num_microbatches=num_microbatches,
-                               seq_length=self.schedule_seq_length, micro_batch_size=t.micro_batch_size)
+                               seq_length=self.schedule_seq_length, micro_batch_size=t.micro_batch_size,
+                               pipeline_schedule=pipeline_schedule_for(self.run, num_microbatches))
         else:
             result = evaluate_region(self.plan, self._region_layers(region), self.model, lambda: self.data.valid_iterators(self.model),
-                                     num_microbatches=num_microbatches, micro_batch_size=t.micro_batch_size)
+                                     num_microbatches=num_microbatches, micro_batch_size=t.micro_batch_size,
+                                     pipeline_schedule=pipeline_schedule_for(self.run, num_microbatches))
         return result.lm_loss
 
     def _region_layers(self, size: int) -> tuple[int, ...]:
@@ -296,7 +300,8 @@ class Trainer:
         result = train_step(self.model, self.optimizer, self.scheduler, self.data.train_iterators,
                             num_microbatches=self.run.num_microbatches, seq_length=self.schedule_seq_length,
                             micro_batch_size=self.cfg.training.micro_batch_size, lr_increment=self.features.lr_increment(step),
-                            lr_factor=self.features.lr_factor(step + 1), next_lr_factor=self.features.lr_factor(step + 2))
+                            lr_factor=self.features.lr_factor(step + 1), next_lr_factor=self.features.lr_factor(step + 2),
+                            pipeline_schedule=pipeline_schedule_for(self.run, self.run.num_microbatches))
         if self.layer_timer is not None and self.layer_timer.attached:
             self.timed_iterations += 1
             if self.timed_iterations >= self.cfg.epas.epas_cost_timing_iters:

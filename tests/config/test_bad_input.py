@@ -211,3 +211,20 @@ def test_recompute_modules_need_selective_recompute_and_known_modules(isolated, 
     fails(["--recompute-modules", "mlp"], isolated, capsys, "--recompute-modules", match="needs --recompute selective")
     fails(["--recompute", "selective", "--recompute-modules", "layernorm"], isolated, capsys, "--recompute-modules",
           match="choose among core_attn, mlp")
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--pp", "2", "--pipeline-schedule", "v-half"], "needs the weight-gradient split of the layers, not built yet"),
+    (["--pipeline-schedule", "v-1f1b"], "needs --pp >= 2"),
+    (["--pp", "2", "--pipeline-schedule", "v-1f1b", "--vpp", "2"], "drop --vpp 2"),
+    (["--pp", "2", "--pipeline-schedule", "v-1f1b", "--no-untie-embeddings-and-output-weights"], "--no-untie-embeddings"),
+    (["--pp", "2", "--pipeline-schedule", "v-1f1b", "--epas-rebalance", "on"], "use --epas-rebalance off"),
+    (["--pp", "2", "--pipeline-schedule", "v-1f1b", "--global-batch-size", "2", "--micro-batch-size", "2"],
+     "needs at least 2 micro-batches per iteration, got 1"),
+    (["--pp", "2", "--pipeline-schedule", "interleaved"], "needs --vpp >= 2"),
+    (["--pp", "2", "--vpp", "2", "--pipeline-schedule", "1f1b"], "drop --vpp 2"),
+    (["--pp", "2", "--pipeline-schedule", "zb-v"], "choose one of 1f1b, interleaved, v-1f1b, v-half, v-min"),
+])
+def test_pipeline_schedule_refusals(argv, match, isolated, capsys, monkeypatch):
+    fails(["--global-batch-size", "8", "--micro-batch-size", "2", *argv], isolated, capsys, "--", world_size=2,
+          monkeypatch=monkeypatch, match=match)

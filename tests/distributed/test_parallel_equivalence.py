@@ -30,6 +30,9 @@ VARIANTS = {
     "tp2_sequence_parallel": ["--tp", "2", "--sequence-parallel"],
     "pp2": ["--pp", "2", "--epas-rebalance", "off"],
     "pp2_vpp2": ["--pp", "2", "--vpp", "2", "--epas-rebalance", "off"],
+    # V placement (rank 0: layers 0 and 3, rank 1: 1 and 2), the project's executor: the hand-off
+    # of region [2, 3] goes rank 1 -> turn -> rank 0; of [1, 2, 3] at evaluation, rank 0 -> rank 1 too.
+    "pp2_v_1f1b": ["--pp", "2", "--pipeline-schedule", "v-1f1b"],
     "dp2_overlap_grad_reduce": ["--overlap-grad-reduce"],
     "dp2_distributed_optimizer": ["--use-distributed-optimizer"],
     "dp2_distributed_optimizer_overlap": ["--use-distributed-optimizer", "--overlap-grad-reduce"],
@@ -79,10 +82,10 @@ def same_run(a, b) -> bool:
     return (a.losses, a.grad_norms, valid_losses(a)) == (b.losses, b.grad_norms, valid_losses(b))
 
 
-@pytest.mark.parametrize("name", ["tp2", "pp2_vpp2"])
+@pytest.mark.parametrize("name", ["tp2", "pp2_vpp2", "pp2_v_1f1b"])
 def test_switch_modes_are_bit_identical(name, parallel_runs, tmp_path):
     """--epas-switch-mode memory (the default, what every run above used) and checkpoint carry
-    the state through the switches at 3 and 5 bit for bit, under TP=2 and PP=2 x VPP=2. One place
+    the state through the switches at 3 and 5 bit for bit, under TP=2, PP=2 x VPP=2 and V placement. One place
     per layout kind: one process and DP=2 with the distributed optimizer are compared in
     tests/training/test_switch_modes.py (bf16 and fp16, whose switches carry fp32 main weights and
     a loss scale too), PP=2 with re-layouts in test_rebalance.py."""
@@ -167,3 +170,16 @@ def test_tied_embeddings_under_pp2_match_one_process(precision, rel, reference, 
     assert_close(pipelined.grad_norms, single.grad_norms, 5 * rel if precision == "bf16" else rel,
                  f"{precision} tied pp2 grad norm")
     assert_close(valid_losses(pipelined), valid_losses(single), rel, f"{precision} tied pp2 validation")
+
+
+def test_a_v_placement_checkpoint_resumes_under_1f1b_and_back(reference, tmp_path):
+    """Layers are keyed by their global id under every placement: a V run's checkpoint of
+    iteration 4 resumed under Megatron's 1F1B, and a 1F1B checkpoint resumed under V, continue
+    the single-process run (iterations 5 and 6)."""
+    args = [*ARGS, "--pp", "2", "--save-interval", "4"]
+    for first, then in ((["--pipeline-schedule", "v-1f1b"], []), ([], ["--pipeline-schedule", "v-1f1b"])):
+        out = tmp_path / f"from-{'v' if first else '1f1b'}"
+        run_trainer([*args, *first, "--exit-interval", "4"], out, nproc=2)
+        resumed = run_trainer([*args, *then, "--load", str(out / "checkpoints")], out, nproc=2)
+        tail = {i: resumed.losses[i] for i in (5, 6)}
+        assert_close(tail, {i: reference.losses[i] for i in (5, 6)}, 1e-5, f"resumed loss ({first} -> {then})")
