@@ -9,9 +9,11 @@ blocks pack into the p2p tensor. So the lists run here on the project's own piec
 * each forward and backward is Megatron-Core's own ``schedules.forward_step`` /
   ``backward_step`` -- the same loss function and per-token loss accounting, loss scaling
   (``config.grad_scale_func``), ``set_input_tensor`` and ``retain_grad`` as its 1F1B;
-* a tensor between ranks goes point to point on the pipeline group (``isend`` after the pass
-  that made it, a blocking ``recv`` right before the pass that takes it, a tag per message so
-  that a transport that matches tags, as gloo does, needs no order); the activation p2p tensor
+* a tensor between ranks goes point to point on the pipeline group: ``isend`` after the pass
+  that made it; receives are posted in the order the peer sends (so an in-order transport, as
+  NCCL is, matches them even where the schedule consumes them in another order, as v-1f1b
+  does), at the latest right before the pass that takes the message, with a tag per message
+  (which gloo matches as well); the activation p2p tensor
   is ``[rows, b, h]`` with the hand-off rows the blocks pack (``schedule_seq_length``), exactly
   what Megatron's schedules exchange; a stage boundary inside a rank (V placement's turn) hands
   the output on without a copy, as a new leaf;
@@ -20,14 +22,16 @@ blocks pack into the p2p tensor. So the lists run here on the project's own piec
   all-reduce, the embedding group's, the per-token division) -- what Megatron's schedules end
   with.
 
-Scope of this first part (issue #34): the lists of ``1f1b`` on Megatron's placement (equal to
-Megatron-Core's 1F1B, tested), forward-only runs, whole backward passes (``BW``). V placement's
-chunks and the weight-gradient split are the next parts.
+Scope (issue #34): whole backward passes (``BW``) -- the ``1f1b`` lists on Megatron's placement
+(equal to Megatron-Core's 1F1B bit for bit) and ``v-1f1b`` on V placement (equal to it to fp32
+rounding), and forward-only runs. The weight-gradient split (``B`` / ``W``, for v-half and
+v-min) is the next part.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from typing import Iterator, Sequence
 
 import torch
@@ -62,7 +66,13 @@ def run_pipeline_schedule(schedule: PipelineSchedule, model_chunks: Sequence, da
     device = next(model_chunks[0].parameters()).device
     dtype = config.pipeline_dtype
     last = schedule.stages - 1
-    actions = [a for a in with_p2p(schedule)[rank] if not (forward_only and a.kind not in ("F", "RECV_F", "SEND_F"))]
+    lists = [[a for a in actions if not (forward_only and a.kind not in ("F", "RECV_F", "SEND_F"))] for actions in with_p2p(schedule)]
+    actions = lists[rank]
+    # What each peer sends this rank, in the order it sends: receives are posted in that order
+    # (an in-order transport, NCCL's, matches them so; a schedule may consume out of it, v-1f1b does).
+    incoming = {src: deque((a.kind[-1], a.stage, a.microbatch) for a in lists[src] if a.kind.startswith("SEND") and a.peer == rank)
+                for src in range(schedule.pp)}
+    posted: dict[tuple[str, int, int], tuple] = {}  # message -> (work, buffer) of a receive posted early
 
     inputs: dict[tuple[int, int], torch.Tensor] = {}   # (stage, microbatch) -> the forward's input
     outputs: dict[tuple[int, int], torch.Tensor] = {}  # -> its output (a loss on the last stage)
@@ -86,10 +96,14 @@ def run_pipeline_schedule(schedule: PipelineSchedule, model_chunks: Sequence, da
             key = (action.stage, action.microbatch)
             chunk = schedule.chunk_of(action.stage)
             if action.kind in ("RECV_F", "RECV_B"):
-                kind = action.kind[-1]
-                tensor = torch.empty(shape, dtype=dtype, device=device, requires_grad=kind == "F")
-                dist.recv(tensor, src=peer(action), group=group, tag=_message_tag(schedule, kind, action.stage, action.microbatch))
-                received[(kind, action.stage, action.microbatch)] = tensor
+                message = (action.kind[-1], action.stage, action.microbatch)
+                while message not in posted:  # post the peer's earlier messages first, in its order
+                    early = incoming[action.peer].popleft()
+                    buffer = torch.empty(shape, dtype=dtype, device=device)
+                    posted[early] = (dist.irecv(buffer, src=peer(action), group=group, tag=_message_tag(schedule, *early)), buffer)
+                work, tensor = posted.pop(message)
+                work.wait()
+                received[message] = tensor.requires_grad_() if message[0] == "F" else tensor
             elif action.kind in ("SEND_F", "SEND_B"):
                 kind = action.kind[-1]
                 if kind == "F":

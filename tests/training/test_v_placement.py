@@ -19,7 +19,7 @@ def results():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("case, rel", [("plain", 1e-6), ("handoff", 1e-6), ("handoff_bf16", 1e-6)])
+@pytest.mark.parametrize("case, rel", [("plain", 1e-6), ("handoff", 1e-6), ("handoff_bf16", 1e-6), ("handoff_untagged", 1e-6)])
 def test_v_1f1b_equals_megatrons_1f1b(results, case, rel):
     """Rank 0 holds layers 0 and 3 (embedding, and head with loss), rank 1 layers 1 and 2 (the
     turn); with layers 1-3 sharing, the hand-off goes rank 0 -> rank 1 -> (turn) -> rank 0. The

@@ -3,10 +3,13 @@ embedding and loss on rank 0) run by the executor with the ``v-1f1b`` lists, aga
 model on Megatron's placement under Megatron-Core's 1F1B (itself equal to one process:
 tests/distributed): per iteration the loss and the gradient norm, and a forward-only step; also
 each chunk's global layer ids and the checkpoint keys of its layers. Cases: no sharing; a region
-whose hand-off crosses rank 1 -> the turn -> rank 0 (layers 1-3 share layer 0's Q/K); bf16.
+whose hand-off crosses rank 1 -> the turn -> rank 0 (layers 1-3 share layer 0's Q/K); bf16; and
+that region with every message tagged 0 (matched in posting order, as NCCL does: v-1f1b takes
+messages in another order than they are sent, so the executor posts receives in the senders').
 Rank 0 prints one RESULT line per case."""
 
 import json
+from unittest import mock
 
 import torch.distributed as dist
 
@@ -19,6 +22,7 @@ from epas_megatron.model.v_placement import even_v_stage_sizes
 from epas_megatron.parallel.pipeline_schedule import build_schedule
 from epas_megatron.runtime.distributed import init_distributed
 from epas_megatron.runtime.wrapping import unwrap_model
+from epas_megatron.training import pipeline_executor
 from epas_megatron.training.optimizer import OptimizerSettings
 from epas_megatron.training.state import build_training_state
 from epas_megatron.training.step import eval_step, train_step
@@ -48,11 +52,16 @@ def main():
     init_distributed(1, 2, 2, seed=1)  # V placement: two chunks per rank
     arch = LlamaArchitecture(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=176,
                              vocab_size=256, max_sequence_length=S, init_method_std=0.2)
-    cases = (("plain", (), "fp32"), ("handoff", (1, 2, 3), "fp32"), ("handoff_bf16", (1, 2, 3), "bf16"))
+    cases = (("plain", (), "fp32"), ("handoff", (1, 2, 3), "fp32"), ("handoff_bf16", (1, 2, 3), "bf16"),
+             ("handoff_untagged", (1, 2, 3), "fp32"))
     results = {}
     for name, sharing, precision in cases:
         plan = BuildPlan.for_region(arch, sharing, seq_length=S, pp=2, precision=precision, v_stage_sizes=even_v_stage_sizes(4, 2))
-        results[name] = {"v": run(plan, build_schedule("v-1f1b", 2, M))}
+        if name.endswith("untagged"):  # every message tag 0: gloo then matches in posting order, as NCCL does
+            with mock.patch.object(pipeline_executor, "_message_tag", lambda *args: 0):
+                results[name] = {"v": run(plan, build_schedule("v-1f1b", 2, M))}
+        else:
+            results[name] = {"v": run(plan, build_schedule("v-1f1b", 2, M))}
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
     for name, sharing, precision in cases:
