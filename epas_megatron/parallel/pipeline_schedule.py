@@ -53,6 +53,7 @@ the balancer and the planner come next.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -126,6 +127,11 @@ class PipelineSchedule:
     def split_backward(self) -> bool:
         return self.name in SPLIT_BACKWARD
 
+    @functools.cached_property
+    def p2p_lists(self) -> tuple[tuple[Action, ...], ...]:
+        """:func:`with_p2p` of this schedule, made once (the executor reads it every step)."""
+        return with_p2p(self)
+
     def rank_of(self, stage: int) -> int:
         return v_rank(stage, self.pp) if self.v_placement else stage
 
@@ -148,8 +154,10 @@ def check_schedule_config(name: str, pp: int, microbatches: int, vpp: Optional[i
                               f"{microbatches}: raise --global-batch-size or lower --micro-batch-size")
 
 
+@functools.lru_cache(maxsize=32)
 def build_schedule(name: str, pp: int, microbatches: int) -> PipelineSchedule:
-    """The per-rank compute actions of schedule ``name`` (see the module doc)."""
+    """The per-rank compute actions of schedule ``name`` (see the module doc); made once per
+    arguments (the trainer asks for it every step)."""
     check_schedule_config(name, pp, microbatches)
     if name == "interleaved":
         raise ConfigError("--pipeline-schedule interleaved is Megatron-Core's own schedule: it has no action lists here")

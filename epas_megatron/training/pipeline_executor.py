@@ -40,7 +40,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules as megatron_schedules
 
-from epas_megatron.parallel.pipeline_schedule import Action, PipelineSchedule, with_p2p
+from epas_megatron.parallel.pipeline_schedule import Action, PipelineSchedule
 
 
 def _message_tag(schedule: PipelineSchedule, kind: str, stage: int, microbatch: int) -> int:
@@ -66,7 +66,7 @@ def run_pipeline_schedule(schedule: PipelineSchedule, model_chunks: Sequence, da
     device = next(model_chunks[0].parameters()).device
     dtype = config.pipeline_dtype
     last = schedule.stages - 1
-    lists = [[a for a in actions if not (forward_only and a.kind not in ("F", "RECV_F", "SEND_F"))] for actions in with_p2p(schedule)]
+    lists = [[a for a in actions if not (forward_only and a.kind not in ("F", "RECV_F", "SEND_F"))] for actions in schedule.p2p_lists]
     actions = lists[rank]
     # What each peer sends this rank, in the order it sends: receives are posted in that order
     # (an in-order transport, NCCL's, matches them so; a schedule may consume out of it, v-1f1b does).

@@ -19,7 +19,8 @@ def results():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("case, rel", [("plain", 1e-6), ("handoff", 1e-6), ("handoff_bf16", 1e-6), ("handoff_untagged", 1e-6)])
+@pytest.mark.parametrize("case, rel", [("plain", 1e-6), ("handoff", 1e-6), ("handoff_bf16", 1e-6), ("handoff_fp16", 1e-6),
+                                        ("handoff_untagged", 1e-6)])
 def test_v_1f1b_equals_megatrons_1f1b(results, case, rel):
     """Rank 0 holds layers 0 and 3 (embedding, and head with loss), rank 1 layers 1 and 2 (the
     turn); with layers 1-3 sharing, the hand-off goes rank 0 -> rank 1 -> (turn) -> rank 0. The
@@ -29,6 +30,7 @@ def test_v_1f1b_equals_megatrons_1f1b(results, case, rel):
     for iteration, (v, megatron) in enumerate(zip(row["v"], row["megatron"]), start=1):
         assert_close({"loss": v[0], "grad_norm": v[1]}, {"loss": megatron[0], "grad_norm": megatron[1]}, rel, f"{case} {iteration}")
     assert row["valid"][0] == pytest.approx(row["valid"][1], rel=rel)
+    assert row["v"][-1][0] < row["v"][0][0]  # it learns (fp16: its steps are not all skipped)
     assert row["layers_per_rank"] == [[[0], [3]], [[1], [2]]]
     assert row["layer_keys_per_rank"] == [[0, 3], [1, 2]]  # checkpoint keys: the global layer ids
 

@@ -6,35 +6,27 @@ a region whose hand-off crosses the stage boundary (layers 1-3 share layer 0's Q
 in bf16, and the same lists in GPipe's order. Rank 0 prints one RESULT line per case."""
 
 import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from epas_megatron.bench.common import BENCH_OPTIMIZER, SyntheticTokens
 from epas_megatron.model.architecture import LlamaArchitecture
 from epas_megatron.model.build_plan import BuildPlan
 from epas_megatron.parallel.pipeline_schedule import Action, PipelineSchedule, build_schedule, check_actions
 from epas_megatron.runtime.distributed import init_distributed
-from epas_megatron.training.optimizer import OptimizerSettings
-from epas_megatron.training.state import build_training_state
-from epas_megatron.training.step import eval_step, train_step
 
-S, B, M, ITERS = 32, 2, 4, 3
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the shared helper
+
+from executor_runs import MICROBATCHES as M  # noqa: E402
+from executor_runs import SEQ as S
+from executor_runs import train_and_evaluate
 
 
 def run(plan, schedule):
-    settings = OptimizerSettings(precision=plan.precision, use_distributed_optimizer=False, **BENCH_OPTIMIZER)
-    state = build_training_state(plan, settings, seed=5)
-    data = [SyntheticTokens(plan.arch.vocab_size, S, B, seed=9)]
-    records = []
-    for _ in range(ITERS):
-        result = train_step(state.model, state.optimizer, state.scheduler, data, num_microbatches=M,
-                            seq_length=state.schedule_seq_length, micro_batch_size=B, pipeline_schedule=schedule)
-        records.append([result.lm_loss, result.grad_norm])
-    valid = eval_step(state.model, data, num_microbatches=M, seq_length=state.schedule_seq_length, micro_batch_size=B,
-                      pipeline_schedule=schedule)
-    params = [p.detach().float().clone() for p in state.model[0].parameters()]
-    return records, valid.lm_loss, params
+    records, valid, state = train_and_evaluate(plan, schedule)
+    return records, valid, [p.detach().float().clone() for p in state.model[0].parameters()]
 
 
 def main():

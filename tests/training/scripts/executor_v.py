@@ -3,19 +3,20 @@ embedding and loss on rank 0) run by the executor with the ``v-1f1b`` lists, aga
 model on Megatron's placement under Megatron-Core's 1F1B (itself equal to one process:
 tests/distributed): per iteration the loss and the gradient norm, and a forward-only step; also
 each chunk's global layer ids and the checkpoint keys of its layers. Cases: no sharing; a region
-whose hand-off crosses rank 1 -> the turn -> rank 0 (layers 1-3 share layer 0's Q/K); bf16; and
-that region with every message tagged 0 (matched in posting order, as NCCL does: v-1f1b takes
+whose hand-off crosses rank 1 -> the turn -> rank 0 (layers 1-3 share layer 0's Q/K); bf16; fp16
+(dynamic loss scaling); and that region with every message tagged 0 (matched in posting order, as NCCL does: v-1f1b takes
 messages in another order than they are sent, so the executor posts receives in the senders').
 Rank 0 prints one RESULT line per case."""
 
 import json
+import sys
+from pathlib import Path
 from unittest import mock
 
 import torch.distributed as dist
 
 from megatron.core import parallel_state
 
-from epas_megatron.bench.common import BENCH_OPTIMIZER, SyntheticTokens
 from epas_megatron.model.architecture import LlamaArchitecture
 from epas_megatron.model.build_plan import BuildPlan
 from epas_megatron.model.v_placement import even_v_stage_sizes
@@ -23,28 +24,20 @@ from epas_megatron.parallel.pipeline_schedule import build_schedule
 from epas_megatron.runtime.distributed import init_distributed
 from epas_megatron.runtime.wrapping import unwrap_model
 from epas_megatron.training import pipeline_executor
-from epas_megatron.training.optimizer import OptimizerSettings
-from epas_megatron.training.state import build_training_state
-from epas_megatron.training.step import eval_step, train_step
 
-S, B, M, ITERS = 32, 2, 4, 3
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the shared helper
+
+from executor_runs import MICROBATCHES as M  # noqa: E402
+from executor_runs import SEQ as S
+from executor_runs import train_and_evaluate
 
 
 def run(plan, schedule):
-    settings = OptimizerSettings(precision=plan.precision, use_distributed_optimizer=False, **BENCH_OPTIMIZER)
-    state = build_training_state(plan, settings, seed=5)
-    data = [SyntheticTokens(plan.arch.vocab_size, S, B, seed=9) for _ in state.model]
-    records = []
-    for _ in range(ITERS):
-        result = train_step(state.model, state.optimizer, state.scheduler, data, num_microbatches=M,
-                            seq_length=state.schedule_seq_length, micro_batch_size=B, pipeline_schedule=schedule)
-        records.append([result.lm_loss, result.grad_norm])
-    valid = eval_step(state.model, data, num_microbatches=M, seq_length=state.schedule_seq_length, micro_batch_size=B,
-                      pipeline_schedule=schedule)
+    records, valid, state = train_and_evaluate(plan, schedule)
     layers = [[layer.layer_number - 1 for layer in unwrap_model(chunk).decoder.layers] for chunk in state.model]
     keys = {t.key for chunk in state.model for t in unwrap_model(chunk).sharded_state_dict().values()
             if hasattr(t, "key") and ".layers." in t.key}
-    return {"records": records, "valid": valid.lm_loss, "layers": layers,
+    return {"records": records, "valid": valid, "layers": layers,
             "layer_keys": sorted({int(k.split(".layers.")[1].split(".")[0]) for k in keys})}
 
 
@@ -53,7 +46,7 @@ def main():
     arch = LlamaArchitecture(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=176,
                              vocab_size=256, max_sequence_length=S, init_method_std=0.2)
     cases = (("plain", (), "fp32"), ("handoff", (1, 2, 3), "fp32"), ("handoff_bf16", (1, 2, 3), "bf16"),
-             ("handoff_untagged", (1, 2, 3), "fp32"))
+             ("handoff_fp16", (1, 2, 3), "fp16"), ("handoff_untagged", (1, 2, 3), "fp32"))
     results = {}
     for name, sharing, precision in cases:
         plan = BuildPlan.for_region(arch, sharing, seq_length=S, pp=2, precision=precision, v_stage_sizes=even_v_stage_sizes(4, 2))
