@@ -83,7 +83,8 @@ class ParallelConfig:
     pipeline_schedule: Optional[str] = None
     """Pipeline schedule: '1f1b' or 'interleaved' (Megatron-Core's), or 'v-1f1b' (V placement: rank
     r holds the (r+1)-th and the (2p-r)-th of 2p stages, embedding and loss on rank 0, run by the
-    project's executor; 'v-half' and 'v-min' are planned). Default: interleaved with --vpp or an
+    project's executor), 'v-half' and 'v-min' (V placement with the weight-gradient backward
+    deferred: about half and a third of 1F1B's activation memory; local layers). Default: interleaved with --vpp or an
     interleaved --pipeline-layout, else 1f1b."""
 
     pipeline_layout: Optional[str] = None

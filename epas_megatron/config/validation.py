@@ -206,7 +206,7 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
     t = _resolve_training(cfg, m, dp)
     m = replace(m, max_position_embeddings=m.max_position_embeddings or t.seq_length)
     schedule, rebalance, warnings = _resolve_epas(cfg, m, t)
-    pipeline_schedule = _resolve_pipeline_schedule(cfg, m, vpp, t.global_batch_size // (t.micro_batch_size * dp))
+    pipeline_schedule = _resolve_pipeline_schedule(cfg, m, vpp, t.global_batch_size // (t.micro_batch_size * dp), layers.backend)
     if pipeline_schedule in V_SCHEDULES:
         rebalance = _v_rebalance(cfg)
     random_ltd = _resolve_random_ltd(cfg, m, t, warnings, cuda)
@@ -255,8 +255,9 @@ def _resolve_model(m):
     return m
 
 
-def _resolve_pipeline_schedule(cfg: RunConfig, m, vpp: Optional[int], num_microbatches: int) -> str:
-    """``--pipeline-schedule`` resolved (default: Megatron's, by --vpp) and checked against the run."""
+def _resolve_pipeline_schedule(cfg: RunConfig, m, vpp: Optional[int], num_microbatches: int, backend: str = "local") -> str:
+    """``--pipeline-schedule`` resolved (default: Megatron's, by --vpp) and checked against the run
+    (``backend``: the layers chosen, 'local' or 'transformer_engine')."""
     p = cfg.parallel
     name = p.pipeline_schedule or ("interleaved" if vpp else "1f1b")
     check_schedule_config(name, p.pp, num_microbatches, p.vpp)
@@ -266,9 +267,10 @@ def _resolve_pipeline_schedule(cfg: RunConfig, m, vpp: Optional[int], num_microb
         raise ConfigError("--pipeline-schedule interleaved needs --vpp >= 2 (or an interleaved --pipeline-layout)")
     if name not in V_SCHEDULES:
         return name
-    if name in SPLIT_BACKWARD:
-        raise ConfigError(f"--pipeline-schedule {name} needs the weight-gradient split of the layers, not built yet; "
-                          "use --pipeline-schedule v-1f1b")
+    if name in SPLIT_BACKWARD and backend != "local":
+        raise ConfigError(f"--pipeline-schedule {name} splits the backward pass, which is built for the local layers only "
+                          "(Transformer Engine's delay_wgrad_compute is not wired yet); use --transformer-impl local "
+                          "or --pipeline-schedule v-1f1b")
     refusals = [
         (p.pipeline_layout is not None, "--pipeline-layout (Megatron's interleaved order; V placement splits the layers evenly "
                                         "over its 2 x --pp stages itself)"),

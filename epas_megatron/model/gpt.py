@@ -20,7 +20,6 @@ from typing import Optional
 
 from torch import Tensor
 
-from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
@@ -29,6 +28,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from epas_megatron.model.block import EpasTransformerBlock
+from epas_megatron.model.weight_grad import DelayedWgradColumnParallelLinear
 
 
 class EpasGPTModel(LanguageModule):
@@ -100,7 +100,7 @@ class EpasGPTModel(LanguageModule):
                 # A per-layer setting: a shallow copy (no __post_init__ rerun) for this layer only.
                 head_config = copy.copy(config)
                 head_config.gradient_accumulation_fusion = fuse_head
-            self.output_layer = tensor_parallel.ColumnParallelLinear(
+            self.output_layer = DelayedWgradColumnParallelLinear(
                 config.hidden_size,
                 vocab_size,
                 config=head_config,

@@ -21,7 +21,6 @@ from functools import partial
 from typing import Optional, Sequence
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -40,6 +39,7 @@ from epas_megatron.model.attention import (
 from epas_megatron.model.core_attention import CORE_ATTENTION_CHOICES, SDPAttention
 from epas_megatron.model.layer import EpasTransformerLayer
 from epas_megatron.model.norm import RMSNorm
+from epas_megatron.model.weight_grad import DelayedWgradColumnParallelLinear, DelayedWgradRowParallelLinear
 from epas_megatron.sharing.schedule import LayerMode
 
 
@@ -70,8 +70,8 @@ _TE = "megatron.core.extensions.transformer_engine"
 
 LOCAL = Backend(
     name="local",
-    column_parallel_linear=ColumnParallelLinear,
-    row_parallel_linear=RowParallelLinear,
+    column_parallel_linear=DelayedWgradColumnParallelLinear,
+    row_parallel_linear=DelayedWgradRowParallelLinear,
     norm_column_parallel_linear=None,
     core_attention=SDPAttention,
     norm=RMSNorm,

@@ -22,10 +22,13 @@ blocks pack into the p2p tensor. So the lists run here on the project's own piec
   all-reduce, the embedding group's, the per-token division) -- what Megatron's schedules end
   with.
 
-Scope (issue #34): whole backward passes (``BW``) -- the ``1f1b`` lists on Megatron's placement
-(equal to Megatron-Core's 1F1B bit for bit) and ``v-1f1b`` on V placement (equal to it to fp32
-rounding), and forward-only runs. The weight-gradient split (``B`` / ``W``, for v-half and
-v-min) is the next part.
+* the weight-gradient split (v-half, v-min): ``B`` is the same backward step with the local
+  linears' weight-gradient GEMMs collected under the pass's key
+  (:mod:`epas_megatron.model.weight_grad`), ``W`` runs them; the store is armed for the whole
+  iteration and must be empty at its end.
+
+The ``1f1b`` lists on Megatron's placement equal Megatron-Core's 1F1B bit for bit; the V lists
+equal it to fp32 rounding (gradients are accumulated in another order).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules as megatron_schedules
 
+from epas_megatron.model.weight_grad import WEIGHT_GRAD_STORE
 from epas_megatron.parallel.pipeline_schedule import Action, PipelineSchedule
 
 
@@ -91,6 +95,9 @@ def run_pipeline_schedule(schedule: PipelineSchedule, model_chunks: Sequence, da
     def peer(action: Action) -> int:
         return dist.get_global_rank(group, action.peer)
 
+    split = not forward_only and any(a.kind == "W" for a in actions)
+    if split:  # the local linears defer their weight-gradient GEMMs to the W passes
+        no_sync.enter_context(WEIGHT_GRAD_STORE.arming())
     with no_sync:
         for action in actions:
             key = (action.stage, action.microbatch)
@@ -131,7 +138,7 @@ def run_pipeline_schedule(schedule: PipelineSchedule, model_chunks: Sequence, da
                 outputs[key] = output
                 if not forward_only:
                     inputs[key] = input_tensor
-            elif action.kind == "BW":
+            elif action.kind in ("BW", "B"):
                 if action.stage == last:
                     output_grad = None
                 elif schedule.rank_of(action.stage + 1) == rank:
@@ -139,13 +146,16 @@ def run_pipeline_schedule(schedule: PipelineSchedule, model_chunks: Sequence, da
                 else:
                     output_grad = received.pop(("B", action.stage + 1, action.microbatch))
                 input_tensor, output = inputs[key], outputs.pop(key)
-                megatron_schedules.backward_step(input_tensor, output, output_grad, config)
+                with (WEIGHT_GRAD_STORE.collecting(key) if action.kind == "B" else contextlib.nullcontext()):
+                    megatron_schedules.backward_step(input_tensor, output, output_grad, config)
                 if action.stage > 0 and schedule.rank_of(action.stage - 1) == rank:
                     local_grads[(action.stage - 1, action.microbatch)] = input_tensor.grad
                 if action.stage == 0 or schedule.rank_of(action.stage - 1) == rank:
                     inputs.pop(key)  # else its SEND_B takes the gradient and drops it
+            elif action.kind == "W":
+                WEIGHT_GRAD_STORE.run(key)
             else:
-                raise ValueError(f"{schedule.name}: the executor does not run {action.kind} yet (the weight-gradient split)")
+                raise ValueError(f"{schedule.name}: the executor does not run {action.kind}")
         for work in sends:
             work.wait()
 

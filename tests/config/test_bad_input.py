@@ -214,7 +214,6 @@ def test_recompute_modules_need_selective_recompute_and_known_modules(isolated, 
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--pp", "2", "--pipeline-schedule", "v-half"], "needs the weight-gradient split of the layers, not built yet"),
     (["--pipeline-schedule", "v-1f1b"], "needs --pp >= 2"),
     (["--pp", "2", "--pipeline-schedule", "v-1f1b", "--vpp", "2"], "drop --vpp 2"),
     (["--pp", "2", "--pipeline-schedule", "v-1f1b", "--no-untie-embeddings-and-output-weights"], "--no-untie-embeddings"),
@@ -228,3 +227,19 @@ def test_recompute_modules_need_selective_recompute_and_known_modules(isolated, 
 def test_pipeline_schedule_refusals(argv, match, isolated, capsys, monkeypatch):
     fails(["--global-batch-size", "8", "--micro-batch-size", "2", *argv], isolated, capsys, "--", world_size=2,
           monkeypatch=monkeypatch, match=match)
+
+
+@pytest.mark.parametrize("name", ["v-half", "v-min"])
+def test_split_backward_schedules_need_the_local_layers(name, tmp_path):
+    """The weight-gradient split is built for the local linears; with Transformer Engine's layers
+    (chosen on a GPU node) the split schedules are refused, naming both ways out; local runs pass."""
+    from epas_megatron.config.cli import parse_config
+    from epas_megatron.config.validation import _resolve_pipeline_schedule
+    from epas_megatron.errors import ConfigError
+
+    cfg = parse_config(["--preset", "tiny", "--pp", "2", "--pipeline-schedule", name, "--output-dir", str(tmp_path)])
+    with pytest.raises(ConfigError, match="--transformer-impl local or --pipeline-schedule v-1f1b"):
+        _resolve_pipeline_schedule(cfg, cfg.model, None, 4, "transformer_engine")
+    assert _resolve_pipeline_schedule(cfg, cfg.model, None, 4, "local") == name
+    v_1f1b = parse_config(["--preset", "tiny", "--pp", "2", "--pipeline-schedule", "v-1f1b", "--output-dir", str(tmp_path)])
+    assert _resolve_pipeline_schedule(v_1f1b, v_1f1b.model, None, 4, "transformer_engine") == "v-1f1b"

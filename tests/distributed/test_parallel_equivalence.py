@@ -33,6 +33,9 @@ VARIANTS = {
     # V placement (rank 0: layers 0 and 3, rank 1: 1 and 2), the project's executor: the hand-off
     # of region [2, 3] goes rank 1 -> turn -> rank 0; of [1, 2, 3] at evaluation, rank 0 -> rank 1 too.
     "pp2_v_1f1b": ["--pp", "2", "--pipeline-schedule", "v-1f1b"],
+    # The split backward (W passes run the deferred weight-gradient GEMMs), same placement.
+    "pp2_v_half": ["--pp", "2", "--pipeline-schedule", "v-half"],
+    "pp2_v_min": ["--pp", "2", "--pipeline-schedule", "v-min"],
     "dp2_overlap_grad_reduce": ["--overlap-grad-reduce"],
     "dp2_distributed_optimizer": ["--use-distributed-optimizer"],
     "dp2_distributed_optimizer_overlap": ["--use-distributed-optimizer", "--overlap-grad-reduce"],
@@ -55,6 +58,23 @@ def parallel_runs(tmp_path_factory):
         return runs[name]
 
     return get
+
+
+FOUR_RANK_VARIANTS = {
+    # V with TP=2 and sequence parallelism: the deferred GEMMs gather the sequence again in W.
+    "tp2_sp_pp2_v_min": ["--tp", "2", "--sequence-parallel", "--pp", "2", "--pipeline-schedule", "v-min"],
+    # V with DP=2 and the distributed optimizer: deferred gradients reach the reduce-scatter.
+    "dp2_distributed_optimizer_pp2_v_half": ["--pp", "2", "--pipeline-schedule", "v-half", "--use-distributed-optimizer"],
+}
+
+
+@pytest.mark.parametrize("name", list(FOUR_RANK_VARIANTS))
+def test_four_rank_v_runs_match_single_process(name, reference, tmp_path):
+    run = run_trainer([*ARGS, *FOUR_RANK_VARIANTS[name]], tmp_path / "run", nproc=4)
+    assert [s["sharing_layers"] for s in run.switches] == [[3], [2, 3]]
+    assert_close(run.losses, reference.losses, 1e-5, f"{name} loss")
+    assert_close(run.grad_norms, reference.grad_norms, 1e-5, f"{name} grad norm")
+    assert_close(valid_losses(run), valid_losses(reference), 1e-5, f"{name} validation per region")
 
 
 def valid_losses(run):

@@ -109,18 +109,26 @@ def test_te_computing_layer_is_megatron_cores_te_layer(role, megatron_te_layer_s
 def test_local_computing_layer_is_megatron_cores_local_layer():
     """Megatron-Core's own local GPT layer (RMSNorm) with unfused attention, slot by slot,
     checkpoint key map included; only the norm class is ours (Megatron's local norm refuses
-    sequence parallelism, see model/norm.py). The default local attention kernel, SDPA, takes
+    sequence parallelism, see model/norm.py), and the linears are Megatron's subclassed for the
+    weight-gradient split (model/weight_grad.py). The default local attention kernel, SDPA, takes
     the place of ``DotProductAttention``."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     from epas_megatron.model.core_attention import SDPAttention
+    from epas_megatron.model.weight_grad import DelayedWgradColumnParallelLinear, DelayedWgradRowParallelLinear
 
     reference = _tree(get_gpt_layer_local_spec(normalization="RMSNorm"))
     ours = _tree(layer_spec("compute", get_backend("local", "unfused")))
     _assert_megatron_roles(ours, reference)
     norms = [".submodules.input_layernorm", ".submodules.pre_mlp_layernorm"]
-    _assert_same_except(ours, reference, skip=[".module", ATTENTION + ".module", ATTENTION + ".params", *norms])
+    linears = {ATTENTION + ".submodules.linear_qkv": ColumnParallelLinear, ATTENTION + ".submodules.linear_proj": RowParallelLinear,
+               ".submodules.mlp.submodules.linear_fc1": ColumnParallelLinear, ".submodules.mlp.submodules.linear_fc2": RowParallelLinear}
+    for path, base in linears.items():
+        assert reference[path] is base and ours[path].__bases__[-1] is base
+        assert ours[path] in (DelayedWgradColumnParallelLinear, DelayedWgradRowParallelLinear)
+    _assert_same_except(ours, reference, skip=[".module", ATTENTION + ".module", ATTENTION + ".params", *norms, *linears])
     assert ours[norms[0]] is ours[norms[1]] is not IdentityOp
 
     sdpa = _tree(layer_spec("compute", LOCAL))

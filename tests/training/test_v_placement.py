@@ -1,5 +1,6 @@
 """V placement (model/v_placement.py, model/v_layout.py) run by the pipeline executor with the
-``v-1f1b`` action lists on two gloo ranks, against Megatron-Core's 1F1B on its own placement
+``v-1f1b``, ``v-half`` and ``v-min`` action lists on two gloo ranks (the last two with the
+weight-gradient GEMMs deferred to their W passes, model/weight_grad.py), against Megatron-Core's 1F1B on its own placement
 (itself equal to one process: tests/distributed): same losses, gradient norms and evaluation;
 each chunk numbers its layers globally, so its checkpoint keys are the other layouts'. And the
 placement's pure parts."""
@@ -20,13 +21,20 @@ def results():
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("case, rel", [("plain", 1e-6), ("handoff", 1e-6), ("handoff_bf16", 1e-6), ("handoff_fp16", 1e-6),
-                                        ("handoff_untagged", 1e-6)])
-def test_v_1f1b_equals_megatrons_1f1b(results, case, rel):
+                                        ("handoff_untagged", 1e-6), ("handoff_v-half", 1e-6), ("handoff_v-min", 1e-6),
+                                        ("handoff_bf16_v-min", 1e-6), ("handoff_fp16_v-half", 1e-6),
+                                        ("handoff_v-min_untagged", 1e-6)])
+def test_v_schedules_equal_megatrons_1f1b(results, case, rel):
     """Rank 0 holds layers 0 and 3 (embedding, and head with loss), rank 1 layers 1 and 2 (the
     turn); with layers 1-3 sharing, the hand-off goes rank 0 -> rank 1 -> (turn) -> rank 0. The
-    same micro-batches, accumulated in the same order: the losses are equal to fp32 rounding (the
-    gradient norm sums the chunks in another order)."""
+    same micro-batches: the losses are equal to fp32 rounding (the gradient norm sums the chunks
+    in another order). Under v-half and v-min every trainable linear's weight gradient was
+    deferred and computed by a W pass: per micro-batch 4 per layer (QKV or the sharing layer's
+    own V, output projection, fc1, fc2; frozen Q/K rows have none) and the LM head's, 9 on rank
+    0 (layers 0, 3, head) and 8 on rank 1, for 4 micro-batches x 3 iterations; none under v-1f1b."""
     row = results[case]
+    split = "v-half" in case or "v-min" in case
+    assert row["deferred_gemms_per_rank"] == ([9 * 4 * 3, 8 * 4 * 3] if split else [0, 0])
     for iteration, (v, megatron) in enumerate(zip(row["v"], row["megatron"]), start=1):
         assert_close({"loss": v[0], "grad_norm": v[1]}, {"loss": megatron[0], "grad_norm": megatron[1]}, rel, f"{case} {iteration}")
     assert row["valid"][0] == pytest.approx(row["valid"][1], rel=rel)
