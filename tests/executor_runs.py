@@ -11,7 +11,7 @@ from epas_megatron.training.step import eval_step, train_step
 SEQ, BATCH, MICROBATCHES, ITERATIONS = 32, 2, 4, 3
 
 
-def train_and_evaluate(plan, schedule):
+def train_and_evaluate(plan, schedule, microbatches: int = MICROBATCHES):
     """(per-iteration [loss, grad norm], the forward-only step's loss, the training state). fp16
     starts from a loss scale of 2^8, low enough for this tiny model's steps not to overflow."""
     extra = {"initial_loss_scale": 2.0**8} if plan.precision == "fp16" else {}
@@ -20,9 +20,9 @@ def train_and_evaluate(plan, schedule):
     data = [SyntheticTokens(plan.arch.vocab_size, SEQ, BATCH, seed=9) for _ in state.model]
     records = []
     for _ in range(ITERATIONS):
-        result = train_step(state.model, state.optimizer, state.scheduler, data, num_microbatches=MICROBATCHES,
+        result = train_step(state.model, state.optimizer, state.scheduler, data, num_microbatches=microbatches,
                             seq_length=state.schedule_seq_length, micro_batch_size=BATCH, pipeline_schedule=schedule)
         records.append([result.lm_loss, result.grad_norm])
-    valid = eval_step(state.model, data, num_microbatches=MICROBATCHES, seq_length=state.schedule_seq_length,
+    valid = eval_step(state.model, data, num_microbatches=microbatches, seq_length=state.schedule_seq_length,
                       micro_batch_size=BATCH, pipeline_schedule=schedule)
     return records, valid.lm_loss, state

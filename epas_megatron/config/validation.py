@@ -277,7 +277,6 @@ def _resolve_pipeline_schedule(cfg: RunConfig, m, vpp: Optional[int], num_microb
         (not m.untie_embeddings_and_output_weights, "--no-untie-embeddings-and-output-weights (the embedding and the LM head "
                                                    "are two chunks of rank 0)"),
         (p.overlap_grad_reduce, "--overlap-grad-reduce (the executor reduces after the iteration)"),
-        (cfg.random_ltd.random_ltd, "--random-ltd (not tested with V placement yet)"),
     ]
     for refused, what in refusals:
         if refused:

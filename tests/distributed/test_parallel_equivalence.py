@@ -36,6 +36,10 @@ VARIANTS = {
     # The split backward (W passes run the deferred weight-gradient GEMMs), same placement.
     "pp2_v_half": ["--pp", "2", "--pipeline-schedule", "v-half"],
     "pp2_v_min": ["--pp", "2", "--pipeline-schedule", "v-min"],
+    # Recompute under the split backward: W's GEMMs take the recomputed inputs.
+    "pp2_v_min_full_recompute": ["--pp", "2", "--pipeline-schedule", "v-min", "--recompute", "full", "--recompute-num-layers", "1"],
+    "pp2_v_half_selective_recompute": ["--pp", "2", "--pipeline-schedule", "v-half", "--recompute", "selective",
+                                       "--recompute-modules", "core_attn", "mlp"],
     "dp2_overlap_grad_reduce": ["--overlap-grad-reduce"],
     "dp2_distributed_optimizer": ["--use-distributed-optimizer"],
     "dp2_distributed_optimizer_overlap": ["--use-distributed-optimizer", "--overlap-grad-reduce"],
@@ -102,7 +106,7 @@ def same_run(a, b) -> bool:
     return (a.losses, a.grad_norms, valid_losses(a)) == (b.losses, b.grad_norms, valid_losses(b))
 
 
-@pytest.mark.parametrize("name", ["tp2", "pp2_vpp2", "pp2_v_1f1b"])
+@pytest.mark.parametrize("name", ["tp2", "pp2_vpp2", "pp2_v_1f1b", "pp2_v_min"])
 def test_switch_modes_are_bit_identical(name, parallel_runs, tmp_path):
     """--epas-switch-mode memory (the default, what every run above used) and checkpoint carry
     the state through the switches at 3 and 5 bit for bit, under TP=2, PP=2 x VPP=2 and V placement. One place

@@ -63,8 +63,9 @@ def test_keeping_every_token_is_plain_training(reference, tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("extra", [["--tp", "2"], ["--pp", "2", "--vpp", "2", "--epas-rebalance", "off"], ["--use-distributed-optimizer"]],
-                         ids=["tp2", "pp2_vpp2", "dp2_distributed_optimizer"])
+@pytest.mark.parametrize("extra", [["--tp", "2"], ["--pp", "2", "--vpp", "2", "--epas-rebalance", "off"], ["--use-distributed-optimizer"],
+                                   ["--pp", "2", "--pipeline-schedule", "v-min"]],
+                         ids=["tp2", "pp2_vpp2", "dp2_distributed_optimizer", "pp2_v_min"])
 def test_layout_independent(reference, tmp_path, extra):
     """Kept tokens are keyed by sample and layer, so every layout drops the same tokens."""
     run = run_trainer([*ARGS, *extra, "--no-save-final"], tmp_path / "run", nproc=2)

@@ -81,3 +81,24 @@ def test_v_plans_refuse_what_they_cannot_build():
         BuildPlan.for_region(arch, pp=2, vpp=2, v_stage_sizes=(1, 1, 1, 1))
     with pytest.raises(ValueError, match="tied embeddings are not supported there yet"):
         BuildPlan.for_region(LlamaArchitecture(4, 64, 4, 2, 176, 256, 32, tie_embeddings=True), pp=2, v_stage_sizes=(1, 1, 1, 1))
+
+
+@pytest.fixture(scope="module")
+def four_rank_results():
+    proc = run_script(Path(__file__).parent / "scripts" / "executor_v4.py", nproc=4, timeout=600)
+    return {(row["schedule"], row["microbatches"]): row for row in json_lines(proc.stdout, "RESULT")}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("microbatches", [4, 8], ids=["m=p", "m=2p"])
+@pytest.mark.parametrize("schedule", ["v-1f1b", "v-half", "v-min"])
+def test_v_schedules_at_p4_equal_megatrons_1f1b(four_rank_results, schedule, microbatches):
+    """p = 4, eight layers one per V stage, layers 3-7 sharing: the hand-off crosses rank 2 -> 3
+    by p2p, the turn on rank 3, and every boundary back to rank 0. Losses, gradient norms and
+    the forward-only loss equal Megatron-Core's 1F1B on its placement to fp32 rounding."""
+    row = four_rank_results[(schedule, microbatches)]
+    assert len(row["v"]) == len(row["megatron"]) == 3
+    for iteration, (v, megatron) in enumerate(zip(row["v"], row["megatron"]), start=1):
+        assert_close({"loss": v[0], "grad_norm": v[1]}, {"loss": megatron[0], "grad_norm": megatron[1]}, 1e-6,
+                     f"{schedule} m={microbatches} {iteration}")
+    assert row["v_valid"] == pytest.approx(row["megatron_valid"], rel=1e-6)
