@@ -198,11 +198,14 @@ def test_tied_embeddings_under_pp2_match_one_process(precision, rel, reference, 
 
 def test_a_v_placement_checkpoint_resumes_under_1f1b_and_back(reference, tmp_path):
     """Layers are keyed by their global id under every placement: a V run's checkpoint of
-    iteration 4 resumed under Megatron's 1F1B, and a 1F1B checkpoint resumed under V, continue
-    the single-process run (iterations 5 and 6)."""
+    iteration 4 resumed under Megatron's 1F1B, a 1F1B checkpoint resumed under V, and a V-Min
+    checkpoint resumed under Megatron's interleaved schedule continue the single-process run
+    (iterations 5 and 6)."""
     args = [*ARGS, "--pp", "2", "--save-interval", "4"]
-    for first, then in ((["--pipeline-schedule", "v-1f1b"], []), ([], ["--pipeline-schedule", "v-1f1b"])):
-        out = tmp_path / f"from-{'v' if first else '1f1b'}"
+    pairs = ((["--pipeline-schedule", "v-1f1b"], []), ([], ["--pipeline-schedule", "v-1f1b"]),
+             (["--pipeline-schedule", "v-min"], ["--vpp", "2", "--epas-rebalance", "off"]))
+    for index, (first, then) in enumerate(pairs):
+        out = tmp_path / f"pair-{index}"
         run_trainer([*args, *first, "--exit-interval", "4"], out, nproc=2)
         resumed = run_trainer([*args, *then, "--load", str(out / "checkpoints")], out, nproc=2)
         tail = {i: resumed.losses[i] for i in (5, 6)}
