@@ -1,0 +1,64 @@
+"""Pipeline schedules with controllable memory on GPUs: the weight-gradient split on CUDA (one
+GPU), and the V schedules over NCCL (two GPUs), whose point-to-point tensors NCCL matches in
+posting order (tags ignored).
+
+References: autograd's own gradients on the same GPU (the split must not change a bit of the
+GEMM; only where its sum lands), and Megatron-Core's 1F1B on the same two GPUs.
+"""
+
+import pytest
+import torch
+
+from epas_testing import TINY, assert_close, run_trainer
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deferred_weight_gradients_on_cuda_equal_autograds(world, dtype):
+    """A column- and a row-parallel delayed-wgrad linear on CUDA with DDP's fp32 ``main_grad``:
+    nothing lands before W, and after it ``main_grad`` holds exactly what the undeferred node's
+    gradient adds there (the GEMM in the weights' dtype, accumulated in fp32)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from epas_megatron.model.weight_grad import WEIGHT_GRAD_STORE, DelayedWgradColumnParallelLinear, DelayedWgradRowParallelLinear
+
+    config = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=4, params_dtype=dtype)
+    torch.manual_seed(0)
+    for layer in (DelayedWgradColumnParallelLinear(256, 512, config=config, init_method=torch.nn.init.normal_, bias=False,
+                                                   gather_output=False),
+                  DelayedWgradRowParallelLinear(256, 512, config=config, init_method=torch.nn.init.normal_, bias=False,
+                                                input_is_parallel=True, skip_bias_add=False)):
+        layer.cuda()
+        x = torch.randn(64, 2, 256, device="cuda", dtype=dtype)
+        grad_out = torch.randn(64, 2, 512, device="cuda", dtype=dtype)
+        layer(x)[0].backward(grad_out)  # disarmed: Megatron's own node
+        want = torch.zeros_like(layer.weight, dtype=torch.float32).add_(layer.weight.grad)
+        layer.weight.grad = None
+        layer.weight.main_grad = torch.zeros_like(layer.weight, dtype=torch.float32)
+        with WEIGHT_GRAD_STORE.arming():
+            out = layer(x)[0]
+            with WEIGHT_GRAD_STORE.collecting("pass"):
+                out.backward(grad_out)
+            assert not layer.weight.main_grad.any() and layer.weight.grad is None
+            WEIGHT_GRAD_STORE.run("pass")
+        assert torch.equal(layer.weight.main_grad, want)
+
+
+ARGS = [*TINY, "--train-iters", "6", "--global-batch-size", "8", "--micro-batch-size", "1", "--pp", "2",
+        "--epas-target-layers", "2", "--epas-interval", "2", "--epas-first-switch", "3", "--seed", "7",
+        "--init-method-std", "0.2", "--no-save-final", "--deterministic", "--core-attention", "unfused",
+        "--precision", "fp32", "--epas-rebalance", "off"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the V schedules over NCCL need 2 GPUs (PP=2)")
+@pytest.mark.parametrize("schedule", ["v-1f1b", "v-half", "v-min"])
+def test_v_schedules_over_nccl_equal_megatrons_1f1b(schedule, tmp_path):
+    """Two GPUs, fp32 with deterministic kernels: a V run with switches (the hand-off crosses the
+    turn and the ranks) equals Megatron-Core's 1F1B on the same GPUs to fp32 rounding."""
+    reference = run_trainer(ARGS, tmp_path / "1f1b", nproc=2)
+    run = run_trainer([*ARGS, "--pipeline-schedule", schedule], tmp_path / schedule, nproc=2)
+    assert "CUDA" in run.stdout.splitlines()[0]
+    assert [s["sharing_layers"] for s in run.switches] == [[3], [2, 3]]
+    assert_close(run.losses, reference.losses, 1e-5, f"{schedule} loss")
+    assert_close(run.grad_norms, reference.grad_norms, 1e-5, f"{schedule} grad norm")
