@@ -93,6 +93,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Collection, Iterable, Literal, Optional, Sequence
 
+from epas_megatron.model.v_placement import v_stage
+from epas_megatron.parallel.pipeline_schedule import V_SCHEDULES, build_schedule, simulate
+
 Role = Literal["compute", "share"]
 
 
@@ -206,6 +209,47 @@ def layer_activation_bytes(shape: LayerShape, role: Role, share: str = "qk", ele
     return sum(layer_activation_terms(shape, role, share, element_bytes, **parallel).values())
 
 
+def weight_grad_terms(shape: LayerShape, role: Role, share: str = "qk", element_bytes: int = 4, *, tp: int = 1,
+                      sequence_parallel: bool = False) -> dict[str, int]:
+    """Bytes per term that one layer keeps from the end of its input-gradient backward (``B``) to
+    its weight-gradient backward (``W``) under a split-backward schedule (v-half, v-min), per
+    micro-batch on one tensor-parallel rank: each trainable linear's deferred GEMM keeps its input
+    and its output gradient (:mod:`epas_megatron.model.weight_grad`); everything else the layer
+    saved is released at the end of ``B``.
+
+    ==================  ===========================  ==========================================
+    linear              input (also a forward term)  output gradient
+    ==================  ===========================  ==========================================
+    QKV (computing)     ``norm1_output``: sn·b·h     s·b·(a + 2g)·d
+    V (``qk`` sharing)  ``norm1_output``: sn·b·h     s·b·g·d
+    Q (``kv`` sharing)  ``norm1_output``: sn·b·h     s·b·a·d
+    output projection   ``attention_output``: s·b·a·d  sn·b·h
+    fc1                 ``norm2_output``: sn·b·h     s·b·2F
+    fc2                 SwiGLU's product: s·b·F      sn·b·h
+    ==================  ===========================  ==========================================
+
+    (``a``, ``g``, ``F`` divided by TP; ``sn`` = ``s / t`` with sequence parallelism: a
+    row-parallel GEMM's output, a column-parallel GEMM's kept input.) In the activation dtype.
+    Recompute does not change them: a recomputed MLP's fc2 input is made again in ``B`` and kept
+    to ``W`` like the original."""
+    if share not in ("qk", "kv"):
+        raise ValueError(f"share must be 'qk' or 'kv', got {share!r}")
+    s, b, h = shape.seq_length, shape.micro_batch_size, shape.hidden_size
+    a, g, d, f = shape.num_attention_heads // tp, shape.num_query_groups // tp, shape.head_dim, shape.ffn_hidden_size // tp
+    sn = s // tp if sequence_parallel else s
+    e = element_bytes
+    own = {"compute": a + 2 * g, "share": g if share == "qk" else a}[role]
+    return {"qkv_input": sn * b * h * e, "qkv_grad_output": s * b * own * d * e,
+            "proj_input": s * b * a * d * e, "proj_grad_output": sn * b * h * e,
+            "fc1_input": sn * b * h * e, "fc1_grad_output": s * b * 2 * f * e,
+            "fc2_input": s * b * f * e, "fc2_grad_output": sn * b * h * e}
+
+
+def weight_grad_bytes(shape: LayerShape, role: Role, share: str = "qk", element_bytes: int = 4, **parallel) -> int:
+    """Total of :func:`weight_grad_terms` (same arguments)."""
+    return sum(weight_grad_terms(shape, role, share, element_bytes, **parallel).values())
+
+
 def region_saving_bytes(shape: LayerShape, num_layers: int, region: int, share: str = "qk", element_bytes: int = 4,
                         **parallel) -> tuple[int, int]:
     """(decoder activation bytes with no layer sharing, with ``region`` layers sharing), per
@@ -224,6 +268,21 @@ def head_activation_bytes(shape: LayerShape, vocab_size: int, element_bytes: int
                                                       fused_norm=fused_norm).items() if k.startswith("norm1")}
     s, b = shape.seq_length, shape.micro_batch_size
     return sum(norm.values()) + s * b * (vocab_size // tp) * 4 + s * b * 9
+
+
+def head_weight_grad_bytes(shape: LayerShape, vocab_size: int, element_bytes: int = 4, *, tp: int = 1,
+                           sequence_parallel: bool = False) -> int:
+    """What the LM head's deferred weight-gradient GEMM keeps from ``B`` to ``W`` (split
+    backward): its input (the final norm's output) and the logits' gradient, per micro-batch."""
+    s, b = shape.seq_length, shape.micro_batch_size
+    sn = s // tp if sequence_parallel else s
+    return (sn * b * shape.hidden_size + s * b * (vocab_size // tp)) * element_bytes
+
+
+def loss_mask_bytes(shape: LayerShape) -> int:
+    """The training loss function's fp32 copy of the loss mask (``losses * mask``), per
+    micro-batch on the stage with the loss."""
+    return shape.seq_length * shape.micro_batch_size * 4
 
 
 def embedding_activation_bytes(shape: LayerShape) -> int:
@@ -255,15 +314,37 @@ def parameter_state_bytes(trainable: int, frozen: int, precision: str = "fp32", 
     return (trainable + frozen) * weight + trainable * 4 + trainable * optimizer // (dp if distributed_optimizer else 1)
 
 
-def in_flight_microbatches(pp_rank: int, pp: int, vpp: int, num_microbatches: int) -> float:
+def in_flight_microbatches(pp_rank: int, pp: int, vpp: int, num_microbatches: int, schedule: Optional[str] = None) -> float:
     """Micro-batches whose activations a pipeline rank holds at its peak, in units of the whole
-    rank's activations for one micro-batch: 1F1B keeps ``pp - rank`` (its warm-up plus one);
-    the interleaved schedule keeps ``2 (pp - rank - 1) + (vpp - 1) pp + 1`` chunk passes, each a
-    ``1 / vpp`` share of the rank (as if chunks were alike); never more than there are."""
+    rank's activations for one micro-batch, under ``schedule`` (a ``--pipeline-schedule`` name;
+    None: 1F1B, or the interleaved schedule where ``vpp > 1``). 1F1B keeps ``pp - rank`` (its
+    warm-up plus one); the interleaved schedule keeps ``2 (pp - rank - 1) + (vpp - 1) pp + 1``
+    chunk passes, each a ``1 / vpp`` share of the rank (as if chunks were alike); never more than
+    there are. A V schedule keeps what its simulation says (chunk passes held from a forward to
+    the end of their weight gradient, over 2 chunks; as if chunks were alike and held their whole
+    activations to the end: :func:`schedule_activation_peak` weighs them exactly)."""
+    if schedule in V_SCHEDULES:
+        return simulate(build_schedule(schedule, pp, num_microbatches)).peak_in_flight[pp_rank]
+    if schedule not in (None, "1f1b", "interleaved"):
+        raise ValueError(f"no memory model for pipeline schedule {schedule!r}")
     if vpp <= 1:
         return float(min(pp - pp_rank, num_microbatches))
     passes = min(2 * (pp - pp_rank - 1) + (vpp - 1) * pp + 1, num_microbatches * vpp)
     return passes / vpp
+
+
+def schedule_activation_peak(schedule: str, pp_rank: int, pp: int, num_microbatches: int,
+                             chunk_bytes: Sequence[tuple[float, float]]) -> float:
+    """Peak activation bytes of ``pp_rank`` under ``schedule`` (``1f1b`` or a V schedule), its
+    chunk ``c``'s passes weighed by ``chunk_bytes[c]`` = (what a pass holds from its forward to
+    the end of its input-gradient backward, what it holds from there to the end of its weight
+    gradient): :func:`~epas_megatron.parallel.pipeline_schedule.simulate` along the rank's own
+    list (the order fixes the peak, not the pass costs)."""
+    built = build_schedule(schedule, pp, num_microbatches)
+    if len(chunk_bytes) != built.chunks_per_rank:
+        raise ValueError(f"{schedule} runs {built.chunks_per_rank} chunk(s) per rank, got bytes for {len(chunk_bytes)}")
+    stage_bytes = {(v_stage(pp_rank, c, pp) if built.v_placement else pp_rank): tuple(b) for c, b in enumerate(chunk_bytes)}
+    return simulate(built, stage_bytes=stage_bytes).peak_bytes[pp_rank]
 
 
 @dataclass(frozen=True)
@@ -315,6 +396,11 @@ class RankMemorySettings:
     """RoPE is Transformer Engine's fused kernel (``apply_rope_fusion``), which keeps no tables of
     its own: :func:`epas_megatron.assembly.memory_kernels` reads it off the builder's flags."""
 
+    pipeline_schedule: Optional[str] = None
+    """The ``--pipeline-schedule`` (None: 1F1B, or interleaved where ``vpp > 1``): how many
+    micro-batches are in flight, and -- V schedules -- the placement (both ends on rank 0) and
+    what a pass holds between its input-gradient and weight-gradient backward."""
+
     @property
     def kernels(self) -> dict[str, bool]:
         """The kernel keywords of :func:`layer_activation_terms`."""
@@ -341,32 +427,52 @@ def rank_memory_bytes(shape: LayerShape, roles_by_chunk: list[list[Role]], pp_ra
                       ) -> dict[str, float]:
     """Peak bytes of one pipeline rank, by kind: ``parameters`` (weights, gradients, optimizer
     state of its layers, the embedding on rank 0, the LM head and final norm on ``head_rank``,
-    default the last rank -- rank 0 under V placement) and ``activations`` (one micro-batch's,
-    times ``in_flight``, default :func:`in_flight_microbatches` -- a schedule's own peak, e.g.
-    :func:`~epas_megatron.parallel.pipeline_schedule.simulate`'s; a chunk that starts inside the
-    sharing region also keeps the hand-off it received)."""
-    static = activation = 0.0
+    default the last rank -- rank 0 under a V schedule) and ``activations``: each chunk's bytes
+    per micro-batch (its layers; the embedding's in chunk 0 of rank 0; the LM head's and the loss
+    mask's in the last chunk of the head rank; a chunk that starts inside the sharing region also
+    keeps the hand-off it received) times ``in_flight`` -- default
+    :func:`in_flight_microbatches` under ``settings.pipeline_schedule``; under a V schedule the
+    peak of :func:`schedule_activation_peak`, each chunk weighed by its own bytes, those of a
+    split backward's ``B``-to-``W`` phase (:func:`weight_grad_bytes`,
+    :func:`head_weight_grad_bytes`) included, and ``in_flight`` is that peak over one
+    micro-batch's bytes. Also ``deferred``: per chunk, what a pass keeps from ``B`` to ``W``."""
+    schedule = settings.pipeline_schedule
+    v_placed = schedule in V_SCHEDULES
+    if head_rank is None:
+        head_rank = 0 if v_placed else pp - 1
+    static = 0.0
     e, tp, d = settings.element_bytes, settings.tp, shape.head_dim
+    parallel = {"tp": tp, "sequence_parallel": settings.sequence_parallel}
     handoff_heads = (shape.num_attention_heads + shape.num_query_groups if settings.share == "qk" else 2 * shape.num_query_groups) // tp
-    for roles in roles_by_chunk:
+    full = [0.0] * len(roles_by_chunk)
+    deferred = [0.0] * len(roles_by_chunk)
+    for c, roles in enumerate(roles_by_chunk):
         if roles and roles[0] == "share":  # the source is on an earlier stage: the received Q/K (K/V) are kept here
-            activation += shape.seq_length * shape.micro_batch_size * handoff_heads * d * e
+            full[c] += shape.seq_length * shape.micro_batch_size * handoff_heads * d * e
         for role in roles:
             layer_static, layer_activation = layer_memory(shape, role, settings)
             static += layer_static
-            activation += layer_activation
+            full[c] += layer_activation
+            deferred[c] += weight_grad_bytes(shape, role, settings.share, e, **parallel)
     table = settings.vocab_size // settings.tp * shape.hidden_size
     if pp_rank == 0:
         static += parameter_state_bytes(table, 0, settings.precision, settings.distributed_optimizer, settings.dp)
-        activation += embedding_activation_bytes(shape)
-    if pp_rank == (pp - 1 if head_rank is None else head_rank):
+        full[0] += embedding_activation_bytes(shape)
+    if pp_rank == head_rank:
         static += parameter_state_bytes(table + shape.hidden_size, 0, settings.precision, settings.distributed_optimizer, settings.dp)
-        activation += head_activation_bytes(shape, settings.vocab_size, settings.element_bytes, tp=settings.tp,
-                                            sequence_parallel=settings.sequence_parallel, fused_norm=settings.fused_norm)
-    if in_flight is None:
-        in_flight = in_flight_microbatches(pp_rank, pp, vpp, settings.num_microbatches)
-    return {"parameters": static, "activations": activation * in_flight, "in_flight": in_flight,
-            "total": static + activation * in_flight}
+        full[-1] += head_activation_bytes(shape, settings.vocab_size, e, tp=tp, sequence_parallel=settings.sequence_parallel,
+                                          fused_norm=settings.fused_norm) + loss_mask_bytes(shape)
+        deferred[-1] += head_weight_grad_bytes(shape, settings.vocab_size, e, **parallel)
+    activation = sum(full)
+    if in_flight is not None:
+        peak = activation * in_flight
+    elif v_placed:
+        peak = schedule_activation_peak(schedule, pp_rank, pp, settings.num_microbatches, list(zip(full, deferred)))
+        in_flight = peak / activation
+    else:
+        in_flight = in_flight_microbatches(pp_rank, pp, vpp, settings.num_microbatches, schedule)
+        peak = activation * in_flight
+    return {"parameters": static, "activations": peak, "in_flight": in_flight, "total": static + peak, "deferred": deferred}
 
 
 # ---------------------------------------------------------------- the in-memory switch's transient

@@ -46,8 +46,12 @@ class WeightGradStore:
         self.armed = False
         self.computed = 0
         """Deferred GEMMs run so far by this process (a count for tests and benchmarks)."""
+        self.on_put: Optional[Callable[[tuple[torch.Tensor, ...]], object]] = None
+        """A memory tracker's hook: called with the tensors a deferred GEMM keeps alive until it
+        runs; what it returns is kept with the GEMM and dropped when the GEMM has run
+        (:class:`~epas_megatron.metrics.activation_memory.LiveSavedBytes`)."""
         self._key: Optional[Hashable] = None
-        self._pending: dict[Hashable, list[Callable[[], None]]] = defaultdict(list)
+        self._pending: dict[Hashable, list[tuple[Callable[[], None], object]]] = defaultdict(list)
 
     @contextlib.contextmanager
     def arming(self) -> Iterator["WeightGradStore"]:
@@ -79,8 +83,9 @@ class WeightGradStore:
     def defers(self) -> bool:
         return self._key is not None
 
-    def put(self, compute: Callable[[], None]) -> None:
-        self._pending[self._key].append(compute)
+    def put(self, compute: Callable[[], None], holds: tuple[torch.Tensor, ...] = ()) -> None:
+        """Defer ``compute``, which keeps the tensors ``holds`` alive until it runs."""
+        self._pending[self._key].append((compute, self.on_put(holds) if self.on_put is not None else None))
 
     def pending(self, key: Hashable) -> int:
         """How many GEMMs ``key`` has waiting."""
@@ -90,7 +95,7 @@ class WeightGradStore:
         """Run ``key``'s deferred GEMMs; returns how many ran."""
         computes = self._pending.pop(key, [])
         with torch.no_grad():  # as inside autograd's backward
-            for compute in computes:
+            for compute, _ in computes:
                 compute()
         self.computed += len(computes)
         return len(computes)
@@ -163,7 +168,7 @@ class _LinearWithDelayedWgrad(torch.autograd.Function):
                 if grad_bias is not None:
                     _accumulate(bias, grad_bias)
 
-            store.put(deferred)
+            store.put(deferred, holds=(input_, grad_output))
             return grad_input, None, None, None, None, None
         grad_weight, grad_bias = weight_grads()
         return grad_input, grad_weight, grad_bias, None, None, None

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Mapping, Optional
 
 from epas_megatron.errors import ConfigError
 from epas_megatron.model.v_placement import v_chunk, v_rank
@@ -319,6 +319,10 @@ class Simulation:
 
     chunks_per_rank: int = 1
 
+    peak_bytes: list = field(default_factory=list)
+    """Per rank, with ``stage_bytes`` given: the most bytes held at once, each pass weighed by
+    what it holds in each phase (see :func:`simulate`); else empty."""
+
     @property
     def makespan(self) -> float:
         return max(self.end.values())
@@ -341,10 +345,17 @@ class Simulation:
         return [c / self.chunks_per_rank for c in self.peak_chunks]
 
 
-def simulate(schedule: PipelineSchedule, costs: PassCosts = PassCosts()) -> Simulation:
+def simulate(schedule: PipelineSchedule, costs: PassCosts = PassCosts(),
+             stage_bytes: Optional[Mapping[int, tuple[float, float]]] = None) -> Simulation:
     """Run every rank's list in order, each action as soon as the action before it on its rank
     and the one it depends on (plus ``costs.p2p`` when that one is on another rank) have ended.
-    ``ValueError`` if the lists deadlock (an action waits for one that can never run)."""
+    ``ValueError`` if the lists deadlock (an action waits for one that can never run).
+
+    ``stage_bytes``: per virtual stage, ``(full, deferred)`` -- what one pass of that stage holds
+    from its ``F``'s start to the end of its ``B`` (its activations), and from there to the end of
+    its ``W`` (what the deferred weight-gradient GEMMs keep: the linears' inputs and output
+    gradients); a ``BW`` holds ``full`` to its end. Gives :attr:`Simulation.peak_bytes`; stages
+    left out hold nothing."""
     sim = Simulation(chunks_per_rank=schedule.chunks_per_rank)
     position = [0] * schedule.pp
     free = [0.0] * schedule.pp
@@ -380,6 +391,21 @@ def simulate(schedule: PipelineSchedule, costs: PassCosts = PassCosts()) -> Simu
             held += change
             peak = max(peak, held)
         sim.peak_chunks.append(peak)
+        if stage_bytes is not None:
+            weighed = []
+            for a in actions:
+                full, deferred = stage_bytes.get(a.stage, (0.0, 0.0))
+                if a.kind == "F":
+                    weighed.append((sim.start[a], full))
+                elif a.kind == "B":
+                    weighed.append((sim.end[a], deferred - full))
+                elif a.kind in releases:
+                    weighed.append((sim.end[a], -(deferred if a.kind == "W" else full)))
+            held = peak_bytes = 0.0
+            for _, change in sorted(weighed):  # (a release, negative, first at a tie)
+                held += change
+                peak_bytes = max(peak_bytes, held)
+            sim.peak_bytes.append(peak_bytes)
     return sim
 
 

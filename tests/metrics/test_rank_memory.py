@@ -53,6 +53,35 @@ def test_in_flight_microbatches():
     assert in_flight_microbatches(0, 2, 2, 4) == 5 / 2 and in_flight_microbatches(1, 2, 2, 4) == 3 / 2
 
 
+def test_in_flight_microbatches_by_schedule():
+    """Named schedules: 1f1b and interleaved as without a name; a V schedule's simulated peak in
+    chunk passes over 2 (the paper's units on the busiest rank, Qi et al., NeurIPS 2024)."""
+    assert [in_flight_microbatches(r, 4, 1, 8, "1f1b") for r in range(4)] == [4, 3, 2, 1]
+    assert in_flight_microbatches(0, 2, 2, 4, "interleaved") == 5 / 2
+    for name, busiest in (("v-1f1b", 3), ("v-half", 3), ("v-min", 2)):
+        assert max(in_flight_microbatches(r, 4, 1, 8, name) for r in range(4)) == busiest
+    with pytest.raises(ValueError, match="no memory model for pipeline schedule 'gpipe'"):
+        in_flight_microbatches(0, 4, 1, 8, "gpipe")
+
+
+def test_a_v_rank_by_hand():
+    """v-min, p = 2, m = 2, one computing layer per V stage, fp32: rank 1 holds stages 1 and 2
+    and runs F1.0 F2.0 B2.0 B1.0 F1.1 F2.1 W2.0 W1.0 B2.1 B1.1 W2.1 W1.1. Along it (a = a layer's
+    activations, w = what its deferred GEMMs keep from B to W): a, 2a, a + w, 2w, a + 2w,
+    2a + 2w (the peak), 2a + w, 2a, a + w, 2w, w, 0 -- in flight (2a + 2w) / 2a, where counting
+    passes whole to their W would say 2 (all four chunk passes)."""
+    from epas_megatron.metrics.memory_model import weight_grad_bytes
+    from epas_megatron.parallel.pipeline_schedule import build_schedule
+
+    assert [str(x) for x in build_schedule("v-min", 2, 2).ranks[1]] == [
+        "F1.0", "F2.0", "B2.0", "B1.0", "F1.1", "F2.1", "W2.0", "W1.0", "B2.1", "B1.1", "W2.1", "W1.1"]
+    settings = RankMemorySettings(vocab_size=512, num_microbatches=2, pipeline_schedule="v-min")
+    a, w = layer_activation_bytes(SHAPE, "compute"), weight_grad_bytes(SHAPE, "compute")
+    got = rank_memory_bytes(SHAPE, [["compute"], ["compute"]], 1, 2, 1, settings)
+    assert got["activations"] == 2 * a + 2 * w and got["in_flight"] == (2 * a + 2 * w) / (2 * a)
+    assert got["deferred"] == [w, w] and in_flight_microbatches(1, 2, 1, 2, "v-min") == 2
+
+
 def test_a_rank_by_hand():
     settings = RankMemorySettings(vocab_size=512, num_microbatches=4, precision="bf16", distributed_optimizer=True, dp=2)
     # PP=2: rank 0 holds the embedding and layers 0-1 (computing), rank 1 layers 2-3 (sharing) and the head.
@@ -68,6 +97,7 @@ def test_a_rank_by_hand():
     assert first["activations"] == 2 * (2 * act("compute") + s * b * 8)  # 2 in flight on rank 0 of 2
     handoff = s * b * (4 + 2) * d * 2
     head = (2 * s * b * h * 4 + s * b * 4 + s * b * h * 2) + s * b * 512 * 4 + s * b * 9  # fp32 norm, bf16 output
+    head += s * b * 4  # the training loss function's fp32 copy of the loss mask
     assert last["activations"] == 1 * (handoff + 2 * act("share") + head)
 
 

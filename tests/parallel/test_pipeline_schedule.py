@@ -110,6 +110,32 @@ def test_peak_activations(name, p, m):
     assert {"1f1b": 8, "v-1f1b": 6, "v-half": 5, "v-min": 4}[name] == paper_peak(name, 8)
 
 
+def bytes_by_order(actions, stage_bytes) -> float:
+    """Peak bytes along a rank's list alone: a forward adds its stage's ``full``, a ``B`` gives
+    back all but ``deferred``, a ``W`` the ``deferred``, a ``BW`` the ``full``."""
+    held = peak = 0.0
+    for action in actions:
+        full, deferred = stage_bytes[action.stage]
+        held += {"F": full, "B": deferred - full, "W": -deferred, "BW": -full}[action.kind]
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_weighed_peaks_equal_a_count_along_each_list(name):
+    """``simulate(stage_bytes=...)``: each pass weighed by its stage's bytes before and after its
+    B, with other costs (B twice F, W half of it), against the count along each rank's list."""
+    for _, p, m in (case for case in CASES if case[0] == name and case[1] in (2, 4) and case[2] in (case[1], 2 * case[1])):
+        schedule = build_schedule(name, p, m)
+        stage_bytes = {s: (100.0 + 7 * s, 30.0 + s) for s in range(schedule.stages)}
+        sim = simulate(schedule, PassCosts(1.0, 2.0, 0.5), stage_bytes=stage_bytes)
+        assert sim.peak_bytes == [bytes_by_order(actions, stage_bytes) for actions in schedule.ranks]
+        assert simulate(schedule).peak_bytes == []
+        # counted whole (deferred = full), the peak is the chunk count's
+        whole = simulate(schedule, stage_bytes={s: (1.0, 1.0) for s in range(schedule.stages)})
+        assert whole.peak_bytes == whole.peak_chunks
+
+
 def test_one_f_one_b_by_hand():
     """p = 2, m = 3, F = 1, BW = 2 (B + W): rank 1 runs F0 at 1, BW0 2-4, F1 4, BW1 5-7, F2 7,
     BW2 8-10; rank 0 F0 0, F1 1, waits for BW0's gradient (4), BW0 4-6, F2 6, BW1 7-9, BW2 10-12.
