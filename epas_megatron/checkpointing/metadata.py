@@ -28,8 +28,11 @@ from epas_megatron.config.cli import from_dict
 from epas_megatron.sharing.shape import RegionShape
 
 MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size",
-                "untie_embeddings_and_output_weights")
+                "untie_embeddings_and_output_weights", "moc_topk", "moc_groups")
 """The ``ModelConfig`` fields a checkpoint records and a resume or ``--pretrained`` must match."""
+
+MODEL_FIELD_DEFAULTS = {"moc_topk": 1.0, "moc_groups": 8}
+"""What a checkpoint written before a field existed had (older checkpoints are dense MLPs)."""
 
 
 def model_record(model_cfg) -> dict[str, Any]:

@@ -56,6 +56,15 @@ class ModelConfig:
     """Untied input embeddings and LM head (LLaMA). --no-untie-embeddings-and-output-weights ties
     them."""
 
+    moc_topk: float = 1.0
+    """Mixture-of-Channels (Wu et al., arXiv 2511.09323): the fraction of SwiGLU channels each
+    token keeps (Top-K of the gate pre-activation within --moc-groups groups); the MLP stores only
+    those for backward. 1 = the dense MLP; the paper uses about 0.2. Local layers only."""
+
+    moc_groups: int = 8
+    """Mixture-of-Channels: equal groups of the --ffn-hidden-size channels, each keeping its own
+    Top-K; a multiple of --tp (no group straddles a tensor-parallel shard)."""
+
     transformer_impl: str = "auto"
     """Layer backend: 'local' (pure PyTorch Megatron-Core modules, runs everywhere),
     'transformer_engine' (GPU only), or 'auto' (TE when CUDA and TE are present, else local)."""
@@ -89,7 +98,9 @@ class ParallelConfig:
 
     pipeline_layout: Optional[str] = None
     """Explicit Megatron-Core pipeline layout, e.g. 'Ettt|tttL' ('E' embedding, 't' decoder
-    layer, 'L' loss, '|' stage boundary). Default: even split (rebalanced at EPAS switches)."""
+    layer, 'L' loss, '|' stage boundary). Under a V schedule a V layout: 'V:' and the 2 x --pp
+    stages in V order (stage s on rank s and on rank 2p-1-s), e.g. 'V:Ett|t|t|ttL' at --pp 2
+    ('L' closes the last stage, on rank 0). Default: even split (rebalanced at EPAS switches)."""
 
     sequence_parallel: bool = False
     """Sequence parallelism: norms and dropout work on a 1/TP slice of the sequence (needs TP > 1)."""
@@ -361,7 +372,8 @@ class EpasConfig:
 
     epas_rebalance: str = "auto"
     """Re-partition pipeline stages at every switch: 'on', 'off', or 'auto' (on when PP > 1
-    and no explicit --pipeline-layout)."""
+    and no explicit --pipeline-layout). Under a V schedule the 2 x --pp V stages are rebalanced
+    (without a memory budget)."""
 
     epas_cost_model: str = "flops"
     """Layer costs the rebalancing planner uses: 'flops' (sharing-aware FLOPs model) or

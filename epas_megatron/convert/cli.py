@@ -162,6 +162,9 @@ def hf_export(load: Path, output: Path, region: Optional[str] = None) -> Path:
     checkpoint, meta = open_checkpoint(load, "--load", needs_config=True)
     size = None if region is None else export_region(meta, region)
     m = meta.run_config().model
+    if m.moc_topk < 1.0:
+        raise ConfigError(f"--load {load}: a Mixture-of-Channels model (--moc-topk {m.moc_topk}) cannot be exported yet: "
+                          "the exported modeling code has no Top-K MLP, and a dense LlamaMLP would be another model")
     init_distributed(1, 1, None, seed=0)
     try:
         # fp32 local layers at the trained region (the export keeps every layer's own Q/K).

@@ -55,6 +55,18 @@ class LlamaArchitecture:
     tie_embeddings: bool = False
     """Share the input embedding with the LM head."""
 
+    moc_topk: float = 1.0
+    """Mixture-of-Channels kept fraction of the SwiGLU channels (1: the dense MLP;
+    :mod:`epas_megatron.model.moc`)."""
+
+    moc_groups: int = 8
+    """Mixture-of-Channels channel groups (each keeps its own Top-K)."""
+
+    @property
+    def moc(self) -> bool:
+        """Whether the MLPs are Mixture-of-Channels ones."""
+        return self.moc_topk < 1.0
+
 
 def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
     """Vocabulary padded to a multiple of 128 (not of 128 x TP as Megatron-LM does), so the
@@ -78,6 +90,8 @@ def architecture_from_config(model_cfg) -> LlamaArchitecture:
         norm_epsilon=m.norm_epsilon,
         init_method_std=m.init_method_std,
         tie_embeddings=not m.untie_embeddings_and_output_weights,
+        moc_topk=m.moc_topk,
+        moc_groups=m.moc_groups,
     )
 
 

@@ -231,7 +231,8 @@ def build_model(plan: BuildPlan, seed: Optional[int] = None, kernels: Optional[K
     config = make_transformer_config(plan, kernels, megatron_init=not load_follows)
     hidden_rows, total_rows, schedule_seq = pipeline_handoff_rows(config, plan.modes, plan.seq_length, plan.share)
     layers_backend = get_backend(plan.backend, plan.core_attention)
-    specs = decoder_layer_specs(plan.modes, layers_backend, plan.share, plan.detach_shared)
+    moc = (plan.arch.moc_topk, plan.arch.moc_groups) if plan.arch.moc else None
+    specs = decoder_layer_specs(plan.modes, layers_backend, plan.share, plan.detach_shared, moc)
     arch, device = plan.arch, compute_device()
     chunks = []
     for placement in chunk_placements(config, plan.modes):

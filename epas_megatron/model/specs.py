@@ -38,6 +38,7 @@ from epas_megatron.model.attention import (
 )
 from epas_megatron.model.core_attention import CORE_ATTENTION_CHOICES, SDPAttention
 from epas_megatron.model.layer import EpasTransformerLayer
+from epas_megatron.model.moc import MoCMLP
 from epas_megatron.model.norm import RMSNorm
 from epas_megatron.model.weight_grad import DelayedWgradColumnParallelLinear, DelayedWgradRowParallelLinear
 from epas_megatron.sharing.schedule import LayerMode
@@ -107,8 +108,11 @@ def get_backend(name: str, core_attention: str = "sdpa") -> Backend:
     return backend
 
 
-def layer_spec(mode: LayerMode | str, backend: Backend = LOCAL, share: str = "qk", detach_shared: bool = False) -> ModuleSpec:
-    """The spec of one decoder layer in ``mode`` (a :class:`LayerMode` or its value)."""
+def layer_spec(mode: LayerMode | str, backend: Backend = LOCAL, share: str = "qk", detach_shared: bool = False,
+               moc: Optional[tuple[float, int]] = None) -> ModuleSpec:
+    """The spec of one decoder layer in ``mode`` (a :class:`LayerMode` or its value); ``moc``:
+    ``(topk, groups)`` of a Mixture-of-Channels MLP (:mod:`epas_megatron.model.moc`), local
+    layers only."""
     try:
         role = LayerMode(mode)
     except ValueError:
@@ -160,14 +164,21 @@ def layer_spec(mode: LayerMode | str, backend: Backend = LOCAL, share: str = "qk
             self_attention=attention,
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
-            mlp=partial(
-                MLP.as_mlp_submodule,
-                submodules=MLPSubmodules(linear_fc1=input_linear, linear_fc2=backend.row_parallel_linear),
-            ),
+            mlp=_mlp(MLPSubmodules(linear_fc1=input_linear, linear_fc2=backend.row_parallel_linear), backend, moc),
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map=keys_map,
         ),
     )
+
+
+def _mlp(submodules: MLPSubmodules, backend: Backend, moc: Optional[tuple[float, int]]):
+    """The ``mlp`` slot: Megatron-Core's MLP, or the Mixture-of-Channels one."""
+    if moc is None:
+        return partial(MLP.as_mlp_submodule, submodules=submodules)
+    if backend.name != "local":
+        raise ValueError("Mixture-of-Channels MLPs are built for the local layers only")
+    topk, groups = moc
+    return partial(MoCMLP.as_moc_submodule, submodules=submodules, topk=topk, groups=groups)
 
 
 def decoder_layer_specs(
@@ -175,7 +186,8 @@ def decoder_layer_specs(
     backend: Backend = LOCAL,
     share: str = "qk",
     detach_shared: bool = False,
+    moc: Optional[tuple[float, int]] = None,
 ) -> list[ModuleSpec]:
     """Specs of all decoder layers of the model, one per mode (global, not yet sliced per
     pipeline stage); the modes come from :func:`epas_megatron.sharing.schedule.layer_modes`."""
-    return [layer_spec(mode, backend, share, detach_shared) for mode in modes]
+    return [layer_spec(mode, backend, share, detach_shared, moc) for mode in modes]

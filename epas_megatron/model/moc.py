@@ -1,0 +1,181 @@
+"""Mixture-of-Channels (Wu et al., "Mixture-of-Channels: Exploiting Sparse FFNs for Efficient LLMs
+Pre-Training and Inference", arXiv 2511.09323): a SwiGLU MLP that keeps, per token, the Top-K
+channels of the gate pre-activation and stores only those for backward.
+
+With ``G, U`` the two halves of ``linear_fc1``'s output, ``M = TopK(G)`` (per token, within
+fixed groups of channels), the layer computes ``Z = SiLU(G) * U * M`` and ``D = Z W_down^T``.
+The mask is a constant of the backward pass. What the layer keeps for backward is the sparse
+form: per token and group the ``k`` kept channel indices (the narrowest integer type that
+holds a group) and the ``k``-wide values of ``G`` and ``U``; ``Z`` -- the input ``linear_fc2``
+would keep dense -- is rebuilt from them in backward. The GEMMs stay dense in training (a
+scatter makes ``Z``), as in the paper; ``linear_fc1`` keeps its input as usual.
+
+Groups: ``groups`` equal runs of the ``ffn_hidden_size`` gate channels; the count must be a
+multiple of the tensor-parallel size, so that no group straddles a shard and TP=2 is the same
+model as TP=1 (Megatron's column-parallel ``linear_fc1`` gives each rank a contiguous slice of
+``G`` and the matching slice of ``U``). ``topk`` is the kept fraction: ``k = round(topk *
+channels per group)``, at least 1; where ``k`` is the whole group the function computes
+Megatron's SwiGLU operation for operation (same bits; it keeps ``G`` and ``U`` and rebuilds ``Z``).
+The builder uses Megatron's own ``MLP`` for ``--moc-topk 1``.
+
+:class:`MoCMLP` is Megatron-Core's ``MLP`` with the activation and ``linear_fc2``'s GEMM done by
+:class:`_MoCSwiGLUDown`; ``linear_fc2`` keeps its weight, checkpoint keys and tensor-parallel
+reduction (all-reduce, or reduce-scatter with sequence parallelism). Its weight gradient joins
+the weight-gradient split of the split-backward pipeline schedules
+(:mod:`epas_megatron.model.weight_grad`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.tensor_parallel.mappings import (
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from megatron.core.transformer.mlp import MLP
+
+from epas_megatron.errors import ConfigError
+from epas_megatron.model.weight_grad import WEIGHT_GRAD_STORE
+from epas_megatron.model.weight_grad import _accumulate as accumulate_weight_grad
+
+
+def check_moc_config(topk: float, groups: int, ffn_hidden_size: int, tp: int, backend: str) -> None:
+    """``ConfigError`` naming the flag, before any work, for a Mixture-of-Channels setting this
+    model cannot run."""
+    if not 0.0 < topk <= 1.0:
+        raise ConfigError(f"--moc-topk must be in (0, 1] (the kept fraction of the SwiGLU channels), got {topk}")
+    if topk == 1.0:
+        return
+    if groups < 1 or ffn_hidden_size % groups:
+        raise ConfigError(f"--moc-groups {groups} must divide --ffn-hidden-size {ffn_hidden_size}")
+    if groups % tp:
+        raise ConfigError(f"--moc-groups {groups} must be a multiple of --tp {tp} (a group may not straddle a "
+                          "tensor-parallel shard)")
+    if backend != "local":
+        raise ConfigError("--moc-topk < 1 is built for the local layers: use --transformer-impl local (or --moc-topk 1)")
+
+
+def kept_channels(ffn_hidden_size: int, groups: int, topk: float) -> int:
+    """Channels kept per token in each group: ``round(topk * ffn / groups)``, at least 1."""
+    per_group = ffn_hidden_size // groups
+    return max(1, min(per_group, round(topk * per_group)))
+
+
+def index_dtype(per_group: int) -> torch.dtype:
+    """The narrowest integer type that holds a channel's index within its group."""
+    return torch.uint8 if per_group <= 256 else torch.int16 if per_group <= 32768 else torch.int32
+
+
+def moc_saved_bytes_per_token(ffn_local: int, groups_local: int, topk: float, value_bytes: int) -> int:
+    """Bytes one token keeps for backward in a MoC activation + ``linear_fc2`` (one TP rank):
+    ``k`` indices and ``k`` values of ``G`` and of ``U`` per group. (``linear_fc1``'s input is
+    kept by ``linear_fc1``, as in the dense MLP.)"""
+    per_group = ffn_local // groups_local
+    k = kept_channels(ffn_local, groups_local, topk)
+    return groups_local * k * (2 * value_bytes + torch.empty((), dtype=index_dtype(per_group)).element_size())
+
+
+class _MoCSwiGLUDown(torch.autograd.Function):
+    """``(SiLU(G) * U * TopK(G)) @ W_down^T`` of one TP rank, keeping the sparse form for backward."""
+
+    @staticmethod
+    def forward(ctx, fc1_out, weight, groups: int, k: int):
+        gate, up = torch.chunk(fc1_out, 2, dim=-1)  # [s, b, f/tp] each
+        s, b, f = gate.shape
+        per_group = f // groups
+        ctx.weight = weight  # where a deferred gradient goes
+        ctx.dense = k == per_group
+        if ctx.dense:  # every channel kept: Megatron's SwiGLU, operation for operation (same bits)
+            z = F.silu(gate) * (up + 0.0)
+            ctx.save_for_backward(fc1_out, weight)  # Z is rebuilt in backward: 2f kept, not 3f
+            return torch.matmul(z, weight.t())
+        gate_g = gate.reshape(s, b, groups, per_group)
+        up_g = up.reshape(s, b, groups, per_group)
+        index = gate_g.topk(k, dim=-1, sorted=False).indices  # [s, b, groups, k]
+        gate_k, up_k = gate_g.gather(-1, index), up_g.gather(-1, index)
+        z = torch.zeros_like(gate_g).scatter_(-1, index, F.silu(gate_k) * up_k).reshape(s, b, f)
+        output = torch.matmul(z, weight.t())  # [s, b, h] (partial sum over TP)
+        ctx.save_for_backward(index.to(index_dtype(per_group)), gate_k, up_k, weight)
+        ctx.shape = (s, b, groups, per_group)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if ctx.dense:
+            return _MoCSwiGLUDown._dense_backward(ctx, grad_output)
+        narrow_index, gate_k, up_k, weight = ctx.saved_tensors
+        index = narrow_index.long()
+        shape = ctx.shape
+        s, b, groups, per_group = shape
+        grad_z = grad_output.matmul(weight).reshape(shape)  # [s, b, groups, per_group]
+        grad_zk = grad_z.gather(-1, index)
+        grad_up_k = grad_zk * F.silu(gate_k)
+        grad_gate_k = torch.ops.aten.silu_backward(grad_zk * up_k, gate_k)
+        grad_fc1 = torch.cat([torch.zeros_like(grad_z).scatter_(-1, index, grad_gate_k).reshape(s, b, -1),
+                              torch.zeros_like(grad_z).scatter_(-1, index, grad_up_k).reshape(s, b, -1)], dim=-1)
+
+        def weight_grad():  # (a deferred one holds the narrow indices, not the int64 copy)
+            z = torch.zeros(shape, dtype=gate_k.dtype, device=gate_k.device).scatter_(-1, narrow_index.long(),
+                                                                                      F.silu(gate_k) * up_k)
+            return grad_output.reshape(s * b, -1).t().matmul(z.reshape(s * b, -1))  # [h, f/tp], as Megatron's
+
+        return _MoCSwiGLUDown._finish(ctx, grad_fc1, weight_grad, (narrow_index, gate_k, up_k, grad_output))
+
+    @staticmethod
+    def _dense_backward(ctx, grad_output):
+        """Autograd's SwiGLU backward, operation for operation (see forward)."""
+        fc1_out, weight = ctx.saved_tensors
+        gate, up = torch.chunk(fc1_out, 2, dim=-1)
+        act, up_offset = F.silu(gate), up + 0.0
+        grad_z = grad_output.matmul(weight)
+        grad_fc1 = torch.cat([torch.ops.aten.silu_backward(grad_z * up_offset, gate), grad_z * act], dim=-1)
+
+        def weight_grad():
+            z = (F.silu(gate) * (up + 0.0)).reshape(-1, gate.shape[-1])
+            return grad_output.reshape(-1, grad_output.shape[-1]).t().matmul(z)
+
+        return _MoCSwiGLUDown._finish(ctx, grad_fc1, weight_grad, (fc1_out, grad_output))
+
+    @staticmethod
+    def _finish(ctx, grad_fc1, weight_grad, holds):
+        """The gradients to return; ``linear_fc2``'s weight gradient deferred to the W pass while
+        the weight-gradient store collects (:mod:`epas_megatron.model.weight_grad`)."""
+        if WEIGHT_GRAD_STORE.defers():
+            param = ctx.weight
+            WEIGHT_GRAD_STORE.put(lambda: accumulate_weight_grad(param, weight_grad()), holds=holds)
+            return grad_fc1, None, None, None
+        return grad_fc1, weight_grad(), None, None
+
+
+class MoCMLP(MLP):
+    """Megatron-Core's SwiGLU ``MLP`` with Mixture-of-Channels activations (see the module doc)."""
+
+    def __init__(self, config, submodules, *, topk: float, groups: int, tp_group=None, **kwargs):
+        super().__init__(config=config, submodules=submodules, tp_group=tp_group, **kwargs)
+        if not (config.gated_linear_unit and config.activation_func is F.silu) or config.add_bias_linear:
+            raise ValueError("Mixture-of-Channels is built for the SwiGLU MLP without biases")
+        tp = self.tp_group.size() if self.tp_group is not None else 1
+        ffn = self.config.ffn_hidden_size
+        if groups % tp or ffn % groups:
+            raise ValueError(f"{groups} MoC groups must divide ffn_hidden_size {ffn} and be a multiple of TP {tp}")
+        self.moc_topk, self.moc_groups = topk, groups
+        self.groups_local = groups // tp
+        self.kept = kept_channels(ffn, groups, topk)
+
+    @classmethod
+    def as_moc_submodule(cls, submodules, config, pg_collection, is_mtp_layer, *, topk: float, groups: int,
+                         name=None, **kwargs):
+        """The builder a layer spec's ``mlp`` slot calls (as ``MLP.as_mlp_submodule``)."""
+        del is_mtp_layer
+        return cls(config=config, submodules=submodules, topk=topk, groups=groups, tp_group=pg_collection.tp, name=name)
+
+    def forward(self, hidden_states, per_token_scale=None, **kwargs):
+        if per_token_scale is not None:
+            raise ValueError("Mixture-of-Channels MLP is not an expert: no per-token scale")
+        intermediate, _ = self.linear_fc1(hidden_states)  # [s, b, 2 f/tp]
+        partial = _MoCSwiGLUDown.apply(intermediate, self.linear_fc2.weight, self.groups_local, self.kept)
+        if self.config.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(partial, group=self.tp_group), None
+        return reduce_from_tensor_model_parallel_region(partial, group=self.tp_group), None
