@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from epas_megatron.checkpointing.metadata import CheckpointMeta, model_record
+from epas_megatron.checkpointing.metadata import MODEL_FIELD_DEFAULTS, CheckpointMeta, model_record
 from epas_megatron.config.cli import flag_name, to_dict
 from epas_megatron.config.presets import (
     EMBEDDED_DATA_LARGEST_PRESET,
@@ -25,6 +25,7 @@ from epas_megatron.config.schema import EMBEDDED_DATA, RunConfig
 from epas_megatron.errors import ConfigError
 from epas_megatron.model.build_plan import RECOMPUTE_MODULES, normalise_vpp
 from epas_megatron.model.fusions import BackendChoice, choose_layers, choose_precision
+from epas_megatron.model.moc import check_moc_config
 from epas_megatron.parallel.pipeline_schedule import SPLIT_BACKWARD, V_SCHEDULES, check_schedule_config
 from epas_megatron.sharing.ramp import SwitchRamp
 from epas_megatron.sharing.regions import RegionSpec
@@ -183,6 +184,10 @@ def model_shape_differences(saved: dict, current: dict) -> list[str]:
         if key in saved and saved[key] != value:
             diffs.append(f"{flag_name(key)}: checkpoint {saved[key]}, this run {value}")
     return diffs
+        if key not in saved and key in MODEL_FIELD_DEFAULTS:
+            saved = {**saved, key: MODEL_FIELD_DEFAULTS[key]}
+        if key == "moc_groups" and saved.get("moc_topk", 1.0) == current.get("moc_topk") == 1.0:
+            continue  # dense either way: the groups do not matter
 
 
 def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional[bool] = None, *,
@@ -206,6 +211,7 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
     t = _resolve_training(cfg, m, dp)
     m = replace(m, max_position_embeddings=m.max_position_embeddings or t.seq_length)
     schedule, rebalance, warnings = _resolve_epas(cfg, m, t)
+    check_moc_config(m.moc_topk, m.moc_groups, m.ffn_hidden_size, p.tp, layers.backend)
     pipeline_schedule = _resolve_pipeline_schedule(cfg, m, vpp, t.global_batch_size // (t.micro_batch_size * dp), layers.backend)
     if pipeline_schedule in V_SCHEDULES:
         rebalance = _v_rebalance(cfg)

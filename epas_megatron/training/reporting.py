@@ -59,9 +59,19 @@ def pipeline_note(run: ResolvedRun, dims: ParallelDims) -> str:
 def banner(run: ResolvedRun, dims: ParallelDims) -> str:
     """The start-up line: model shape, parallel sizes, batch, precision, layers, device."""
     m, t, d = run.cfg.model, run.cfg.training, dims
+def moc_note(m) -> str:
+    """The MLP's Mixture-of-Channels setting, where it is on."""
+    if m.moc_topk >= 1.0:
+        return ""
+    from epas_megatron.model.moc import kept_channels
+
+    kept = kept_channels(m.ffn_hidden_size, m.moc_groups, m.moc_topk)
+    return f" (Mixture-of-Channels: top {kept} of {m.ffn_hidden_size // m.moc_groups} channels in each of {m.moc_groups} groups)"
+
+
     return (
         f"epas-megatron: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}/{m.num_query_groups}, "
-        f"ffn {m.ffn_hidden_size}, vocab {m.vocab_size}, seq {t.seq_length} | world {d.world_size} = TP {d.tp} x PP {d.pp}"
+        f"ffn {m.ffn_hidden_size}{moc_note(m)}, vocab {m.vocab_size}, seq {t.seq_length} | world {d.world_size} = TP {d.tp} x PP {d.pp}"
         f"{pipeline_note(run, d)} x DP {d.dp} | global batch {t.global_batch_size} = {run.num_microbatches} micro-batches"
         f" x {t.micro_batch_size} x DP {d.dp} | {run.precision}, {layers_description(run)},"
         f" {'CUDA' if torch.cuda.is_available() else 'CPU (gloo)'}"
