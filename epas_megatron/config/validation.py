@@ -181,13 +181,13 @@ def model_shape_differences(saved: dict, current: dict) -> list[str]:
     for key, value in current.items():
         if value is None:
             continue
-        if key in saved and saved[key] != value:
-            diffs.append(f"{flag_name(key)}: checkpoint {saved[key]}, this run {value}")
-    return diffs
         if key not in saved and key in MODEL_FIELD_DEFAULTS:
             saved = {**saved, key: MODEL_FIELD_DEFAULTS[key]}
         if key == "moc_groups" and saved.get("moc_topk", 1.0) == current.get("moc_topk") == 1.0:
             continue  # dense either way: the groups do not matter
+        if key in saved and saved[key] != value:
+            diffs.append(f"{flag_name(key)}: checkpoint {saved[key]}, this run {value}")
+    return diffs
 
 
 def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional[bool] = None, *,

@@ -56,9 +56,6 @@ def pipeline_note(run: ResolvedRun, dims: ParallelDims) -> str:
     return f" (VPP {dims.vpp})" if dims.vpp else ""
 
 
-def banner(run: ResolvedRun, dims: ParallelDims) -> str:
-    """The start-up line: model shape, parallel sizes, batch, precision, layers, device."""
-    m, t, d = run.cfg.model, run.cfg.training, dims
 def moc_note(m) -> str:
     """The MLP's Mixture-of-Channels setting, where it is on."""
     if m.moc_topk >= 1.0:
@@ -69,6 +66,9 @@ def moc_note(m) -> str:
     return f" (Mixture-of-Channels: top {kept} of {m.ffn_hidden_size // m.moc_groups} channels in each of {m.moc_groups} groups)"
 
 
+def banner(run: ResolvedRun, dims: ParallelDims) -> str:
+    """The start-up line: model shape, parallel sizes, batch, precision, layers, device."""
+    m, t, d = run.cfg.model, run.cfg.training, dims
     return (
         f"epas-megatron: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}/{m.num_query_groups}, "
         f"ffn {m.ffn_hidden_size}{moc_note(m)}, vocab {m.vocab_size}, seq {t.seq_length} | world {d.world_size} = TP {d.tp} x PP {d.pp}"
