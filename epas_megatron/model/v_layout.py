@@ -21,7 +21,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
-from epas_megatron.model.v_placement import v_chunk, v_rank, v_stage
+from epas_megatron.model.v_placement import v_chunk, v_layout_string, v_rank, v_stage
 
 
 class VPipelineLayout(PipelineParallelLayerLayout):
@@ -33,8 +33,7 @@ class VPipelineLayout(PipelineParallelLayerLayout):
         if len(stage_sizes) != 2 * pp:
             raise ValueError(f"V placement over {pp} ranks has {2 * pp} stages, got {len(stage_sizes)} sizes")
         self.stage_sizes = tuple(int(size) for size in stage_sizes)
-        self.input_data = "V:" + "|".join(("E" if s == 0 else "") + "t" * n + ("L" if s == 2 * pp - 1 else "")
-                                          for s, n in enumerate(self.stage_sizes))
+        self.input_data = v_layout_string(self.stage_sizes)
         self.pipeline_model_parallel_size = pp
         self.virtual_pipeline_model_parallel_size = 2
         self.layout = [[[] for _ in range(2)] for _ in range(pp)]

@@ -25,3 +25,14 @@ def even_v_stage_sizes(num_layers: int, pp: int) -> tuple[int, ...]:
     """``num_layers`` over ``2p`` V stages as evenly as they go (the deeper stages one fewer)."""
     stages = 2 * pp
     return tuple(num_layers // stages + (1 if s < num_layers % stages else 0) for s in range(stages))
+
+
+def v_layout_string(stage_sizes, compact: bool = False) -> str:
+    """V stage sizes (in V order) as a layout string: ``"V:"``, then the stages ``0 .. 2p-1``
+    joined by ``|`` in Megatron-Core's layout syntax -- ``E`` (embedding) opening stage 0, a
+    ``t`` per decoder layer, ``L`` (output layer and loss) closing the last stage, which is rank
+    0's second chunk; e.g. ``"V:Ett|t|ttt|t|tt|tL"``. ``compact``: runs of more than 3 layers as
+    ``t*n`` (Megatron's parser unrolls them)."""
+    last = len(stage_sizes) - 1
+    body = (f"t*{size}" if compact and size > 3 else "t" * size for size in stage_sizes)
+    return "V:" + "|".join(("E" if s == 0 else "") + text + ("L" if s == last else "") for s, text in enumerate(body))

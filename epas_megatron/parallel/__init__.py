@@ -1,10 +1,12 @@
 """Pipeline stages under EPAS: where each decoder layer lives, rebalanced at every switch.
 
 - :mod:`.layout`: :class:`~epas_megatron.parallel.layout.StageLayout`, the layers each virtual
-  pipeline stage holds, and Megatron's layout string;
+  pipeline stage holds, and Megatron's layout string (:class:`~epas_megatron.parallel.layout.VStageLayout`:
+  the same under V placement);
 - :mod:`.cost_model`: per-layer costs (computing, sharing, LM head, the Q/K hand-off's p2p);
 - :mod:`.partition`: the exact search for the split with the cheapest slowest rank;
-- :mod:`.balancer`: the layout for a sharing region (hand-off priced, ties toward the even split);
+- :mod:`.balancer`: the layout for a sharing region (hand-off priced, ties toward the even split),
+  also under V placement;
 - :mod:`.memory_budget`: the per-rank memory budget the balancer must respect;
 - :mod:`.stage_layouts`: a run's layouts from its ``BuildPlan`` (FLOPs or measured costs);
 - :mod:`.layer_timing`: measured layer costs (``--epas-cost-model measured``);

@@ -18,7 +18,15 @@ picks the split of the decoder layers into virtual stages (a
   boundary) and takes the faster; on a tie the one without hand-off traffic.
 
 The search is :func:`epas_megatron.parallel.partition.best_split` (exact, ties toward Megatron's
-even split; see there). :func:`balance_region` balances a sharing region from
+even split; see there).
+
+Under V placement (a V pipeline schedule; Qi et al., "Pipeline Parallelism with Controllable
+Memory", NeurIPS 2024) :func:`balance_v_layout` does the same for the ``2p`` V stages (a
+:class:`~epas_megatron.parallel.layout.VStageLayout`): each rank holds a shallow stage ``r`` and a
+deep one ``2p-1-r``, rank 0 also the embedding, the LM head and the loss; the hand-off is priced
+as above at every point-to-point boundary, the turn on rank ``p-1`` (a local hand-on) excepted.
+
+:func:`balance_region` and :func:`balance_v_region` balance a sharing region from
 :class:`~epas_megatron.parallel.cost_model.LayerCosts`; reports and speed-up predictions are in
 :mod:`epas_megatron.parallel.layout_report`.
 """
@@ -32,12 +40,13 @@ from collections.abc import Iterable, Sequence
 
 from epas_megatron.errors import ConfigError
 from epas_megatron.parallel.cost_model import LayerCosts, costs_for_modes
-from epas_megatron.parallel.layout import StageLayout
+from epas_megatron.parallel.layout import StageLayout, VStageLayout
 from epas_megatron.parallel.partition import REL_TOL, best_split
 from epas_megatron.sharing.schedule import LayerMode
 from epas_megatron.sharing.shape import RegionShape, as_shape
 
-__all__ = ["StageLayout", "crosses_region", "balance_layout", "balance_region", "priced_layout"]
+__all__ = ["StageLayout", "VStageLayout", "crosses_region", "balance_layout", "balance_region", "priced_layout",
+           "balance_v_layout", "balance_v_region", "priced_v_layout"]
 
 
 def crosses_region(stage_sizes: Sequence[int], modes: Sequence[LayerMode] | None) -> bool:
@@ -109,17 +118,84 @@ def balance_layout(
     """
     p, v = pipeline_parallel_size, virtual_pipeline_parallel_size
     costs = [float(cost) for cost in costs]
+    _check_shape(len(costs), p, v)
+
+    def price(sizes):
+        return priced_layout(sizes, p, v, costs, embedding_cost=embedding_cost, output_cost=output_cost, modes=modes,
+                             handoff_cost=handoff_cost)
+
+    return _balanced(costs, p, v, "interleaved", price, embedding_cost=embedding_cost, output_cost=output_cost,
+                     modes=modes, handoff_cost=handoff_cost, fits=fits, who="balance_layout")
+
+
+def priced_v_layout(
+    stage_sizes: Sequence[int],
+    pipeline_parallel_size: int,
+    costs: Sequence[float],
+    *,
+    embedding_cost: float = 0.0,
+    output_cost: float = 0.0,
+    modes: Sequence[LayerMode] | None = None,
+    handoff_cost: float = 0.0,
+) -> VStageLayout:
+    """A V layout of the given sizes with its costs: the hand-off charged to both sides of every
+    point-to-point boundary when the layout crosses the sharing region -- at any boundary, the
+    turn included: the executor's one p2p shape then carries the hand-off rows everywhere -- and
+    never to the turn itself, which rank ``p-1`` hands on locally."""
+    boundary_cost = handoff_cost if crosses_region(stage_sizes, modes) else 0.0
+    return VStageLayout.from_sizes(stage_sizes, pipeline_parallel_size, costs, embedding_cost, output_cost, boundary_cost)
+
+
+def balance_v_layout(
+    costs: Sequence[float],
+    pipeline_parallel_size: int,
+    *,
+    embedding_cost: float = 0.0,
+    output_cost: float = 0.0,
+    modes: Sequence[LayerMode] | None = None,
+    handoff_cost: float = 0.0,
+) -> VStageLayout:
+    """The split of decoder layers over the ``2p`` V stages (V placement, Qi et al., NeurIPS
+    2024: stage ``s`` on rank ``s`` and on rank ``2p-1-s``) with the cheapest slowest rank: a
+    rank costs its two stages, rank 0 also the embedding (stage 0) and the output layer and loss
+    (stage ``2p-1``); the hand-off as :func:`priced_v_layout` prices it. Arguments, the search
+    and its ties as :func:`balance_layout` (``placement="v"`` of
+    :func:`~epas_megatron.parallel.partition.best_split`; ties toward the even V split,
+    :func:`~epas_megatron.model.v_placement.even_v_stage_sizes`). Every V stage holds at least
+    one layer. No memory budget: the memory model does not price V placement's in-flight
+    micro-batches per rank yet."""
+    p = pipeline_parallel_size
+    costs = [float(cost) for cost in costs]
+    if not isinstance(p, int) or p < 2:
+        raise ConfigError(f"V placement needs --pp >= 2, got {p!r}")
+    if len(costs) < 2 * p:
+        raise ConfigError(f"V placement over --pp {p} has 2 x {p} = {2 * p} stages of at least one decoder layer, but the "
+                          f"model has {len(costs)}; lower --pp or raise --num-layers")
+
+    def price(sizes):
+        return priced_v_layout(sizes, p, costs, embedding_cost=embedding_cost, output_cost=output_cost, modes=modes,
+                               handoff_cost=handoff_cost)
+
+    return _balanced(costs, p, 2, "v", price, embedding_cost=embedding_cost, output_cost=output_cost, modes=modes,
+                     handoff_cost=handoff_cost, fits=None, who="balance_v_layout")
+
+
+def _balanced(costs, p, v, placement, price, *, embedding_cost, output_cost, modes, handoff_cost, fits, who):
+    """The search behind :func:`balance_layout` and :func:`balance_v_layout`: both ways of the
+    hand-off (a split keeping the region together, or one crossing it and paying at every
+    point-to-point boundary), ``price(sizes)`` the layout of a split; the faster, on a tie the
+    one without hand-off traffic."""
     n = len(costs)
-    _check_shape(n, p, v)
     named = [*(f"layer {i}" for i in range(n)), "embedding", "output", "hand-off"]
     for what, cost in zip(named, [*costs, embedding_cost, output_cost, handoff_cost]):
         if not math.isfinite(cost) or cost < 0:
-            raise ValueError(f"balance_layout: cost of {what} must be finite and >= 0, got {cost!r}")
+            raise ValueError(f"{who}: cost of {what} must be finite and >= 0, got {cost!r}")
     if modes is not None and len(modes) != n:
-        raise ValueError(f"balance_layout: {len(modes)} layer modes for {n} layer costs")
+        raise ValueError(f"{who}: {len(modes)} layer modes for {n} layer costs")
 
     prefix = [0.0, *itertools.accumulate(costs)]
-    offsets = [0.0] * (p * v)
+    num_stages = p * v
+    offsets = [0.0] * num_stages
     offsets[0] += embedding_cost
     offsets[-1] += output_cost
     crossing = [False] * (n + 1)
@@ -128,8 +204,10 @@ def balance_layout(
     searches = []  # (offsets, allowed stage ends): without hand-off traffic first
     if any(crossing):
         searches.append((offsets, [not cross for cross in crossing]))
-        last = p * v - 1
-        charged = [cost + handoff_cost * ((k > 0) + (k < last)) for k, cost in enumerate(offsets)]
+        sends = [placement != "v" or VStageLayout.p2p_boundary(k, p) for k in range(num_stages + 1)]
+        before = [0 < k and sends[k] for k in range(num_stages)]  # a p2p boundary before stage k
+        after = [k < num_stages - 1 and sends[k + 1] for k in range(num_stages)]
+        charged = [cost + handoff_cost * (before[k] + after[k]) for k, cost in enumerate(offsets)]
         searches.append((charged, [True] * (n + 1)))
     else:
         searches.append((offsets, [True] * (n + 1)))
@@ -137,21 +215,11 @@ def balance_layout(
     best, optimal = None, True
     tol = REL_TOL * (prefix[n] + embedding_cost + output_cost)
     for stage_offsets, allowed in searches:
-        ends, proven = best_split(prefix, p, v, stage_offsets, allowed, fits=fits)
+        ends, proven = best_split(prefix, p, v, stage_offsets, allowed, fits=fits, placement=placement)
         optimal = optimal and proven
         if ends is None:
             continue
-        sizes = [end - start for start, end in zip([0, *ends], ends)]
-        layout = priced_layout(
-            sizes,
-            p,
-            v,
-            costs,
-            embedding_cost=embedding_cost,
-            output_cost=output_cost,
-            modes=modes,
-            handoff_cost=handoff_cost,
-        )
+        layout = price([end - start for start, end in zip([0, *ends], ends)])
         if best is None or layout.bottleneck < best.bottleneck - tol:
             best = layout
     if best is None:
@@ -181,6 +249,25 @@ def balance_region(
         modes=modes,
         handoff_cost=layer_costs.handoff_p2p,
         fits=memory.for_modes(modes) if memory is not None else None,
+    )
+
+
+def balance_v_region(
+    layer_costs: LayerCosts,
+    shape: RegionShape | int,
+    sharing_layers: Iterable[int],
+    pipeline_parallel_size: int,
+) -> VStageLayout:
+    """The balanced V layout (:func:`balance_v_layout`) while ``sharing_layers`` (a region of
+    ``shape``) share Q/K."""
+    modes = as_shape(shape).modes(sharing_layers)
+    return balance_v_layout(
+        costs_for_modes(layer_costs, modes),
+        pipeline_parallel_size,
+        embedding_cost=layer_costs.embedding,
+        output_cost=layer_costs.output_layer,
+        modes=modes,
+        handoff_cost=layer_costs.handoff_p2p,
     )
 
 

@@ -7,9 +7,10 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from epas_megatron.parallel.balancer import balance_region, crosses_region, priced_layout
+from epas_megatron.model.v_placement import even_v_stage_sizes
+from epas_megatron.parallel.balancer import balance_region, balance_v_region, crosses_region, priced_layout, priced_v_layout
 from epas_megatron.parallel.cost_model import LayerCosts, costs_for_modes
-from epas_megatron.parallel.layout import StageLayout
+from epas_megatron.parallel.layout import StageLayout, VStageLayout
 from epas_megatron.sharing.shape import RegionShape, as_shape
 
 
@@ -19,11 +20,18 @@ def even_layout(
     sharing_layers: Iterable[int],
     p: int,
     v: int = 1,
-) -> StageLayout:
-    """Megatron's even split, priced while ``sharing_layers`` (a region of ``shape``) share (the
-    hand-off charged when the split crosses the region)."""
+    *,
+    placement: str = "interleaved",
+) -> StageLayout | VStageLayout:
+    """Megatron's even split (``placement="v"``: the even V split over ``2p`` stages), priced
+    while ``sharing_layers`` (a region of ``shape``) share (the hand-off charged when the split
+    crosses the region)."""
     shape = as_shape(shape)
     modes = shape.modes(sharing_layers)
+    if placement == "v":
+        return priced_v_layout(even_v_stage_sizes(shape.num_layers, p), p, costs_for_modes(layer_costs, modes),
+                               embedding_cost=layer_costs.embedding, output_cost=layer_costs.output_layer, modes=modes,
+                               handoff_cost=layer_costs.handoff_p2p)
     return priced_layout(
         StageLayout.even(shape.num_layers, p, v).stage_sizes,
         p,
@@ -42,7 +50,9 @@ def format_layouts(
     pipeline_parallel_size: int,
     virtual_pipeline_parallel_size: int = 1,
     sharing_sets: Sequence[tuple[int, Iterable[int]]] = (),
-    layouts: Sequence[tuple[int, StageLayout]] | None = None,
+    layouts: Sequence[tuple[int, StageLayout | VStageLayout]] | None = None,
+    *,
+    placement: str = "interleaved",
 ) -> str:
     """A readable table of a schedule's layouts.
 
@@ -54,23 +64,31 @@ def format_layouts(
     the speedups over the baseline (no sharing, even split): ``fixed`` keeps the even split,
     ``rebal`` switches to the balanced layout. Speedup = baseline bottleneck / bottleneck (see
     :func:`predict_pipeline_speedup`).
+
+    ``placement="v"``: V placement (``v`` is 2; :func:`~epas_megatron.parallel.balancer.balance_v_region`
+    and the even V split), each rank's two chunks its stages ``r`` and ``2p-1-r``, the layout as
+    ``--pipeline-layout`` takes it under a V schedule.
     """
-    p, v = pipeline_parallel_size, virtual_pipeline_parallel_size
+    p, v = pipeline_parallel_size, (2 if placement == "v" else virtual_pipeline_parallel_size)
     shape = as_shape(shape)
     sharing_sets = [(iteration, sorted(set(sharing))) for iteration, sharing in sharing_sets]
     if layouts is None:
-        layouts = [(iteration, balance_region(layer_costs, shape, sharing, p, v)) for iteration, sharing in sharing_sets]
+        balance = ((lambda sharing: balance_v_region(layer_costs, shape, sharing, p)) if placement == "v"
+                   else (lambda sharing: balance_region(layer_costs, shape, sharing, p, v)))
+        layouts = [(iteration, balance(sharing)) for iteration, sharing in sharing_sets]
     if len(layouts) != len(sharing_sets):
         raise ValueError("format_layouts: layouts and sharing_sets differ in length")
-    baseline = even_layout(layer_costs, shape, (), p, v).bottleneck
+    baseline = even_layout(layer_costs, shape, (), p, v, placement=placement).bottleneck
+    parallel = f"--pp {p}, V placement ({2 * p} stages)" if placement == "v" else f"--pp {p} --vpp {v}"
+    flag = "--pipeline-layout" if placement == "v" else "--pipeline-model-parallel-layout"
     lines = [
-        f"pipeline plan: {shape.num_layers} layers, --pp {p} --vpp {v}; baseline (no sharing, even "
+        f"pipeline plan: {shape.num_layers} layers, {parallel}; baseline (no sharing, even "
         f"split) bottleneck {baseline:.4g}"
     ]
     for (iteration, sharing), (layout_iteration, layout) in zip(sharing_sets, layouts):
         if iteration != layout_iteration:
             raise ValueError("format_layouts: layouts and sharing_sets differ in iterations")
-        fixed = even_layout(layer_costs, shape, sharing, p, v)
+        fixed = even_layout(layer_costs, shape, sharing, p, v, placement=placement)
         crossing = crosses_region(layout.stage_sizes, shape.modes(sharing))
         notes = "; Q/K cross a stage boundary" if crossing else ""
         if not layout.optimal:
@@ -80,7 +98,7 @@ def format_layouts(
             f"iteration {iteration}: {len(sharing)} sharing layers "
             f"({_compress(sharing) if sharing else 'none'}){notes}"
         )
-        lines.append(f"  --pipeline-model-parallel-layout {layout.to_layout_string(compact=True)}")
+        lines.append(f"  {flag} {layout.to_layout_string(compact=True)}")
         width = max(len("layers"), *(len(_ranges_text(layout, r)) for r in range(p)))
         lines.append(f"  {'rank':>4}  {'layers':<{width}}  {'cost':>9}  {'even-split':>10}")
         for r in range(p):
@@ -96,7 +114,7 @@ def format_layouts(
     return "\n".join(lines)
 
 
-def _ranges_text(layout: StageLayout, pp_rank: int) -> str:
+def _ranges_text(layout: StageLayout | VStageLayout, pp_rank: int) -> str:
     parts = []
     for vp in range(layout.virtual_pipeline_parallel_size):
         ids = layout.layer_range(pp_rank, vp)

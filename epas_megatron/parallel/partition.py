@@ -31,6 +31,19 @@ steps, trying round ends nearest the even split's first, and returns the best sp
 (``proven`` False; on 7B-like shapes with ``p = 4, v = 4`` within 0.5% of the optimum). The
 count is plain arithmetic on the inputs, never a clock: every rank searching the same inputs gets
 the same split.
+
+**V placement** (``placement="v"``; Qi et al., "Pipeline Parallelism with Controllable Memory",
+NeurIPS 2024): ``K = 2p`` stages, stage ``k`` on rank ``k`` going down and on rank ``2p-1-k``
+coming back up, so the second round visits the ranks in reverse. The same DP solves it: for a
+*turn* ``m`` (the end of stage ``p-1``, the one round end) the gaps after the turn are read
+backwards -- position ``x > m`` stands for gap ``n + m - x`` -- which makes the V split an
+interleaved one with ``v = 2`` where rank ``r`` again takes one block from each round in rank
+order. ``offsets`` and the returned ends are in V stage order; ``fits`` sees a rank's two chunks
+in layer order. Ties as above in those terms: the distance is the sum over the V stage ends of
+``|end - even end|`` (the even split :func:`even_ends`, which is
+:func:`~epas_megatron.model.v_placement.even_v_stage_sizes`), then the smallest blocks rank by
+rank, where a rank's second block is measured as ``m`` plus the second-round layers it and the
+ranks before it hold (again: fewer layers on early ranks).
 """
 
 from __future__ import annotations
@@ -74,6 +87,7 @@ def best_split(
     allowed: Sequence[bool],
     work_budget: int = WORK_BUDGET,
     fits=None,
+    placement: str = "interleaved",
 ) -> tuple[list[int] | None, bool]:
     """``(ends, proven)``: the stage ends of the split with the smallest bottleneck (ties as in
     the module docstring), or None when no split with at least one layer per stage ends only
@@ -81,49 +95,104 @@ def best_split(
 
     ``fits(rank, starts, ends)``, if given, says whether a rank holding layers
     ``starts[c] .. ends[c] - 1`` of every round ``c`` is feasible (a memory budget): only
-    splits whose every rank fits are considered."""
+    splits whose every rank fits are considered.
+
+    ``placement``: ``"interleaved"`` (stage ``k`` on rank ``k % p``) or ``"v"`` (V placement,
+    ``v = 2``: stage ``k`` on rank ``k`` and ``2p-1-k``; ``offsets`` and the ends in V stage
+    order; see the module docstring)."""
+    if placement not in ("interleaved", "v"):
+        raise ValueError(f"best_split: placement must be 'interleaved' or 'v', got {placement!r}")
+    if placement == "v" and v != 2:
+        raise ValueError(f"best_split: V placement has two chunks per rank, got v={v}")
     n, num_stages = len(prefix) - 1, p * v
     even = even_ends(n, num_stages)
+    view_of = _mirrored_view if placement == "v" else _View
 
     def blocks_of(ends):  # blocks[r][c]: end of rank r's block in round c
         return tuple(tuple(ends[c * p + r] for c in range(v)) for r in range(p))
 
-    def distance(blocks):
-        return sum(abs(blocks[k % p][k // p] - even[k]) for k in range(num_stages))
+    def distance(view, blocks):
+        return sum(abs(blocks[k % p][k // p] - view.even[k]) for k in range(num_stages))
 
     total = prefix[n] + math.fsum(offsets)
-    search = _RankDP(prefix, p, offsets, allowed, REL_TOL * total, work_budget, fits)
+    search = _RankDP(prefix, p, REL_TOL * total, work_budget)
     # Round ends nearest the even split's first (they are stage ends of the last rank, so this
     # is also a lower bound on a split's distance from the even split).
-    rounds = sorted(
-        (sum(abs(end - even[c * p + p - 1]) for c, end in enumerate(ends)), starts, ends)
-        for starts, ends in _round_choices(n, p, v, allowed)
+    views = sorted(
+        (view_of(prefix, p, offsets, allowed, fits, even, starts, ends)
+         for starts, ends in _round_choices(n, p, v, allowed)),
+        key=lambda view: (view.least_distance, view.starts, view.ends),
     )
-    best = None  # (bottleneck, blocks)
-    if n >= num_stages and all(allowed[end] for end in even) and _split_fits(even, p, v, fits):
-        best = (bottleneck(prefix, p, offsets, even), blocks_of(even))
+    best = None  # (bottleneck, view, blocks)
+    if n >= num_stages:
+        round_ends = tuple(even[c * p + p - 1] for c in range(v))
+        view = view_of(prefix, p, offsets, allowed, fits, even, (0, *round_ends[:-1]), round_ends)
+        if all(view.allowed[end] for end in view.even) and _split_fits(view.even, p, v, view.fits):
+            best = (bottleneck(view.prefix, p, view.offsets, view.even), view, blocks_of(view.even))
     proven = True
     try:  # pass 1: the smallest bottleneck
-        for _, starts, ends in rounds:
+        for view in views:
             bound = best[0] - search.tol if best else math.inf
-            best = search.run(starts, ends, bound, None, math.inf) or best
+            found = search.run(view, bound, None, math.inf)
+            if found is not None:
+                best = (found[0], view, found[1])
     except _OutOfWork:
         proven = False
     if best is None:
         return None, proven
-    winner = (distance(best[1]), best[1])
+    limit = best[0] + search.tol
+    winner = (distance(best[1], best[2]), best[2], best[1])  # (distance, blocks, view)
     search.work = 0
     try:  # pass 2: the tie-break among splits within best + tol
-        for least_distance, starts, ends in rounds:
-            if least_distance > winner[0]:
+        for view in views:
+            if view.least_distance > winner[0]:
                 break
-            found = search.run(starts, ends, best[0] + search.tol, even, winner[0])
-            if found is not None and found < winner:
-                winner = found
+            found = search.run(view, limit, view.even, winner[0])
+            if found is not None and found < winner[:2]:
+                winner = (*found, view)
     except _OutOfWork:
         proven = False
-    blocks = winner[1]
-    return [blocks[k % p][k // p] for k in range(num_stages)], proven
+    return winner[2].stage_ends(winner[1]), proven
+
+
+class _View:
+    """The search's problem for one choice of round ends, in the DP's terms (stage ``c*p + r``
+    is rank ``r``'s block in round ``c``). Interleaved placement: the caller's terms unchanged."""
+
+    def __init__(self, prefix, p, offsets, allowed, fits, even, starts, ends):
+        self.prefix, self.p, self.offsets, self.allowed, self.fits = prefix, p, offsets, allowed, fits
+        self.even, self.starts, self.ends = even, starts, ends
+        self.least_distance = sum(abs(end - even[c * p + p - 1]) for c, end in enumerate(ends))
+
+    def stage_ends(self, blocks) -> list[int]:
+        """The caller's stage ends of the split whose blocks (rank by rank) are ``blocks``."""
+        p, v = self.p, len(self.ends)
+        return [blocks[k % p][k // p] for k in range(p * v)]
+
+
+def _mirrored_view(prefix, p, offsets, allowed, fits, even, starts, ends) -> _View:
+    """V placement with the turn at ``m = ends[0]`` as an interleaved problem: the gaps after the
+    turn read backwards (position ``x > m`` is gap ``n + m - x``), so rank ``r``'s second-round
+    block is the ``r``-th from the turn (see the module docstring)."""
+    n, m = len(prefix) - 1, ends[0]
+    back = lambda x: n + m - x  # noqa: E731 (a position after the turn <-> its gap)
+    mirrored_prefix = [*prefix[: m + 1], *(prefix[n] + prefix[m] - prefix[back(x)] for x in range(m + 1, n + 1))]
+    mirrored_allowed = [*allowed[: m + 1], *(allowed[back(x)] for x in range(m + 1, n + 1))]
+    round_offsets = [*offsets[:p], *(offsets[2 * p - 1 - r] for r in range(p))]
+    # Rank r's second-round block ends where V stage 2p-1-r starts: at the end of stage 2p-2-r.
+    mirrored_even = [*even[:p], *(back(even[2 * p - 2 - r]) for r in range(p - 1)), n]
+    mirrored_fits = None
+    if fits is not None:
+        def mirrored_fits(rank, block_starts, block_ends):
+            return fits(rank, (block_starts[0], back(block_ends[1])), (block_ends[0], back(block_starts[1])))
+    view = _View(mirrored_prefix, p, round_offsets, mirrored_allowed, mirrored_fits, mirrored_even, starts, ends)
+
+    def stage_ends(blocks) -> list[int]:
+        second_starts = [m, *(blocks[r][1] for r in range(p - 1))]  # rank r's second block starts here
+        return [*(blocks[k][0] for k in range(p)), *(back(second_starts[2 * p - 1 - k]) for k in range(p, 2 * p))]
+
+    view.stage_ends = stage_ends
+    return view
 
 
 def _split_fits(ends: Sequence[int], p: int, v: int, fits) -> bool:
@@ -150,18 +219,20 @@ class _OutOfWork(Exception):
 class _RankDP:
     """The dynamic program over ranks for fixed round ends (see the module docstring)."""
 
-    def __init__(self, prefix, p, offsets, allowed, tol, work_budget, fits=None):
-        self.prefix, self.p, self.offsets, self.allowed, self.fits = prefix, p, offsets, allowed, fits
-        self.tol, self.work, self.work_budget = tol, 0, work_budget
+    def __init__(self, prefix, p, tol, work_budget):
+        self.p, self.tol, self.work, self.work_budget = p, tol, 0, work_budget
+        # (the same layers in every view: mirroring reorders them)
         layer_costs = sorted(b - a for a, b in zip(prefix, prefix[1:]))
         self.cheapest = [0.0, *itertools.accumulate(layer_costs)]  # cheapest[j]: j cheapest layers
 
-    def run(self, starts, ends, bound, even, max_distance):
-        """The best split for these round ends with every rank's cost at most ``bound``, as
-        ``(score, blocks rank by rank)``, or None if there is none. Pass 1 (``even`` None):
-        score = the bottleneck. Pass 2 (``even``: the even split's stage ends): score = the
-        distance from the even split, at most ``max_distance``."""
-        prefix, p, offsets, v = self.prefix, self.p, self.offsets, len(starts)
+    def run(self, view, bound, even, max_distance):
+        """The best split for the round ends of ``view`` (a :class:`_View`) with every rank's
+        cost at most ``bound``, as ``(score, blocks rank by rank)``, or None if there is none.
+        Pass 1 (``even`` None): score = the bottleneck. Pass 2 (``even``: the even split's stage
+        ends in the view's terms): score = the distance from the even split, at most
+        ``max_distance``."""
+        prefix, p, offsets, starts, ends = view.prefix, self.p, view.offsets, view.starts, view.ends
+        v = len(starts)
         frontier = {starts: (-math.inf if even is None else 0, ())}
         for r in range(p):
             last = r == p - 1
@@ -181,8 +252,8 @@ class _RankDP:
                 rest = math.fsum(prefix[end] - prefix[x] for end, x in zip(ends, state))
                 need = own + rest - room  # this rank's least load leaving the rest <= room
                 need_layers = sum(ends) - sum(state) - room_layers if not last else 0
-                for blocks, load in self.blocks(state, lows, tops, own, bound, need, need_layers):
-                    if self.fits is not None and not self.fits(r, state, blocks):
+                for blocks, load in self.blocks(view, state, lows, tops, own, bound, need, need_layers):
+                    if view.fits is not None and not view.fits(r, state, blocks):
                         continue
                     if even is None:
                         new_score = max(score, load)
@@ -200,11 +271,11 @@ class _RankDP:
                 return None
         return frontier.get(ends)
 
-    def blocks(self, state, lows, tops, own, bound, need, need_layers):
+    def blocks(self, view, state, lows, tops, own, bound, need, need_layers):
         """A rank's choices from ``state``: block ends ``lows[c] <= y[c] <= tops[c]`` (allowed)
         with ``need <= load <= bound`` and at least ``need_layers`` layers in all, where
         ``load = own + sum(prefix[y[c]] - prefix[state[c]])``; a list of ``(y, load)``."""
-        prefix, allowed, v = self.prefix, self.allowed, len(state)
+        prefix, allowed, v = view.prefix, view.allowed, len(state)
         most = [0.0] * (v + 1)  # most[c]: the largest load rounds c .. v-1 can add
         most_layers = [0] * (v + 1)  # and the most layers
         for c in range(v - 1, -1, -1):

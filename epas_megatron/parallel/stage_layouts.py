@@ -9,7 +9,9 @@ training state into them: in memory by default (``--epas-switch-mode memory``; a
 changes stage is sent point to point, see :mod:`epas_megatron.checkpointing.in_memory`), or
 through a staging checkpoint (``--epas-switch-mode checkpoint``). Either way the state is
 matched by checkpoint shard id, so the layout chosen does not depend on where the layers were
-before.
+before. Under a V pipeline schedule (V placement: ``2p`` stages, two per rank) the same happens
+with V stage sizes (:func:`balanced_v_layout`, a
+:class:`~epas_megatron.parallel.layout.VStageLayout`).
 
 Costs are forward matmul FLOPs per sequence (a computing layer, a sharing layer, the LM head and
 loss on the last stage; the embedding gather is free). Backward is ~2x forward for every part,
@@ -20,9 +22,9 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from epas_megatron.parallel.balancer import balance_region
+from epas_megatron.parallel.balancer import balance_region, balance_v_region
 from epas_megatron.parallel.cost_model import P2P_FLOPS_PER_BYTE, LayerCosts
-from epas_megatron.parallel.layout import StageLayout
+from epas_megatron.parallel.layout import StageLayout, VStageLayout
 from epas_megatron.parallel.layout_report import format_layouts
 from epas_megatron.sharing.shape import RegionShape
 
@@ -92,11 +94,26 @@ def balanced_layout_noted(plan, sharing_layers: Sequence[int], timer=None, memor
         memory, plan.shape.modes(sharing_layers))
 
 
+def balanced_v_layout(plan, sharing_layers: Sequence[int], timer=None) -> VStageLayout:
+    """The V layout (:func:`~epas_megatron.parallel.balancer.balance_v_region`) for
+    ``sharing_layers`` given a V placement's :class:`~epas_megatron.model.build_plan.BuildPlan`
+    (one with ``v_stage_sizes``), from the FLOPs costs calibrated by a ``timer`` as
+    :func:`balanced_layout`'s. No memory budget (see there)."""
+    from epas_megatron.parallel.layer_timing import calibrated_costs
+
+    costs = calibrated_costs(flops_layer_costs(plan.arch, plan.seq_length, plan.share), timer)
+    return balance_v_region(costs, plan.shape, sharing_layers, plan.pp)
+
+
 def describe_schedule_layouts(plan, schedule, memory=None) -> str:
     """The balanced layouts of every region of the schedule (printed at start), within the
-    memory budget if there is one (with a line per region where the budget changed the layout)."""
+    memory budget if there is one (with a line per region where the budget changed the layout).
+    Under V placement (``plan.v_stage_sizes`` set) the V layouts, without a budget."""
     costs = flops_layer_costs(plan.arch, plan.seq_length, plan.share)
     regions = [(0, ())] + [(it, schedule.sharing_layers(it)) for it, _ in schedule.switch_iterations()]
+    if plan.v_stage_sizes is not None:
+        layouts = [(iteration, balanced_v_layout(plan, sharing)) for iteration, sharing in regions]
+        return format_layouts(costs, RegionShape.of(schedule), plan.pp, 2, regions, layouts=layouts, placement="v")
     layouts, notices = [], []
     for iteration, sharing in regions:
         layout, notice = balanced_layout_noted(plan, sharing, None, memory)
