@@ -4,6 +4,7 @@
     epas-bench train --preset 125m --region 6 --iters 12 --seq-length 512 --micro-batch-size 2
     epas-bench train --preset small --method all --kept-tokens 128
     torchrun --nproc-per-node 2 -m epas_megatron.bench.cli pipeline --preset small --region 4
+    torchrun --nproc-per-node 4 -m epas_megatron.bench.cli pipeline --schedule 1f1b v-1f1b v-half v-min --preset small
     epas-bench decode --preset 125m --batch 8 --context 2048
     epas-bench hf-decode --preset 125m --batch 8 --context 2048
     epas-bench quality --scale cpu --output-dir runs/quality
@@ -11,17 +12,20 @@
     epas-bench memory --preset 125m --region 6 --seq-length 512
 
 ``train``: baseline vs EPAS with a fixed region, same model and process (see
-:mod:`epas_megatron.bench.train_bench`). ``decode``: generation throughput, baseline vs EPAS
-with and without probability reuse (see :mod:`epas_megatron.bench.decode_bench`). ``hf-decode``:
+:mod:`epas_megatron.bench.train_bench`). ``decode``: generation throughput, baseline vs EPAS with
+and without probability reuse (see :mod:`epas_megatron.bench.decode_bench`). ``hf-decode``:
 transformers ``generate()`` on the EPAS export class, region 0 vs half the layers sharing: tokens/s
-and peak cache bytes (see :mod:`epas_megatron.bench.hf_decode_bench`). ``pipeline``: PP=2 baseline vs EPAS without and with
-stage rebalancing, plus a model-predicted table for 7B on PP=4/8 (see
-:mod:`epas_megatron.bench.pipeline_bench`). ``quality``: the paper's quality claims -- baseline vs
-EPAS from scratch, continual pretraining evaluated at every region, an ablation -- as a recipe
-of training runs with tables and plots (see :mod:`epas_megatron.experiments.quality`). ``switch``: the
-cost of one EPAS switch in each --epas-switch-mode, measured on the trainer, and predicted for
-7B (see :mod:`epas_megatron.bench.switch_bench`). ``memory``: activation bytes of computing and
-sharing layers, measured and modelled (see :mod:`epas_megatron.bench.memory_bench`).
+and peak cache bytes (see :mod:`epas_megatron.bench.hf_decode_bench`). ``pipeline``: PP=2 baseline
+vs EPAS without and with stage rebalancing, plus a model-predicted table for 7B on PP=4/8 (see
+:mod:`epas_megatron.bench.pipeline_bench`); with ``--schedule``: 1F1B against the V schedules
+(v-1f1b, v-half, v-min) on the same model -- per-rank peak memory, time, the executed bubble, p2p
+bytes, the loss -- and a predicted 7B table (see :mod:`epas_megatron.bench.schedule_bench`).
+``quality``: the paper's quality claims -- baseline vs EPAS from scratch, continual pretraining
+evaluated at every region, an ablation -- as a recipe of training runs with tables and plots (see
+:mod:`epas_megatron.experiments.quality`). ``switch``: the cost of one EPAS switch in each
+--epas-switch-mode, measured on the trainer, and predicted for 7B (see
+:mod:`epas_megatron.bench.switch_bench`). ``memory``: activation bytes of computing and sharing
+layers, measured and modelled (see :mod:`epas_megatron.bench.memory_bench`).
 """
 
 from __future__ import annotations
@@ -97,10 +101,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             "Random-LTD), or all (default: epas)")
     train.add_argument("--kept-tokens", type=int, default=None,
                        help="tokens each Random-LTD layer keeps (default: half the sequence)")
-    pipe = commands.add_parser("pipeline", help="PP=2: baseline, EPAS without and with rebalancing")
+    pipe = commands.add_parser("pipeline", help="PP=2: baseline, EPAS without and with rebalancing; with --schedule: "
+                                                "1F1B against the V schedules")
     _common(pipe)
-    pipe.add_argument("--pp", type=int, default=2)
+    pipe.add_argument("--pp", type=int, default=None, help="pipeline ranks (default 2; with --schedule: the number of processes)")
     pipe.add_argument("--vpp", type=int, default=None)
+    pipe.add_argument("--schedule", nargs="+", default=None, metavar="NAME",
+                      help="compare these pipeline schedules instead (1f1b, v-1f1b, v-half, v-min) on one model, one "
+                           "pipeline rank per process; --iters timed iterations each, taking turns (--blocks is not used); "
+                           "--region default half the layers, 0 for none; --num-microbatches default 2p")
+    pipe.set_defaults(num_microbatches=None)
     decode = commands.add_parser("decode", help="generation: baseline, EPAS Q/K path, EPAS probability reuse")
     decode.add_argument("--preset", default="125m", help="model preset")
     decode.add_argument("--region", type=int, default=None, help="sharing layers of the EPAS model (default: half the layers)")
@@ -165,6 +175,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _memory(args)
     if args.command == "quality":
         return _quality(args)
+    if args.command == "pipeline" and args.schedule is not None:
+        return _pipeline_schedules(args)
+    if args.command == "pipeline":  # the rebalancing bench's defaults
+        args.pp = 2 if args.pp is None else args.pp
+        args.num_microbatches = 1 if args.num_microbatches is None else args.num_microbatches
 
     from epas_megatron.config.presets import get_preset
     from epas_megatron.runtime.distributed import destroy_distributed, init_distributed, world_size_from_env
@@ -213,6 +228,44 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 max(args.num_microbatches, 2 * args.pp), pp=args.pp, vpp=args.vpp,
                                 share=args.share, seed=args.seed, core_attention=args.core_attention)
             record = run_pipeline_bench(cfg, log=log)
+        log(format_record(record))
+    finally:
+        destroy_distributed()
+    return 0
+
+
+def _pipeline_schedules(args) -> int:
+    """``epas-bench pipeline --schedule ...`` (:mod:`epas_megatron.bench.schedule_bench`)."""
+    from epas_megatron.bench.common import default_backend
+    from epas_megatron.bench.schedule_bench import ScheduleBenchConfig, check_config, parse_schedules, run_schedule_bench
+    from epas_megatron.bench.train_bench import format_record
+    from epas_megatron.config.presets import get_preset
+    from epas_megatron.runtime.distributed import destroy_distributed, init_distributed, world_size_from_env
+
+    try:
+        preset = get_preset(args.preset)
+        schedules = parse_schedules(args.schedule)
+        world = world_size_from_env()
+        cfg = ScheduleBenchConfig(args.preset, schedules, preset.num_layers // 2 if args.region is None else args.region,
+                                  args.iters, args.warmup, args.seq_length or preset.seq_length,
+                                  args.micro_batch_size or preset.training_defaults.get("micro_batch_size", 1),
+                                  2 * world if args.num_microbatches is None else args.num_microbatches,
+                                  share=args.share, core_attention=args.core_attention, seed=args.seed)
+        check_config(cfg, preset.num_layers, world)
+        if args.vpp is not None:
+            raise ConfigError(f"--vpp {args.vpp}: --schedule places the model chunks itself (two per rank under V "
+                              "placement, one under 1f1b); drop --vpp")
+        if args.pp is not None and args.pp != world:
+            raise ConfigError(f"--pp {args.pp}: with --schedule the pipeline has one rank per process (p = {world} here); "
+                              f"drop --pp, or start {args.pp} processes")
+        default_backend()  # an installed Transformer Engine that does not load: one error line, before any work
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return ConfigError.exit_code
+    dims = init_distributed(1, world, None, seed=args.seed)
+    log = (lambda line: print(line, flush=True)) if dims.is_logging_rank else (lambda line: None)
+    try:
+        record = run_schedule_bench(cfg, log=log)
         log(format_record(record))
     finally:
         destroy_distributed()

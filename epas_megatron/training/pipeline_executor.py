@@ -29,13 +29,23 @@ blocks pack into the p2p tensor. So the lists run here on the project's own piec
 
 The ``1f1b`` lists on Megatron's placement equal Megatron-Core's 1F1B bit for bit; the V lists
 equal it to fp32 rounding (gradients are accumulated in another order).
+
+**What ran, when** (:func:`record_timelines`): inside that context every run appends this rank's
+:class:`ExecutedTimeline` -- each compute action (``F``, ``B``, ``W``, ``BW``) with its start and
+end (``time.perf_counter`` on the CPU; CUDA events on the current stream on a GPU, read after the
+iteration), and the messages and bytes this rank sent and received. The bubble of those times is
+:attr:`~epas_megatron.parallel.pipeline_schedule.Simulation.bubble`'s, of what was executed
+(:func:`executed_bubble`). Outside the context a run records nothing, allocates nothing for it,
+and computes exactly what it computes without it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
-from typing import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,6 +55,122 @@ from megatron.core.pipeline_parallel import schedules as megatron_schedules
 
 from epas_megatron.model.weight_grad import WEIGHT_GRAD_STORE
 from epas_megatron.parallel.pipeline_schedule import Action, PipelineSchedule
+
+COMPUTE_KINDS = ("F", "B", "W", "BW")
+"""The actions that compute (the rest send or receive)."""
+
+
+@dataclass
+class ExecutedTimeline:
+    """One rank's iteration as executed (:func:`record_timelines`): its compute actions in the order
+    they ran, their start and end in seconds from the iteration's start, and its p2p traffic."""
+
+    schedule: str
+    """The schedule's name."""
+
+    rank: int
+    """Pipeline rank."""
+
+    actions: list = field(default_factory=list)
+    """Compute actions (:class:`~epas_megatron.parallel.pipeline_schedule.Action`), in order."""
+
+    start: list = field(default_factory=list)
+    """Seconds from the iteration's start to each action's start."""
+
+    end: list = field(default_factory=list)
+    """... to each action's end."""
+
+    sent_messages: int = 0
+    sent_bytes: int = 0
+    """Bytes of the tensors this rank sent (each message: elements x element size)."""
+
+    received_messages: int = 0
+    received_bytes: int = 0
+
+    @property
+    def busy(self) -> float:
+        """Seconds spent in compute actions."""
+        return sum(e - s for s, e in zip(self.start, self.end))
+
+    @property
+    def span(self) -> float:
+        """From the first compute action's start to the last one's end (``Simulation.span``)."""
+        return self.end[-1] - self.start[0]
+
+    @property
+    def bubble(self) -> float:
+        """This rank's idle share of its span, ``1 - busy / span``."""
+        return 1.0 - self.busy / self.span
+
+    def durations(self, kind: str) -> list[float]:
+        """Seconds of each executed action of ``kind``."""
+        return [e - s for a, s, e in zip(self.actions, self.start, self.end) if a.kind == kind]
+
+
+def executed_bubble(timelines: Sequence[ExecutedTimeline]) -> float:
+    """The bubble of one iteration from every rank's timeline, as
+    :attr:`~epas_megatron.parallel.pipeline_schedule.Simulation.bubble` defines it: the idle share
+    of the rank with the longest span."""
+    longest = max(timelines, key=lambda t: t.span)
+    return longest.bubble
+
+
+_RECORDING: Optional[list] = None
+"""Where runs append their :class:`ExecutedTimeline` (None: nothing is recorded)."""
+
+
+@contextlib.contextmanager
+def record_timelines() -> Iterator[list]:
+    """Record every :func:`run_pipeline_schedule` inside: yields the list each run appends this
+    rank's :class:`ExecutedTimeline` to (after the run's sends completed)."""
+    global _RECORDING
+    outer, _RECORDING = _RECORDING, []
+    try:
+        yield _RECORDING
+    finally:
+        _RECORDING = outer
+
+
+class _Recorder:
+    """Fills an :class:`ExecutedTimeline` during a run: marks are host times on the CPU, CUDA
+    events on a GPU (converted to seconds once the iteration is over)."""
+
+    def __init__(self, schedule: PipelineSchedule, rank: int, device: torch.device):
+        self.timeline = ExecutedTimeline(schedule.name, rank)
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+        self.origin = self.mark()
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def begin(self, action: Action) -> None:
+        self.timeline.actions.append(action)
+        self.marks.append(self.mark())
+
+    def end(self) -> None:
+        self.marks.append(self.mark())
+
+    def sent(self, tensor: torch.Tensor) -> None:
+        self.timeline.sent_messages += 1
+        self.timeline.sent_bytes += tensor.numel() * tensor.element_size()
+
+    def received(self, tensor: torch.Tensor) -> None:
+        self.timeline.received_messages += 1
+        self.timeline.received_bytes += tensor.numel() * tensor.element_size()
+
+    def finish(self) -> ExecutedTimeline:
+        if self.cuda:
+            torch.cuda.synchronize()
+            seconds = [self.origin.elapsed_time(event) / 1000.0 for event in self.marks]
+        else:
+            seconds = [mark - self.origin for mark in self.marks]
+        self.timeline.start, self.timeline.end = seconds[0::2], seconds[1::2]
+        return self.timeline
 
 
 def _message_tag(schedule: PipelineSchedule, kind: str, stage: int, microbatch: int) -> int:
@@ -56,7 +182,8 @@ def run_pipeline_schedule(schedule: PipelineSchedule, model_chunks: Sequence, da
                           forward_step_func, seq_length: int, micro_batch_size: int, forward_only: bool = False) -> list:
     """This rank's part of ``schedule`` on ``model_chunks`` (one per chunk of the placement),
     reading each chunk's micro-batches from ``data_iterators``. Returns what Megatron's schedules
-    return: the loss function's reported values, one per micro-batch, on the rank with the loss."""
+    return: the loss function's reported values, one per micro-batch, on the rank with the loss.
+    Inside :func:`record_timelines`, also appends this rank's :class:`ExecutedTimeline`."""
     config = model_chunks[0].config
     group = parallel_state.get_pipeline_model_parallel_group()
     rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -95,6 +222,7 @@ def run_pipeline_schedule(schedule: PipelineSchedule, model_chunks: Sequence, da
     def peer(action: Action) -> int:
         return dist.get_global_rank(group, action.peer)
 
+    recorder = _Recorder(schedule, rank, device) if _RECORDING is not None else None
     split = not forward_only and any(a.kind == "W" for a in actions)
     if split:  # the local linears defer their weight-gradient GEMMs to the W passes
         no_sync.enter_context(WEIGHT_GRAD_STORE.arming())
@@ -102,12 +230,17 @@ def run_pipeline_schedule(schedule: PipelineSchedule, model_chunks: Sequence, da
         for action in actions:
             key = (action.stage, action.microbatch)
             chunk = schedule.chunk_of(action.stage)
+            timed = recorder is not None and action.kind in COMPUTE_KINDS
+            if timed:
+                recorder.begin(action)
             if action.kind in ("RECV_F", "RECV_B"):
                 message = (action.kind[-1], action.stage, action.microbatch)
                 while message not in posted:  # post the peer's earlier messages first, in its order
                     early = incoming[action.peer].popleft()
                     buffer = torch.empty(shape, dtype=dtype, device=device)
                     posted[early] = (dist.irecv(buffer, src=peer(action), group=group, tag=_message_tag(schedule, *early)), buffer)
+                    if recorder is not None:
+                        recorder.received(buffer)
                 work, tensor = posted.pop(message)
                 work.wait()
                 received[message] = tensor.requires_grad_() if message[0] == "F" else tensor
@@ -117,8 +250,11 @@ def run_pipeline_schedule(schedule: PipelineSchedule, model_chunks: Sequence, da
                     tensor = outputs.pop(key) if forward_only else outputs[key]
                 else:
                     tensor = inputs.pop(key).grad
-                sends.append(dist.isend(tensor.detach().contiguous(), dst=peer(action), group=group,
+                payload = tensor.detach().contiguous()
+                sends.append(dist.isend(payload, dst=peer(action), group=group,
                                         tag=_message_tag(schedule, kind, action.stage, action.microbatch)))
+                if recorder is not None:
+                    recorder.sent(payload)
                 if kind == "F":  # as Megatron's schedules: only its grad_fn is needed now (the send holds the data)
                     megatron_schedules.deallocate_output_tensor(tensor, config.deallocate_pipeline_outputs)
             elif action.kind == "F":
@@ -156,8 +292,12 @@ def run_pipeline_schedule(schedule: PipelineSchedule, model_chunks: Sequence, da
                 WEIGHT_GRAD_STORE.run(key)
             else:
                 raise ValueError(f"{schedule.name}: the executor does not run {action.kind}")
+            if timed:
+                recorder.end()
         for work in sends:
             work.wait()
+    if recorder is not None:
+        _RECORDING.append(recorder.finish())
 
     if not forward_only and config.finalize_model_grads_func is not None:
         if config.calculate_per_token_loss:
