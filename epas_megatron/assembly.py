@@ -42,7 +42,7 @@ from epas_megatron.model.fusions import KernelAvailability, activation_kernels, 
 from epas_megatron.model.v_placement import even_v_stage_sizes
 from epas_megatron.parallel.memory_budget import MemoryLimit, memory_limit_for
 from epas_megatron.parallel.pipeline_schedule import V_SCHEDULES, PipelineSchedule, build_schedule
-from epas_megatron.parallel.stage_layouts import balanced_layout_noted
+from epas_megatron.parallel.stage_layouts import balanced_layout_noted, balanced_v_layout
 from epas_megatron.sharing.regions import parse_regions
 
 if TYPE_CHECKING:  # (its module imports Megatron's optimizer: seconds, which epas-plan never needs)
@@ -82,8 +82,18 @@ def plan_for_run(run: ResolvedRun, sharing_layers: Sequence[int] = ()) -> BuildP
         blocks=e.epas_blocks,
         deterministic=cfg.training.deterministic,
         random_ltd=random_ltd_settings(run),
-        v_stage_sizes=even_v_stage_sizes(m.num_layers, p.pp) if run.pipeline_schedule in V_SCHEDULES else None,
+        v_stage_sizes=v_stage_sizes_for_run(run),
     )
+
+
+def v_stage_sizes_for_run(run: ResolvedRun):
+    """Under a V pipeline schedule, the V stage sizes a run starts from (``--pipeline-layout
+    V:...``, or the even V split); None for Megatron's placements."""
+    if run.pipeline_schedule not in V_SCHEDULES:
+        return None
+    if run.v_layout is not None:
+        return run.v_layout.stage_sizes
+    return even_v_stage_sizes(run.cfg.model.num_layers, run.cfg.parallel.pp)
 
 
 def pipeline_schedule_for(run: ResolvedRun, num_microbatches: int) -> Optional[PipelineSchedule]:
@@ -99,9 +109,17 @@ def plan_after_switch(run: ResolvedRun, current: BuildPlan, sharing_layers: Sequ
     """The plan of the region ``sharing_layers`` that follows ``current`` (same settings): its
     pipeline layout rebalanced for that region when the run rebalances stages (from the FLOPs
     model, calibrated by a layer ``timer``, within a ``memory`` limit), ``current``'s otherwise;
-    and the memory budget's notice (None when the budget changed nothing)."""
+    and the memory budget's notice (None when the budget changed nothing).
+
+    Under V placement (``current.v_stage_sizes`` set) rebalancing chooses new V stage sizes
+    (:func:`~epas_megatron.parallel.stage_layouts.balanced_v_layout`); the memory limit is not
+    applied there (the memory model does not price V placement's per-rank in-flight
+    micro-batches yet)."""
     if not run.rebalance:
         return current.with_region(sharing_layers, current.layout), None
+    if current.v_stage_sizes is not None:
+        layout = balanced_v_layout(current, sharing_layers, timer=timer)
+        return replace(current.with_region(sharing_layers), v_stage_sizes=layout.stage_sizes), None
     layout, notice = balanced_layout_noted(current, sharing_layers, timer=timer, memory=memory)
     return current.with_region(sharing_layers, layout), notice
 

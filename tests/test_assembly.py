@@ -112,3 +112,30 @@ def test_meta_of_an_import():
     record = checkpoint_meta_for_import(cfg, None, "/hf").to_dict()
     assert record["imported_from"] == "/hf" and record["sharing_layers"] == [] and record["model"]["vocab_size"] == 300
     assert "parallel" not in record and record["config"]["model"]["vocab_size"] == 300
+
+
+def test_v_plans_of_a_run(tmp_path):
+    """Under a V schedule the plan carries V stage sizes: the even V split, a --pipeline-layout
+    V:... as given (then kept at a switch), or, rebalancing, the V balancer's split for the new
+    region at every switch (its search is tested against brute force in tests/parallel)."""
+    from epas_megatron.assembly import plan_after_switch
+    from epas_megatron.parallel.balancer import balance_v_region
+    from epas_megatron.parallel.stage_layouts import flops_layer_costs
+
+    v = ("--pp", "2", "--pipeline-schedule", "v-1f1b", "--num-layers", "6", "--epas-target-layers", "2", "--epas-interval", "2",
+         "--train-iters", "10", "--global-batch-size", "8")
+    fixed = _run(tmp_path, *v, "--pipeline-layout", "V:Ett|t|t|ttL")
+    plan = plan_for_run(fixed)
+    assert not fixed.rebalance and plan.v_stage_sizes == (2, 1, 1, 2) and plan.layout_string == "V:Ett|t|t|ttL"
+    after, _ = plan_after_switch(fixed, plan, (5,))
+    assert after.v_stage_sizes == (2, 1, 1, 2) and after.sharing_layers == (5,)
+
+    run = _run(tmp_path, *v, "--epas-rebalance", "on")
+    plan = plan_for_run(run)
+    assert plan.v_stage_sizes == (2, 2, 1, 1) and plan.layout is None and plan.vpp is None  # even until rebalanced
+    costs = flops_layer_costs(plan.arch, plan.seq_length, plan.share)
+    for sharing in [(), (5,), (4, 5)]:
+        after, notice = plan_after_switch(run, plan, sharing)
+        assert after.v_stage_sizes == balance_v_region(costs, 6, sharing, 2).stage_sizes and notice is None
+        assert after.sharing_layers == sharing and after.layout_string.startswith("V:E")
+    assert plan_after_switch(run, plan, (5,))[0].v_stage_sizes != plan.v_stage_sizes  # the layout does move

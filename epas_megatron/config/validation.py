@@ -34,7 +34,7 @@ from epas_megatron.sharing.schedule import SharingSchedule
 from epas_megatron.sharing.shape import RegionShape
 
 if TYPE_CHECKING:
-    from epas_megatron.parallel.layout import StageLayout
+    from epas_megatron.parallel.layout import StageLayout, VStageLayout
     from epas_megatron.random_ltd.schedule import RandomLTDSchedule
 
 _CHOICES = {
@@ -117,6 +117,9 @@ class ResolvedRun:
 
     pipeline_schedule: str = "1f1b"
     """The resolved ``--pipeline-schedule`` (see :mod:`epas_megatron.parallel.pipeline_schedule`)."""
+
+    v_layout: Optional["VStageLayout"] = None
+    """Under a V schedule, ``--pipeline-layout V:...`` parsed (None: the even V split, or not V)."""
 
     backend_reason: str = ""
     """Why that backend (:class:`~epas_megatron.model.fusions.BackendChoice`): printed at start-up."""
@@ -213,8 +216,11 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
     schedule, rebalance, warnings = _resolve_epas(cfg, m, t)
     check_moc_config(m.moc_topk, m.moc_groups, m.ffn_hidden_size, p.tp, layers.backend)
     pipeline_schedule = _resolve_pipeline_schedule(cfg, m, vpp, t.global_batch_size // (t.micro_batch_size * dp), layers.backend)
-    if pipeline_schedule in V_SCHEDULES:
-        rebalance = _v_rebalance(cfg)
+    v_layout = _resolve_v_layout(cfg, m, pipeline_schedule)
+    if pipeline_schedule in V_SCHEDULES and rebalance and cfg.epas.epas_memory_budget_gb is not None:
+        raise ConfigError(f"--epas-memory-budget-gb: stage rebalancing under --pipeline-schedule {pipeline_schedule} does not "
+                          "price memory yet (V placement's in-flight micro-batches per rank); drop the budget, or use "
+                          "--epas-rebalance off")
     random_ltd = _resolve_random_ltd(cfg, m, t, warnings, cuda)
     eval_regions = _resolve_eval_regions(t, schedule)
     _check_data(cfg)
@@ -239,6 +245,7 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
         schedule=schedule,
         rebalance=rebalance,
         pipeline_schedule=pipeline_schedule,
+        v_layout=v_layout,
         warnings=tuple(warnings),
         eval_regions=eval_regions,
         random_ltd=random_ltd,
@@ -278,8 +285,6 @@ def _resolve_pipeline_schedule(cfg: RunConfig, m, vpp: Optional[int], num_microb
                           "(Transformer Engine's delay_wgrad_compute is not wired yet); use --transformer-impl local "
                           "or --pipeline-schedule v-1f1b")
     refusals = [
-        (p.pipeline_layout is not None, "--pipeline-layout (Megatron's interleaved order; V placement splits the layers evenly "
-                                        "over its 2 x --pp stages itself)"),
         (not m.untie_embeddings_and_output_weights, "--no-untie-embeddings-and-output-weights (the embedding and the LM head "
                                                    "are two chunks of rank 0)"),
         (p.overlap_grad_reduce, "--overlap-grad-reduce (the executor reduces after the iteration)"),
@@ -293,12 +298,25 @@ def _resolve_pipeline_schedule(cfg: RunConfig, m, vpp: Optional[int], num_microb
     return name
 
 
-def _v_rebalance(cfg: RunConfig) -> bool:
-    """Stage rebalancing under V placement: not built yet (the layers stay evenly split)."""
-    if cfg.epas.epas_rebalance == "on":
-        raise ConfigError(f"--epas-rebalance on: stage rebalancing under --pipeline-schedule {cfg.parallel.pipeline_schedule} is not "
-                          "built yet; use --epas-rebalance off (or auto)")
-    return False
+def _is_v_layout(layout: Optional[str]) -> bool:
+    """``--pipeline-layout`` is a V layout (``V:...``, for a V pipeline schedule)."""
+    return layout is not None and layout.startswith("V:")
+
+
+def _resolve_v_layout(cfg: RunConfig, m, schedule: str) -> Optional["VStageLayout"]:
+    """``--pipeline-layout`` under a V schedule, parsed (None without one); a V layout is refused
+    under any other schedule, a Megatron layout under a V schedule."""
+    from epas_megatron.parallel.layout import VStageLayout
+
+    layout, pp = cfg.parallel.pipeline_layout, cfg.parallel.pp
+    if schedule not in V_SCHEDULES:
+        if _is_v_layout(layout):
+            raise ConfigError(f"--pipeline-layout {layout!r} places the layers in V order, which only a V schedule runs: "
+                              f"add --pipeline-schedule {' or '.join(V_SCHEDULES)}, or give a Megatron layout ('Ett|ttL')")
+        return None
+    if layout is None:
+        return None
+    return VStageLayout.from_layout_string(layout, pp, m.num_layers)
 
 
 def _resolve_parallel(p, m, world_size: int) -> tuple[int, Optional[int], Optional["StageLayout"]]:
@@ -319,7 +337,9 @@ def _resolve_parallel(p, m, world_size: int) -> tuple[int, Optional[int], Option
     vpp = p.vpp if p.vpp and p.vpp > 1 else 1
     if vpp > 1 and p.pp < 2:
         raise ConfigError("--vpp needs --pp >= 2 (interleaving splits each pipeline rank's layers)")
-    if p.pipeline_layout is None:
+    if _is_v_layout(p.pipeline_layout):
+        pass  # V placement's own layout: parsed with the schedule (_resolve_v_layout)
+    elif p.pipeline_layout is None:
         if m.num_layers % (p.pp * vpp):
             raise ConfigError(f"--num-layers {m.num_layers} cannot be split evenly over --pp {p.pp} x --vpp {vpp} = {p.pp * vpp} stages; "
                               "change --pp/--vpp or give --pipeline-layout")

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from epas_megatron.model.architecture import LlamaArchitecture
 from epas_megatron.model.fusions import PRECISIONS
+from epas_megatron.model.v_placement import v_layout_string
 from epas_megatron.sharing.schedule import LayerMode
 from epas_megatron.sharing.shape import RegionShape
 
@@ -239,5 +240,9 @@ class BuildPlan:
 
     @property
     def layout_string(self) -> Optional[str]:
-        """The layout in Megatron-Core's ``pipeline_model_parallel_layout`` syntax (or None)."""
+        """The layout in Megatron-Core's ``pipeline_model_parallel_layout`` syntax (None:
+        Megatron's even split); under V placement the V stages as ``"V:Ett|t|tt|tL"``
+        (:func:`~epas_megatron.model.v_placement.v_layout_string`)."""
+        if self.v_stage_sizes is not None:
+            return v_layout_string(self.v_stage_sizes)
         return None if self.layout is None else self.layout.to_layout_string()

@@ -20,6 +20,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from epas_megatron.assembly import v_stage_sizes_for_run
 from epas_megatron.config.cli import dump_yaml, to_dict
 from epas_megatron.config.validation import ResolvedRun
 from epas_megatron.errors import NonFiniteError
@@ -27,7 +28,6 @@ from epas_megatron.metrics.flops import Convention, ModelShape, layerwise_forwar
 from epas_megatron.metrics.logger import MetricsLogger
 from epas_megatron.model.build_plan import BuildPlan
 from epas_megatron.model.fusions import KernelAvailability, describe, fusion_off_reasons, fusion_settings
-from epas_megatron.model.v_placement import even_v_stage_sizes
 from epas_megatron.parallel.memory_budget import MemoryLimit
 from epas_megatron.parallel.pipeline_schedule import V_SCHEDULES
 from epas_megatron.parallel.stage_layouts import describe_schedule_layouts
@@ -49,9 +49,12 @@ def layers_description(run: ResolvedRun) -> str:
 
 def pipeline_note(run: ResolvedRun, dims: ParallelDims) -> str:
     """' (VPP v)' for the interleaved schedule, ' (v-1f1b, V placement: stages of L1|L2|...)' for a
-    V schedule (its layers per stage, in V order), '' otherwise."""
+    V schedule (its layers per stage, in V order; with stage rebalancing, that they are chosen
+    per region -- the layouts are listed with the EPAS schedule), '' otherwise."""
     if run.pipeline_schedule in V_SCHEDULES:
-        sizes = even_v_stage_sizes(run.cfg.model.num_layers, dims.pp)
+        if run.rebalance:
+            return f" ({run.pipeline_schedule}, V placement: {2 * dims.pp} stages, rebalanced for every region)"
+        sizes = v_stage_sizes_for_run(run)
         return f" ({run.pipeline_schedule}, V placement: {'|'.join(map(str, sizes))} layers per stage)"
     return f" (VPP {dims.vpp})" if dims.vpp else ""
 

@@ -217,7 +217,17 @@ def test_recompute_modules_need_selective_recompute_and_known_modules(isolated, 
     (["--pipeline-schedule", "v-1f1b"], "needs --pp >= 2"),
     (["--pp", "2", "--pipeline-schedule", "v-1f1b", "--vpp", "2"], "drop --vpp 2"),
     (["--pp", "2", "--pipeline-schedule", "v-1f1b", "--no-untie-embeddings-and-output-weights"], "--no-untie-embeddings"),
-    (["--pp", "2", "--pipeline-schedule", "v-1f1b", "--epas-rebalance", "on"], "use --epas-rebalance off"),
+    # A V layout (--pipeline-layout V:..., stages in V order) is parsed and checked (tiny: 4 layers)
+    (["--pp", "2", "--pipeline-schedule", "v-1f1b", "--pipeline-layout", "V:Et|t|ttL"], "has 3 stages; V placement over --pp 2"),
+    (["--pp", "2", "--pipeline-schedule", "v-1f1b", "--pipeline-layout", "V:Ett||t|tL"], "V stage 1 holds no decoder layer"),
+    (["--pp", "2", "--pipeline-schedule", "v-1f1b", "--pipeline-layout", "V:Ett|t|t|tL"], "holds 5 decoder layers, but --num-layers is 4"),
+    (["--pp", "2", "--pipeline-schedule", "v-1f1b", "--pipeline-layout", "V:t|Et|t|tL"], "expected 'E' opening the first stage"),
+    (["--pp", "2", "--pipeline-schedule", "v-1f1b", "--pipeline-layout", "V:Ex|t|t|tL"], "Invalid layer character: x"),
+    (["--pp", "2", "--pipeline-schedule", "v-1f1b", "--pipeline-layout", "Et|t|t|tL"], "takes a V layout, 'V:' and its 2 x --pp"),
+    (["--pp", "2", "--pipeline-layout", "V:Et|t|t|tL"], "only a V schedule runs"),
+    (["--pp", "2", "--pipeline-schedule", "v-1f1b", "--pipeline-layout", "V:Et|t|t|tL", "--epas-rebalance", "on"],
+     "--epas-rebalance on conflicts with a fixed --pipeline-layout"),
+    (["--pp", "2", "--pipeline-schedule", "v-half", "--epas-memory-budget-gb", "10"], "does not price memory yet"),
     (["--pp", "2", "--pipeline-schedule", "v-1f1b", "--global-batch-size", "2", "--micro-batch-size", "2"],
      "needs at least 2 micro-batches per iteration, got 1"),
     (["--pp", "2", "--pipeline-schedule", "interleaved"], "needs --vpp >= 2"),
@@ -227,6 +237,27 @@ def test_recompute_modules_need_selective_recompute_and_known_modules(isolated, 
 def test_pipeline_schedule_refusals(argv, match, isolated, capsys, monkeypatch):
     fails(["--global-batch-size", "8", "--micro-batch-size", "2", *argv], isolated, capsys, "--", world_size=2,
           monkeypatch=monkeypatch, match=match)
+
+
+def test_v_schedules_rebalance_and_take_a_v_layout(tmp_path, monkeypatch):
+    """Stage rebalancing under V placement: --epas-rebalance on and auto (the auto rule: --pp > 1
+    and no fixed --pipeline-layout) rebalance, off does not; a V layout is a fixed layout, its
+    stages (in V order) the run's, which auto then leaves alone."""
+    from epas_megatron.config.cli import parse_config
+    from epas_megatron.config.validation import resolve_run
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+    def resolved(*argv):
+        return resolve_run(parse_config([*TINY, "--pp", "2", "--pipeline-schedule", "v-1f1b", "--global-batch-size", "8",
+                                         "--output-dir", str(tmp_path / "out"), *argv]), world_size=2)
+
+    assert [resolved("--epas-rebalance", flag).rebalance for flag in ("on", "auto", "off")] == [True, True, False]
+    assert resolved().v_layout is None  # the even V split
+    # Six layers: stage 0 (rank 0) 2, stage 1 (rank 1) 1, stage 2 (rank 1) 1, stage 3 (rank 0) 2.
+    fixed = resolved("--num-layers", "6", "--pipeline-layout", "V:Ett|t|t|ttL")
+    assert fixed.v_layout.stage_sizes == (2, 1, 1, 2) and not fixed.rebalance and fixed.layout is None
+    assert resolved("--num-layers", "6", "--pipeline-layout", "V:Et*2|t|t|t*2L").v_layout == fixed.v_layout  # Megatron's t*n
 
 
 @pytest.mark.parametrize("name", ["v-half", "v-min"])

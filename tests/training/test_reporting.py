@@ -74,3 +74,21 @@ def test_peak_name(monkeypatch):
 def test_one_mode_per_layer(modes):
     with pytest.raises(ValueError, match="one mode and one token count per layer"):
         iteration_flops(SHAPE, modes, "qk", 1)
+
+
+def test_pipeline_note_names_the_v_stages(tmp_path):
+    """The start-up line under a V schedule: its stages' layers when fixed (even, or
+    --pipeline-layout V:...), that they are chosen per region when rebalanced."""
+    from epas_megatron.config.cli import parse_config
+    from epas_megatron.config.validation import resolve_run
+    from epas_megatron.runtime.distributed import ParallelDims
+    from epas_megatron.training.reporting import pipeline_note
+
+    def note(*flags):
+        cfg = parse_config(["--preset", "tiny", "--num-layers", "6", "--pp", "2", "--pipeline-schedule", "v-1f1b",
+                            "--global-batch-size", "8", "--output-dir", str(tmp_path / "run"), *flags])
+        return pipeline_note(resolve_run(cfg, world_size=2, cuda=False), ParallelDims(2, 0, 1, 2, 1, 2))
+
+    assert note("--epas-rebalance", "off") == " (v-1f1b, V placement: 2|2|1|1 layers per stage)"
+    assert note("--pipeline-layout", "V:Ett|t|t|ttL") == " (v-1f1b, V placement: 2|1|1|2 layers per stage)"
+    assert note() == " (v-1f1b, V placement: 4 stages, rebalanced for every region)"
