@@ -103,7 +103,16 @@ def build_parser(prog: str = "epas-train", description: str = "") -> argparse.Ar
     return parser
 
 
+RENAMED_KEYS: dict[str, tuple[str, Any]] = {"no_save_final": ("save_final", lambda value: not value)}
+"""Config keys of older configs and checkpoints -> (the key now, the value's conversion).
+(``no_save_final`` could not be negated on the command line: argparse reads ``--no-save-final``
+as the negation of ``--save-final``.)"""
+
+
 def _set(cfg: RunConfig, name: str, value: Any, table, source: str) -> None:
+    if name in RENAMED_KEYS:
+        name, convert = RENAMED_KEYS[name]
+        value = convert(value) if value is not None else value
     if name not in table:
         raise ConfigError(f"{source}: unknown config key {name!r}")
     section, f, scalar, is_list, _ = table[name]

@@ -293,8 +293,9 @@ class CheckpointConfig:
     keep_last: int = 2
     """Keep this many most recent checkpoints (0 keeps all)."""
 
-    no_save_final: bool = False
-    """Do not save a checkpoint at the end of training."""
+    save_final: bool = True
+    """Save a checkpoint at the end of training (--no-save-final: do not; a run stopped early by
+    a signal or an exit condition still saves)."""
 
     async_save: bool = False
     """Write checkpoints in the background while training continues (Megatron-Core's

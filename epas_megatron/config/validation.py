@@ -211,10 +211,10 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
     p = cfg.parallel
     dp, vpp, layout = _resolve_parallel(p, m, world_size)
     layers, precision, use_dist_opt = _resolve_devices(cfg, cuda)
+    check_moc_config(m.moc_topk, m.moc_groups, m.ffn_hidden_size, p.tp, layers.backend)
     t = _resolve_training(cfg, m, dp)
     m = replace(m, max_position_embeddings=m.max_position_embeddings or t.seq_length)
     schedule, rebalance, warnings = _resolve_epas(cfg, m, t)
-    check_moc_config(m.moc_topk, m.moc_groups, m.ffn_hidden_size, p.tp, layers.backend)
     pipeline_schedule = _resolve_pipeline_schedule(cfg, m, vpp, t.global_batch_size // (t.micro_batch_size * dp), layers.backend)
     v_layout = _resolve_v_layout(cfg, m, pipeline_schedule)
     if pipeline_schedule in V_SCHEDULES and rebalance and cfg.epas.epas_memory_budget_gb is not None:

@@ -282,7 +282,7 @@ class Trainer:
         self.exit_signal.drain()  # the all-reduce the last poll started (every rank reaches this line)
         stopped_early = self.iteration < t.train_iters
         self.checkpointer.finish()
-        if (stopped_early or not self.cfg.checkpoint.no_save_final) and self.checkpointer.latest_iteration() != self.iteration:
+        if (stopped_early or self.cfg.checkpoint.save_final) and self.checkpointer.latest_iteration() != self.iteration:
             self.checkpointer.checkpoint(self, self._train_seconds())
             self.checkpointer.finish()
         if stopped_early and exit_reason == "completed":

@@ -83,3 +83,17 @@ def test_random_ltd_resolves_into_its_schedule(tmp_path):
     assert off.random_ltd is None and off.warnings == ("--random-ltd-min-value has no effect without --random-ltd",)
     # YAML section of its own, like the flags
     assert "random_ltd" in to_dict(parse_config([*base, "--random-ltd"]))
+
+
+def test_no_save_final_negates_save_final_and_old_configs_read_the_same():
+    """``--no-save-final`` turns the final checkpoint off (it once named a field of its own, which
+    argparse's negation turned back off); older configs' ``no_save_final`` map onto ``save_final``."""
+    from epas_megatron.config.cli import from_dict, parse_config, to_dict
+
+    assert parse_config([]).checkpoint.save_final is True
+    assert parse_config(["--no-save-final"]).checkpoint.save_final is False
+    assert parse_config(["--save-final"]).checkpoint.save_final is True
+    old = to_dict(parse_config([]))
+    del old["checkpoint"]["save_final"]
+    old["checkpoint"]["no_save_final"] = True
+    assert from_dict(old).checkpoint.save_final is False
