@@ -334,7 +334,7 @@ class LoggingConfig:
 
 @dataclass
 class EpasConfig:
-    """EPAS: progressive QK sharing (see README, 'EPAS decisions')."""
+    """EPAS: progressive QK sharing (see docs/method.md)."""
 
     epas_target_layers: str = "0"
     """Deepest layers that will share Q/K at the end of the schedule: a count ('6') or a
@@ -424,7 +424,7 @@ class RandomLTDConfig:
     """Random-LTD (random layerwise token dropping, Yao et al. 2022; DeepSpeed Data Efficiency's
     schedule and names): in training, the chosen layers process a random subset of each
     sequence's tokens, the kept count growing linearly over training; composes with EPAS (see
-    README, 'Random-LTD')."""
+    docs/random-ltd.md)."""
 
     random_ltd: bool = False
     """Drop tokens in the --random-ltd-layers during training (evaluation keeps every token)."""

@@ -1,0 +1,148 @@
+"""The README and the pages under docs/: every relative link resolves (file and heading anchor),
+every epas command quoted in a ``bash`` block parses with that command's own argument parser
+(an unknown flag, subcommand or choice fails here), and the configuration reference is what the
+config dataclasses generate."""
+
+import argparse
+import importlib
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from epas_testing import REPO
+
+PAGES = [REPO / "README.md", REPO / "tests" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+COMMANDS = {  # the console scripts of pyproject.toml and the modules torchrun / python -m start
+    "epas-train": "epas_megatron.train", "epas-plan": "epas_megatron.plan", "epas-eval": "epas_megatron.evaluate",
+    "epas-bench": "epas_megatron.bench.cli", "epas-preprocess": "epas_megatron.data.preprocess",
+    "epas-convert": "epas_megatron.convert.cli", "epas-generate": "epas_megatron.generate",
+}
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    anchors, fence = set(), False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fence = not fence
+        elif not fence and line.startswith("#"):
+            anchors.add(_slug(line.lstrip("#")))
+    return anchors
+
+
+def _links(page: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    return re.findall(r"\]\(([^)\s]+)\)", text)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_links_resolve(page):
+    broken = []
+    for target in _links(page):
+        if re.match(r"[a-z]+:", target):  # http(s), mailto
+            continue
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
+            broken.append(f"{target}: no heading with that anchor")
+    assert not broken, broken
+
+
+def _quoted_commands(page: Path) -> list[tuple[str, list[str]]]:
+    """(module, argv) of every epas command line in the page's bash blocks."""
+    found = []
+    for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" # ")[0].split("  #")[0].strip()
+            for part in re.split(r"&&|\|\|?|;", line):
+                try:
+                    words = shlex.split(part)
+                except ValueError:
+                    continue
+                while words and re.match(r"^[A-Z_]+=", words[0]):  # VAR=value prefixes
+                    words.pop(0)
+                module, args = None, []
+                for i, word in enumerate(words):
+                    name = Path(word).name
+                    if name in COMMANDS:
+                        module, args = COMMANDS[name], words[i + 1:]
+                        break
+                    if word == "-m" and i + 1 < len(words) and words[i + 1].startswith("epas_megatron."):
+                        module, args = words[i + 1], words[i + 2:]
+                        if module.endswith(".cli") and module not in COMMANDS.values():
+                            module = None
+                        break
+                if module is not None:
+                    found.append((module, [a for a in args if a != "..." and "$" not in a]))
+    return found
+
+
+class _Parsed(BaseException):
+    """Raised right after a command's parser accepted its arguments: nothing more runs."""
+
+
+def test_the_docs_quote_commands():
+    assert sum(len(_quoted_commands(page)) for page in PAGES) >= 20
+
+
+def _parse_failures(commands, monkeypatch) -> list[str]:
+    """Each command's ``main`` run until its parser has accepted the arguments. A command that
+    reads its own flags with ``parse_known_args`` hands the rest to the training parser
+    (``epas-plan``): only a full ``parse_args`` ends the command."""
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_args(self, args=None, namespace=None):
+        original(self, args, namespace)
+        raise _Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
+    failures = []
+    for module, argv in commands:
+        main = importlib.import_module(module).main
+        try:
+            main(argv)
+        except _Parsed:
+            continue
+        except SystemExit as exit_:
+            failures.append(f"{module} {shlex.join(argv)}: exit {exit_.code}")
+        except Exception as error:  # noqa: BLE001 -- a parser's error (ConfigError) is the failure reported
+            failures.append(f"{module} {shlex.join(argv)}: {type(error).__name__}: {error}")
+        else:
+            failures.append(f"{module} {shlex.join(argv)}: returned without parsing its arguments")
+    return failures
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_quoted_command_parses(page, monkeypatch):
+    assert not (failures := _parse_failures(_quoted_commands(page), monkeypatch)), failures
+
+
+def test_the_check_catches_a_wrong_flag_a_wrong_subcommand_and_a_wrong_choice(tmp_path, monkeypatch):
+    page = tmp_path / "page.md"
+    page.write_text("```bash\n.venv/bin/epas-train --preset tiny --moc-topk-typo 0.2\n"
+                    "OMP_NUM_THREADS=2 .venv/bin/epas-bench trian --preset small\n"
+                    "torchrun --nproc-per-node 2 -m epas_megatron.train --preset huge\n"
+                    "epas-eval --load CKPT --regions 0,max   # fine\n```\n")
+    commands = _quoted_commands(page)
+    assert [m for m, _ in commands] == ["epas_megatron.train", "epas_megatron.bench.cli", "epas_megatron.train", "epas_megatron.evaluate"]
+    failures = _parse_failures(commands, monkeypatch)
+    assert len(failures) == 3 and all(not f.startswith("epas_megatron.evaluate") for f in failures), failures
+
+
+def test_the_configuration_reference_is_generated():
+    from epas_megatron.config.reference import config_reference_markdown
+
+    page = REPO / "docs" / "configuration-reference.md"
+    assert page.read_text() == config_reference_markdown(), (
+        "docs/configuration-reference.md is out of date: .venv/bin/python -m epas_megatron.config.reference "
+        "> docs/configuration-reference.md")
