@@ -46,8 +46,9 @@ attention core (its backward has no weights), ``W`` = GEMMs (weight gradients) -
 ``W ~ B`` for the GEMM share; a message costs its bytes at
 :data:`~epas_megatron.parallel.cost_model.P2P_FLOPS_PER_BYTE`. Memory:
 :func:`~epas_megatron.metrics.memory_model.rank_memory_bytes` with the simulation's in-flight peak
-per rank (bf16, GPU kernels, no sharing). The LM head, the embedding and the optimizer step are
-left out of the time model (the simulation prices every rank alike).
+per rank (bf16, GPU kernels, no sharing; the largest activations and the largest total over the
+ranks). The LM head, the embedding and the optimizer step are left out of the time model (the
+simulation prices every rank alike).
 
 Last line: ``BENCH {json}``.
 """
@@ -450,11 +451,10 @@ def predicted_rows(preset: str = "7b", pps: Sequence[int] = (4, 8), microbatches
             else:
                 memory = [rank_memory_bytes(layer, [["compute"] * (pre.num_layers // p)], r, p, 1, settings,
                                             in_flight=sim.peak_in_flight[r]) for r in range(p)]
-            busiest = max(range(p), key=lambda r: memory[r]["total"])
             rows.append({"preset": preset, "p": p, "m": m, "schedule": name, "bubble": sim.bubble,
-                         "time_vs_1f1b": sim.makespan / base_time,
-                         "peak_in_flight": max(sim.peak_in_flight), "busiest_rank": busiest,
-                         "activations_gib": memory[busiest]["activations"] / GIB, "total_gib": memory[busiest]["total"] / GIB,
+                         "time_vs_1f1b": sim.makespan / base_time, "peak_in_flight": max(sim.peak_in_flight),
+                         "activations_gib": max(r["activations"] for r in memory) / GIB,
+                         "total_gib": max(r["total"] for r in memory) / GIB,
                          "activations_gib_per_rank": [r["activations"] / GIB for r in memory],
                          "p2p_gib_per_rank": [n * message / GIB for n in sent_messages_per_rank(schedule)]})
     return rows
@@ -466,9 +466,9 @@ def predicted_gpu_table(log=print, **kwargs) -> list[dict]:
     log("PREDICTED, not measured: 7b (32 layers, h 4096, seq 2048, micro-batch 1, bf16, no sharing), m = 4p micro-batches; "
         "time from the schedule simulation with FLOP pass costs (W = the GEMMs' weight gradients, B = their input "
         "gradients + the attention core's backward) and p2p at the cost model's FLOPs per byte; memory from the memory "
-        "model with the simulation's in-flight peak per rank (busiest rank shown)")
+        "model with the simulation's in-flight peak per rank (the largest over the ranks shown)")
     log("| p | m | schedule | bubble (sim) | iteration time vs 1f1b (sim) | peak in-flight (micro-batches) | activations GiB "
-        "(busiest rank) | total GiB (busiest rank) | p2p GiB sent per rank per iteration |")
+        "(max rank) | total GiB (max rank) | p2p GiB sent per rank per iteration |")
     log("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         log(f"| {row['p']} | {row['m']} | {row['schedule']} | {row['bubble']:.3f} | {row['time_vs_1f1b']:.3f} "
