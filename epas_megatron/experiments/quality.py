@@ -45,6 +45,16 @@ or torchrun with ``--nproc``) whose outputs the report reads back:
    their source's over the N iterations before each switch) against plain EPAS and the
    baseline, reported as the re-warm (the second remedy for the jump at a switch; neither is in
    the paper).
+9. **Mixture-of-Channels** (``--parts`` ``moc``, not in the default set), for every seed: the
+   baseline and the EPAS run each trained again with ``--moc-topk`` :attr:`QualityScale.moc_topk`
+   (0.2: the paper's K of about 20% of the SwiGLU channels; the default ``--moc-groups``) -- arms
+   ``scratch_moc`` and ``scratch_epas_moc``, sharing the baseline and EPAS arms of the seed.
+   Reported: the four final validation losses, MoC against the baseline and EPAS + MoC against
+   EPAS as loss differences and perplexity changes (``exp(difference) - 1``) beside the paper's
+   (C4 perplexity +1.0% to +1.4% at 60M-350M; Wu et al., "Mixture-of-Channels", arXiv
+   2511.09323), their means against the baseline's seed spread, and the runs' training time and
+   tokens/s (MoC's GEMMs stay dense, so no speed-up is expected; its saving, the activation
+   memory kept for backward, is not measured here).
 
 Every arm writes ``<output-dir>/<arm>/`` (``arm.json`` with its training flags, the run
 directory, ``train.log``, ``summary.json`` once it finished); an arm whose ``summary.json`` exists
@@ -60,6 +70,7 @@ the exact commands), ``quality.json`` (every number), ``loss_vs_tokens.png``,
     epas-bench quality                                   # CPU: ~40 minutes on 2 cores
     epas-bench quality --scale 125m --nproc 8            # 8 GPUs
     epas-bench quality --parts fixed,rewarm,blocks       # three ablations (shares baseline and EPAS runs)
+    epas-bench quality --parts moc --seeds 1234,1235,1236  # Mixture-of-Channels on the baseline and on EPAS
     epas-bench quality --scale tinyllama --nproc 8 --base-checkpoint ckpts/tinyllama \\
         --data data/slimpajama_text_document --tokenizer-model ckpts/tinyllama/tokenizer.model
 """
@@ -153,6 +164,10 @@ class QualityScale:
     """``--parts blocks``: the ``--epas-blocks`` of its EPAS runs (the same target region and
     schedule as plain EPAS, split into that many blocks)."""
 
+    moc_topk: float = 0.2
+    """``--parts moc``: the ``--moc-topk`` of its runs (the kept fraction of the SwiGLU channels;
+    the paper's K of about 20%), with the default ``--moc-groups``."""
+
     @property
     def switch_rewarm(self) -> int:
         """The re-warm iterations of the ``rewarm`` arms (:attr:`rewarm_steps` resolved)."""
@@ -200,7 +215,7 @@ SCALES: dict[str, QualityScale] = {
 """Recipe sizes (``--scale``)."""
 
 
-PARTS = ("scratch", "continual", "ablation", "random_ltd", "fixed", "rewarm", "blocks", "ramp")
+PARTS = ("scratch", "continual", "ablation", "random_ltd", "fixed", "rewarm", "blocks", "ramp", "moc")
 """Every experiment ``--parts`` can name, in the order of the module doc."""
 
 DEFAULT_PARTS = ("scratch", "continual", "ablation")
@@ -262,7 +277,7 @@ def plan_arms(scale: QualityScale, out: Path, base_checkpoint: Optional[str] = N
                     ArmSpec("scratch_epas_random_ltd", [*common, *epas, "--random-ltd"])):
             if arm.name not in planned:
                 arms.append(arm)
-    if not scale.continual_only and {"fixed", "blocks", *(remedy.name for remedy in REMEDIES)} & set(parts):
+    if not scale.continual_only and {"fixed", "blocks", "moc", *(remedy.name for remedy in REMEDIES)} & set(parts):
         planned = {arm.name for arm in arms}
         for number, seed in enumerate(scale.seeds):
             suffix = "" if number == 0 else f"_seed{seed}"
@@ -278,6 +293,10 @@ def plan_arms(scale: QualityScale, out: Path, base_checkpoint: Optional[str] = N
                 if remedy.name in parts:
                     candidates.append(ArmSpec(f"scratch_{remedy.name}{suffix}",
                                               [*common, *epas, remedy.flag, str(scale.remedy_steps(remedy.name))]))
+            if "moc" in parts:  # Mixture-of-Channels on the baseline and on plain EPAS: one flag more each
+                moc = ["--moc-topk", f"{scale.moc_topk:g}"]
+                candidates += [ArmSpec(f"scratch_moc{suffix}", [*common, "--epas-target-layers", "0", *moc]),
+                               ArmSpec(f"scratch_epas_moc{suffix}", [*common, *epas, *moc])]
             for arm in candidates:
                 if arm.name not in planned:
                     arms.append(arm)
@@ -579,6 +598,17 @@ class QualityRecipe:
                                str(self.out / f"{name}_loss_vs_tokens.png"), str(self.out / f"{name}_loss_vs_time.png"),
                                scale.seq_length * scale.global_batch_size)
             plots += [f"{name}_loss_vs_tokens.png", f"{name}_loss_vs_time.png"]
+        if "moc" in self.parts and not scale.continual_only:
+            per_seed = [{"seed": seed, **report.moc_comparison(*(arm(f"scratch_{key}{suffix}") for key, _ in report.MOC_ARMS))}
+                        for seed, suffix in self._seed_suffixes()]
+            numbers["moc"] = per_seed
+            numbers["moc_summary"] = {"topk": scale.moc_topk, **report.moc_summary(per_seed)}
+            sections.append(f"### Mixture-of-Channels (--moc-topk {scale.moc_topk:g}) on the baseline and on EPAS\n\n"
+                            f"{report.moc_table(per_seed)}\n\n{report.moc_speed_table(per_seed, numbers['moc_summary'])}\n\n"
+                            + report.moc_summary_text(numbers["moc_summary"], scale.moc_topk))
+            report.plot_curves([arm(f"scratch_{key}") for key, _ in report.MOC_ARMS], str(self.out / "moc_loss_vs_tokens.png"),
+                               str(self.out / "moc_loss_vs_time.png"), scale.seq_length * scale.global_batch_size)
+            plots += ["moc_loss_vs_tokens.png", "moc_loss_vs_time.png"]
         if "continual" in self.parts:
             comparison = report.continual_comparison(self.evaluate_regions("continual_epas", scale.continual_region),
                                                      self.evaluate_regions("continual_baseline", scale.continual_region))

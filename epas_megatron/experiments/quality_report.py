@@ -25,6 +25,9 @@ Definitions (the README states them with the measured tables):
   jump *against the baseline* subtracts the baseline's change between the same two iterations.
 * **Seed spread**: the largest minus the smallest final validation loss of one method over the
   seeds; a difference smaller than it cannot be told apart from seed noise.
+* **Perplexity change** (``--parts moc``): two runs whose final validation losses differ by
+  ``d`` have perplexities in the ratio ``exp(d)``; the change is ``exp(d) - 1`` (the paper reports
+  perplexities), over seeds ``exp(mean d) - 1``.
 """
 
 from __future__ import annotations
@@ -583,4 +586,134 @@ def remedy_summary_text(summary: dict, remedy: SwitchRemedy, steps: int) -> str:
         text += f" The {short}'s mean gap is {inside} the baseline's seed spread ({summary['baseline_seed_spread']:.4f})."
     reached = sum(summary[f"{n}_reaches_target"])
     text += f" It reaches the baseline's final loss in {reached} of {len(summary['seeds'])} seed(s)."
+    return text
+
+
+PAPER_MOC_PERPLEXITY = {"60M": (28.71, 29.11), "130M": (21.47, 21.76), "350M": (16.02, 16.18)}
+"""The paper's C4 validation perplexity, dense and Mixture-of-Channels at K = 20% of the SwiGLU
+channels, per LLaMA model size (Wu et al., "Mixture-of-Channels", arXiv 2511.09323)."""
+
+PAPER_MOC_PERPLEXITY_CHANGE = {size: moc / dense - 1 for size, (dense, moc) in PAPER_MOC_PERPLEXITY.items()}
+"""What MoC costs in the paper, per model size: perplexity ratio minus 1 (+1.0% to +1.4%)."""
+
+MOC_ARMS = (("baseline", "baseline"), ("moc", "MoC"), ("epas", "EPAS"), ("epas_moc", "EPAS + MoC"))
+"""Key prefix and table label of the four arms of ``--parts moc``, in table order."""
+
+
+def perplexity_change(loss_difference: float) -> float:
+    """The perplexity ratio minus 1 of two runs whose (mean per-token) losses differ by
+    ``loss_difference``: ``exp(difference) - 1``."""
+    return math.exp(loss_difference) - 1
+
+
+def moc_comparison(baseline: ArmResult, moc: ArmResult, epas: ArmResult, epas_moc: ArmResult) -> dict:
+    """Mixture-of-Channels on the baseline and on EPAS (one seed): the four final validation
+    losses, MoC minus the baseline and EPAS + MoC minus EPAS (and minus the baseline), each as a
+    loss difference and a perplexity change; training time and tokens/s of each run, MoC's over
+    the run it adds to."""
+    arms = {"baseline": baseline, "moc": moc, "epas": epas, "epas_moc": epas_moc}
+    result: dict = {f"{key}_final_valid_loss": arm.final_valid_loss for key, arm in arms.items()}
+    for name, (variant, reference) in {"moc_minus_baseline": ("moc", "baseline"), "epas_moc_minus_epas": ("epas_moc", "epas"),
+                                       "epas_moc_minus_baseline": ("epas_moc", "baseline")}.items():
+        difference = arms[variant].final_valid_loss - arms[reference].final_valid_loss
+        result[name] = difference
+        result[name.replace("minus", "perplexity_change_vs")] = perplexity_change(difference)
+    for key, arm in arms.items():
+        result[f"{key}_train_time_s"] = arm.train_time_s
+        result[f"{key}_tokens_per_s"] = arm.tokens_per_s
+    for variant, reference in (("moc", "baseline"), ("epas_moc", "epas")):
+        result[f"{variant}_train_time_ratio"] = _ratio(arms[variant].train_time_s, arms[reference].train_time_s)
+        result[f"{variant}_tokens_per_s_ratio"] = _ratio(arms[variant].tokens_per_s, arms[reference].tokens_per_s)
+    return result
+
+
+def moc_summary(per_seed: Sequence[dict]) -> dict:
+    """:func:`moc_comparison` over seeds: the mean loss differences and their perplexity changes
+    (``exp(mean difference) - 1``: the geometric mean of the perplexity ratios, minus 1) beside the
+    paper's, against the baseline's seed spread; mean time and throughput ratios."""
+    mean = lambda key: _mean([r[key] for r in per_seed])
+    result: dict = {"seeds": [r["seed"] for r in per_seed]}
+    for name in ("moc_minus_baseline", "epas_moc_minus_epas", "epas_moc_minus_baseline"):
+        result[name] = [r[name] for r in per_seed]
+        result[f"mean_{name}"] = mean(name)
+        result[f"mean_{name.replace('minus', 'perplexity_change_vs')}"] = perplexity_change(result[f"mean_{name}"])
+    for key, _ in MOC_ARMS:
+        result[f"{key}_seed_spread"] = _spread([r[f"{key}_final_valid_loss"] for r in per_seed])
+        result[f"mean_{key}_train_time_s"] = mean(f"{key}_train_time_s")
+        result[f"mean_{key}_tokens_per_s"] = mean(f"{key}_tokens_per_s")
+    spread = result["baseline_seed_spread"]
+    result["baseline_seed_spread_perplexity"] = None if spread is None else perplexity_change(spread)
+    for name in ("moc_minus_baseline", "epas_moc_minus_epas"):
+        result[f"{name}_exceeds_baseline_spread"] = None if spread is None else abs(result[f"mean_{name}"]) > spread
+    for variant in ("moc", "epas_moc"):
+        result[f"mean_{variant}_train_time_ratio"] = mean(f"{variant}_train_time_ratio")
+        result[f"mean_{variant}_tokens_per_s_ratio"] = mean(f"{variant}_tokens_per_s_ratio")
+    result["paper_perplexity_change"] = dict(PAPER_MOC_PERPLEXITY_CHANGE)
+    result["within_paper_cost"] = result["mean_moc_perplexity_change_vs_baseline"] <= max(PAPER_MOC_PERPLEXITY_CHANGE.values())
+    return result
+
+
+def _percent(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{100 * value:+.2f}%"
+
+
+def moc_table(per_seed: Sequence[dict]) -> str:
+    """Markdown: per seed the four final validation losses; MoC against the baseline and EPAS + MoC
+    against EPAS as loss difference (perplexity change)."""
+    lines = ["| seed | baseline | MoC (vs baseline: loss, perplexity) | EPAS | EPAS + MoC (vs EPAS: loss, perplexity) |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['seed']} | {r['baseline_final_valid_loss']:.4f} | {r['moc_final_valid_loss']:.4f} "
+              f"({r['moc_minus_baseline']:+.4f}, {_percent(r['moc_perplexity_change_vs_baseline'])}) | "
+              f"{r['epas_final_valid_loss']:.4f} | {r['epas_moc_final_valid_loss']:.4f} ({r['epas_moc_minus_epas']:+.4f}, "
+              f"{_percent(r['epas_moc_perplexity_change_vs_epas'])}) |" for r in per_seed]
+    return "\n".join(lines)
+
+
+def moc_speed_table(per_seed: Sequence[dict], summary: dict) -> str:
+    """Markdown: per arm the training time of each seed and the means of training time and tokens/s;
+    MoC's ratios over the run it adds to (MoC over the baseline, EPAS + MoC over EPAS)."""
+    seeds = " / ".join(str(s) for s in summary["seeds"])
+    lines = [f"| arm | training time (seeds {seeds}) | mean training time | mean tokens/s | time, tokens/s vs the run without MoC |",
+             "|---|---|---|---|---|"]
+    for key, label in MOC_ARMS:
+        times = " / ".join(f"{r[f'{key}_train_time_s']:.1f} s" for r in per_seed)
+        versus = ""
+        if key in ("moc", "epas_moc"):
+            versus = (f"{_num(summary[f'mean_{key}_train_time_ratio'], '.3f')}x, "
+                      f"{_num(summary[f'mean_{key}_tokens_per_s_ratio'], '.3f')}x")
+        lines.append(f"| {label} | {times} | {_time(summary[f'mean_{key}_train_time_s'])} | "
+                     f"{_num(summary[f'mean_{key}_tokens_per_s'], '.0f')} | " + (f"{versus} |" if versus else "|"))
+    return "\n".join(lines)
+
+
+def moc_summary_text(summary: dict, topk: float) -> str:
+    """One paragraph: what is measured, MoC's cost beside the paper's and the seed noise, and the
+    timing (no speed-up expected: the GEMMs stay dense)."""
+    paper = ", ".join(f"{_percent(change)} at {size}" for size, change in summary["paper_perplexity_change"].items())
+    per_seed = lambda name: ", ".join(f"{d:+.4f} (seed {s})" for d, s in zip(summary[name], summary["seeds"]))
+    text = (f"Measured: the final validation loss (the last evaluation of each run) of the baseline and of EPAS, each "
+            f"trained again with Mixture-of-Channels (--moc-topk {topk:g}: per token the top {100 * topk:g}% of the "
+            "gate channels in each group), same seed, data, tokens and learning-rate schedule; a perplexity change is "
+            "exp(loss difference) - 1. MoC minus baseline: "
+            f"{per_seed('moc_minus_baseline')}; mean {summary['mean_moc_minus_baseline']:+.4f}, perplexity "
+            f"{_percent(summary['mean_moc_perplexity_change_vs_baseline'])}. The paper (C4 perplexity, dense to MoC at "
+            f"K = 20%): {paper}; MoC's mean cost here is "
+            + ("no larger than the paper's largest." if summary["within_paper_cost"] else "LARGER than the paper's largest.")
+            + f" EPAS + MoC minus EPAS: {per_seed('epas_moc_minus_epas')}; mean {summary['mean_epas_moc_minus_epas']:+.4f}, "
+            f"perplexity {_percent(summary['mean_epas_moc_perplexity_change_vs_epas'])} (EPAS + MoC minus the baseline: mean "
+            f"{summary['mean_epas_moc_minus_baseline']:+.4f}, {_percent(summary['mean_epas_moc_perplexity_change_vs_baseline'])}).")
+    spread = summary["baseline_seed_spread"]
+    if spread is None:
+        text += " One seed: no spread to compare with."
+    else:
+        verdict = lambda name: "larger than" if summary[f"{name}_exceeds_baseline_spread"] else "within"
+        text += (f" The baseline's seed spread of the final loss is {spread:.4f} (perplexity "
+                 f"{_percent(summary['baseline_seed_spread_perplexity'])}; EPAS {summary['epas_seed_spread']:.4f}): MoC's "
+                 f"mean difference is {verdict('moc_minus_baseline')} it, EPAS + MoC's against EPAS "
+                 f"{verdict('epas_moc_minus_epas')} it.")
+    text += (f" Timing (training steps only, from the same runs): MoC over the baseline {_num(summary['mean_moc_train_time_ratio'], '.3f')}x "
+             f"the training time and {_num(summary['mean_moc_tokens_per_s_ratio'], '.3f')}x the tokens/s, EPAS + MoC over EPAS "
+             f"{_num(summary['mean_epas_moc_train_time_ratio'], '.3f')}x and {_num(summary['mean_epas_moc_tokens_per_s_ratio'], '.3f')}x. "
+             "MoC's GEMMs stay dense (as in the paper), and the Top-K selection and the scatter come on top, so no speed-up "
+             "is expected; what MoC saves is the activation memory kept for backward, which this recipe does not measure.")
     return text

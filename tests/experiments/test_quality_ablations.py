@@ -99,14 +99,14 @@ def test_the_planned_ramp_arms_pass_the_trainers_checks(tmp_path, scale, steps, 
 
 def test_an_unknown_part_names_the_new_ones(capsys):
     assert main(["quality", "--dry-run", "--parts", "scratch,speed"]) == 2
-    assert "choose among scratch, continual, ablation, random_ltd, fixed, rewarm, blocks, ramp" in capsys.readouterr().err
+    assert "choose among scratch, continual, ablation, random_ltd, fixed, rewarm, blocks, ramp, moc" in capsys.readouterr().err
 
 
 def test_the_parts_help_lists_ramp(capsys):
     with pytest.raises(SystemExit):
         main(["quality", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "experiments to run (comma-separated): scratch, continual, ablation, random_ltd, fixed, rewarm, blocks, ramp" in help_text
+    assert "experiments to run (comma-separated): scratch, continual, ablation, random_ltd, fixed, rewarm, blocks, ramp, moc" in help_text
 
 
 # Synthetic runs: evaluations at iterations 25, 50, 75, 100 (training seconds 10/20/30/40 for the
