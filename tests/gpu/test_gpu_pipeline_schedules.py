@@ -62,3 +62,24 @@ def test_v_schedules_over_nccl_equal_megatrons_1f1b(schedule, tmp_path):
     assert [s["sharing_layers"] for s in run.switches] == [[3], [2, 3]]
     assert_close(run.losses, reference.losses, 1e-5, f"{schedule} loss")
     assert_close(run.grad_norms, reference.grad_norms, 1e-5, f"{schedule} grad norm")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="the schedule benchmark at p = 4 needs 4 GPUs")
+def test_schedule_benchmark_on_four_gpus():
+    """What only GPUs show: seconds per iteration and the executed bubble of each schedule with
+    the doubled p2p traffic of V placement over NVLink/NCCL (printed for the ledger; the speed is
+    not asserted), with every schedule's losses equal and V's p2p bytes twice 1F1B's."""
+    import json
+    import subprocess
+    import sys
+
+    from epas_testing import REPO, json_lines
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m", "epas_megatron.bench.cli",
+           "pipeline", "--schedule", "1f1b", "v-1f1b", "v-half", "v-min", "--preset", "small", "--region", "4",
+           "--num-microbatches", "16", "--iters", "10"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (record,) = json_lines(proc.stdout, "BENCH")
+    print(json.dumps(record, indent=1))
+    assert record["losses_agree"], record["max_loss_difference"]
