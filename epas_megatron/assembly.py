@@ -260,12 +260,15 @@ def plan_for_checkpoint(meta: CheckpointMeta, region: Optional[int] = None, *, f
 
 # ---------------------------------------------------------------------------- a preset
 def plan_for_preset(preset: str, sharing_layers: Sequence[int] = (), *, seq_length: int, max_length: Optional[int] = None,
-                    precision: str = "auto", cuda: Optional[bool] = None, tie_embeddings: bool = False, **settings) -> BuildPlan:
+                    precision: str = "auto", cuda: Optional[bool] = None, tie_embeddings: bool = False,
+                    moc: Optional[tuple[float, int]] = None, **settings) -> BuildPlan:
     """A benchmark's plan: ``preset``'s architecture (:func:`~epas_megatron.model.architecture.architecture_from_preset`)
     with room for ``max_length`` tokens (default ``seq_length``), sequences of ``seq_length``,
     ``sharing_layers`` sharing, in ``precision`` ('auto': bf16 on a GPU, fp32 on CPU), the LM head
-    tied to the embedding with ``tie_embeddings``; ``settings``: any other :class:`BuildPlan`
-    field (tp, pp, layout, share, ...)."""
+    tied to the embedding with ``tie_embeddings``, Mixture-of-Channels MLPs with ``moc`` =
+    ``(topk, groups)``; ``settings``: any other :class:`BuildPlan` field (tp, pp, layout, share, ...)."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     arch = replace(architecture_from_preset(get_preset(preset), max_length or seq_length), tie_embeddings=tie_embeddings)
+    if moc is not None:
+        arch = replace(arch, moc_topk=moc[0], moc_groups=moc[1])
     return BuildPlan.for_region(arch, sharing_layers, seq_length=seq_length, precision=choose_precision(precision, cuda), **settings)

@@ -66,10 +66,17 @@ class BenchConfig:
     """Attention kernel of local layers ('sdpa' or 'unfused')."""
 
     methods: tuple[str, ...] = ("epas",)
-    """Variants timed against the baseline (``epas-bench train``): 'epas', 'random-ltd', 'both'."""
+    """Variants timed against the baseline (``epas-bench train``): 'epas', 'random-ltd', 'both',
+    'moc', 'epas-moc'."""
 
     kept_tokens: Optional[int] = None
     """Tokens Random-LTD layers keep (``random-ltd`` and ``both``); default half the sequence."""
+
+    moc_topk: float = 0.2
+    """Mixture-of-Channels kept fraction (``moc`` and ``epas-moc``; the paper's K)."""
+
+    moc_groups: int = 8
+    """Mixture-of-Channels channel groups."""
 
     seed: int = 1234
     """Initialisation seed (every variant gets the same weights)."""

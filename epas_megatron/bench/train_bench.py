@@ -1,9 +1,11 @@
-"""``epas-bench train``: training throughput of EPAS (and Random-LTD, and both) against the
-baseline, measured in one run.
+"""``epas-bench train``: training throughput of EPAS (and Random-LTD, and both; and
+Mixture-of-Channels MLPs, alone and with EPAS) against the baseline, measured in one run.
 
 The models -- the baseline (region 0) and each ``--method``: ``epas`` (the deepest ``--region``
 layers sharing from the start), ``random-ltd`` (the middle layers keep ``--kept-tokens`` of each
-sequence) and ``both`` (the two together; the region's source projects Q/K/V for every token) -- are built in
+sequence), ``both`` (the two together; the region's source projects Q/K/V for every token), ``moc``
+(Mixture-of-Channels MLPs keeping ``--moc-topk`` of the SwiGLU channels) and ``epas-moc`` (EPAS
+with them) -- are built in
 the same process group from the same seed (so they hold the same weights), on synthetic tokens
 (no data loading in the timing). Timed blocks alternate between
 them (A B, B A, ...) after warm-up steps, and each model's throughput is the median over its
@@ -12,7 +14,9 @@ blocks, because timing on shared machines drifts by several percent between bloc
 Reported: tokens/s of each (input tokens: every token still gets a loss under Random-LTD), the
 measured ratio (method / baseline), the FLOP-limit ratio (baseline training FLOPs / the method's,
 from the layerwise FLOPs model: the speed-up if time were purely proportional to FLOPs), and
-measured / limit. The FLOP convention follows the backend: local attention computes
+measured / limit. Mixture-of-Channels keeps its GEMMs dense in training (as the paper trains):
+its FLOPs are the dense MLP's, so its FLOP limit is 1 and the ratio is what the Top-K, gathers
+and scatters cost (on a GPU, with a sparse kernel, the paper reports 0.935-0.971x). The FLOP convention follows the backend: local attention computes
 the full score matrix (no causal halving), Transformer Engine's fused kernels skip the masked half.
 Last line: ``BENCH {json}``.
 """
@@ -44,10 +48,12 @@ def run_train_bench(cfg: BenchConfig, log=print) -> dict:
     backend = default_backend()
     kept = cfg.kept_tokens or cfg.seq_length // 2
     ltd = RandomLTDSettings(default_layers(arch.num_layers), seed=cfg.seed)
-    variants = {"baseline": ((), None), "epas": (sharing, None), "random-ltd": ((), ltd), "both": (sharing, ltd)}
+    variants = {"baseline": ((), None), "epas": (sharing, None), "random-ltd": ((), ltd), "both": (sharing, ltd),
+                "moc": ((), None), "epas-moc": (sharing, None)}
+    moc = (cfg.moc_topk, cfg.moc_groups)
     states = {name: bench_variant(plan_for_preset(cfg.preset, variants[name][0], seq_length=cfg.seq_length, tp=cfg.tp, pp=cfg.pp,
                                                   share=cfg.share, backend=backend, core_attention=cfg.core_attention,
-                                                  random_ltd=variants[name][1]),
+                                                  random_ltd=variants[name][1], moc=moc if "moc" in name else None),
                                   micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches, seed=cfg.seed,
                                   kept_tokens=kept)
               for name in ("baseline", *cfg.methods)}
@@ -56,7 +62,9 @@ def run_train_bench(cfg: BenchConfig, log=print) -> dict:
     log(f"bench: {cfg.preset} ({arch.num_layers} layers, h {arch.hidden_size}), methods {', '.join(cfg.methods)}: region {cfg.region} "
         f"{list(sharing)}"
         f"{f', Random-LTD layers {ltd.layers[0]}-{ltd.layers[-1]} keep {kept} of {cfg.seq_length} tokens'
-           if set(cfg.methods) & {'random-ltd', 'both'} else ''}, "
+           if set(cfg.methods) & {'random-ltd', 'both'} else ''}"
+        f"{f', Mixture-of-Channels: top {cfg.moc_topk:g} of the channels in {cfg.moc_groups} groups (dense GEMMs)'
+           if set(cfg.methods) & {'moc', 'epas-moc'} else ''}, "
         f"seq {cfg.seq_length}, {cfg.num_microbatches} x {cfg.micro_batch_size} x DP {dp}, TP {cfg.tp}, PP {cfg.pp}, "
         f"{backend} layers{'' if backend != 'local' else f' ({cfg.core_attention} attention)'}, {'bf16 CUDA' if cuda else 'fp32 CPU'}; "
         f"{cfg.warmup} warm-up + {cfg.iters} timed iterations each")
@@ -84,6 +92,7 @@ def run_train_bench(cfg: BenchConfig, log=print) -> dict:
         "backend": backend, "core_attention": cfg.core_attention if backend == "local" else "te",
         "device": _device_name(), "precision": choose_precision("auto", cuda),
         "blocks": cfg.blocks, "iters_per_block": max(1, cfg.iters // cfg.blocks),
+        "moc_topk": cfg.moc_topk, "moc_groups": cfg.moc_groups,
     }
     if "epas" in methods:  # the EPAS figures under their established keys
         record.update(epas_tokens_per_s=tps["epas"], ratio=methods["epas"]["ratio"], flop_limit_ratio=methods["epas"]["flop_limit_ratio"],

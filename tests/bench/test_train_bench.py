@@ -13,10 +13,10 @@ from epas_testing import REPO
 
 def _block_rates(stdout: str) -> dict[str, list[float]]:
     """The per-block tokens/s the bench logs: ``  block 2/3: epas 1234.5 tok/s, baseline 1200.0 tok/s``."""
-    rates = {"baseline": [], "epas": [], "random-ltd": [], "both": []}
+    rates = {"baseline": [], "epas": [], "random-ltd": [], "both": [], "moc": [], "epas-moc": []}
     for line in stdout.splitlines():
         if re.match(r"\s+block \d+/\d+:", line):
-            for name, value in re.findall(r"(baseline|epas|random-ltd|both) ([0-9.]+) tok/s", line):
+            for name, value in re.findall(r"(baseline|epas-moc|epas|random-ltd|both|moc) ([0-9.]+) tok/s", line):
                 rates[name].append(float(value))
     return rates
 
@@ -43,7 +43,7 @@ def test_train_bench_reports_ratio_and_flop_limit():
     assert record["baseline_tokens_per_s"] == pytest.approx(medians["baseline"], abs=0.051)
     assert record["epas_tokens_per_s"] == pytest.approx(medians["epas"], abs=0.051)
     assert record["ratio"] == pytest.approx(medians["epas"] / medians["baseline"], rel=1e-3)
-    for name in ("random-ltd", "both"):
+    for name in ("random-ltd", "both", "moc", "epas-moc"):
         got = record["methods"][name]
         assert got["tokens_per_s"] == pytest.approx(medians[name], abs=0.051)
         assert got["ratio"] == pytest.approx(medians[name] / medians["baseline"], rel=1e-3)
@@ -74,3 +74,7 @@ def test_train_bench_reports_ratio_and_flop_limit():
                                                                            / (layer + kept_source + kept_sharing + sharing + head),
                                                                            rel=1e-12)
     assert record["core_attention"] == "sdpa" and record["flop_convention"] == "megatron"
+    # Mixture-of-Channels keeps its GEMMs dense in training: the dense model's FLOPs, with EPAS EPAS's.
+    assert record["methods"]["moc"]["flop_limit_ratio"] == 1.0
+    assert record["methods"]["epas-moc"]["flop_limit_ratio"] == pytest.approx(record["flop_limit_ratio"], rel=1e-12)
+    assert (record["moc_topk"], record["moc_groups"]) == (0.2, 8)
