@@ -72,7 +72,7 @@ def _check_pipeline(args, preset) -> None:
         raise ConfigError(f"{flag} = {stages} stages does not divide the {preset.num_layers} layers of the {args.preset} preset")
 
 
-METHODS = ("epas", "random-ltd", "both")
+METHODS = ("epas", "random-ltd", "both", "moc", "epas-moc")
 
 
 def _methods(args, seq_length: int) -> tuple[str, ...]:
@@ -98,7 +98,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     train.add_argument("--pp", type=int, default=1)
     train.add_argument("--method", default="epas",
                        help="variants timed against the baseline, comma-separated: epas, random-ltd, both (EPAS with "
-                            "Random-LTD), or all (default: epas)")
+                            "Random-LTD), moc (Mixture-of-Channels MLPs), epas-moc (EPAS with them), or all (default: epas)")
+    train.add_argument("--moc-topk", type=float, default=0.2, help="kept fraction of the SwiGLU channels of moc / epas-moc")
+    train.add_argument("--moc-groups", type=int, default=8, help="Mixture-of-Channels channel groups")
     train.add_argument("--kept-tokens", type=int, default=None,
                        help="tokens each Random-LTD layer keeps (default: half the sequence)")
     pipe = commands.add_parser("pipeline", help="PP=2: baseline, EPAS without and with rebalancing; with --schedule: "
@@ -217,7 +219,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             cfg = BenchConfig(args.preset, region, args.iters, args.blocks, args.warmup, seq, mbs,
                              args.num_microbatches, tp=tp, pp=args.pp, share=args.share, seed=args.seed,
-                             core_attention=args.core_attention, methods=methods, kept_tokens=args.kept_tokens)
+                             core_attention=args.core_attention, methods=methods, kept_tokens=args.kept_tokens,
+                             moc_topk=args.moc_topk, moc_groups=args.moc_groups)
             record = run_train_bench(cfg, log=log)
         else:
             from epas_megatron.bench.common import BenchConfig
