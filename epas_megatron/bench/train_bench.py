@@ -16,8 +16,9 @@ measured ratio (method / baseline), the FLOP-limit ratio (baseline training FLOP
 from the layerwise FLOPs model: the speed-up if time were purely proportional to FLOPs), and
 measured / limit. Mixture-of-Channels keeps its GEMMs dense in training (as the paper trains):
 its FLOPs are the dense MLP's, so its FLOP limit is 1 and the ratio is what the Top-K, gathers
-and scatters cost (on a GPU, with a sparse kernel, the paper reports 0.935-0.971x). The FLOP convention follows the backend: local attention computes
-the full score matrix (no causal halving), Transformer Engine's fused kernels skip the masked half.
+and scatters cost (on a GPU, with a sparse kernel, the paper reports 0.935-0.971x). The FLOP
+convention follows the backend: local attention computes the full score matrix (no causal
+halving), Transformer Engine's fused kernels skip the masked half.
 Last line: ``BENCH {json}``.
 """
 
