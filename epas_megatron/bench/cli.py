@@ -131,6 +131,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="how every variant runs a decode step: auto = a replayed CUDA graph on CUDA, eager elsewhere")
     decode.add_argument("--tie-embeddings", action="store_true",
                         help="the LM head shares the input embedding's weight (the presets untie them)")
+    decode.add_argument("--moc-topk", type=float, default=1.0,
+                        help="below 1: also time a Mixture-of-Channels model (region 0) keeping this fraction of its MLP "
+                             "channels, its decode steps dense-masked and reading only the kept rows of W_down")
+    decode.add_argument("--moc-groups", type=int, default=8, help="Mixture-of-Channels channel groups (with --moc-topk)")
     hf_decode = commands.add_parser("hf-decode", help="transformers generate() on the EPAS export: region 0 vs half the layers")
     hf_decode.add_argument("--preset", default="125m", help="model shape (random weights)")
     hf_decode.add_argument("--region", type=int, default=None, help="sharing layers of the EPAS variant (default: half the layers)")
@@ -288,7 +292,8 @@ def _decode(args) -> int:
         cfg = DecodeBenchConfig(args.preset, preset.num_layers // 2 if args.region is None else args.region, args.batch,
                                 args.context, args.new_tokens, args.blocks, args.warmup, args.share, args.kv_budget_mb,
                                 None if args.region_kernel == "none" else args.region_kernel, args.seed,
-                                decode_step=args.decode_step, tie_embeddings=args.tie_embeddings)
+                                decode_step=args.decode_step, tie_embeddings=args.tie_embeddings, moc_topk=args.moc_topk,
+                                moc_groups=args.moc_groups)
         check_config(cfg, preset.num_layers)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -45,6 +45,18 @@ what is measured). A timed block is ``--new-tokens`` decode steps, each at posit
 ``--context`` (the cache is rewound after every step, so every step sees the same context);
 blocks alternate between the variants, and tokens/s is ``batch`` over the median step time.
 
+With ``--moc-topk F --moc-groups N`` (< 1) two more variants run at region 0, a Mixture-of-Channels
+model with the baseline's weights (the same seed, checked) and the baseline's attention:
+
+* ``moc-masked``: the MLP's own forward, a dense ``W_down`` GEMM over the masked activations
+  (what training computes; every ``W_down`` read once per step);
+* ``moc-sparse``: each token's ``K`` kept rows of ``W_down`` gathered from a row-major copy and
+  one ``K``-long product per token (:mod:`epas_megatron.inference.moc_decode`; ``b * K * h``
+  values read per layer and step).
+
+Both run the same gate/up projection and Top-K; what differs is only the ``W_down`` product. The
+bytes of ``W_down`` each reads per step and per token are reported beside their tokens/s.
+
 Reported with the measured ratios: the byte-limit ratio (bytes moved per step, baseline over
 EPAS; :mod:`epas_megatron.inference.decode_cost`) and measured / limit; KV-cache bytes per token
 (from the allocated caches); and a fixed-memory serving figure: the largest batch whose caches
@@ -55,12 +67,14 @@ EPAS, with tokens/s measured at those batches. Last line: ``BENCH {json}``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
+from epas_megatron.config.presets import get_preset
 from epas_megatron.errors import ConfigError
+from epas_megatron.model.moc import check_moc_config, kept_channels
 
 MAX_SERVING_BATCH = 64
 """Upper bound on the serving figure's batch (memory on a CPU machine)."""
@@ -107,6 +121,13 @@ class DecodeBenchConfig:
     """'eager', 'static' or 'cuda-graph' for every variant; 'auto': 'cuda-graph' on CUDA, 'eager'
     elsewhere (:mod:`epas_megatron.inference.decode_step`)."""
 
+    moc_topk: float = 1.0
+    """Below 1: also time a Mixture-of-Channels model keeping this fraction of its MLP channels
+    (dense-masked and sparse-read decode steps; see the module notes)."""
+
+    moc_groups: int = 8
+    """Mixture-of-Channels channel groups (``--moc-groups``)."""
+
     tie_embeddings: bool = False
     """The LM head shares the input embedding's weight (``--tie-embeddings``; the presets untie
     them, as LLaMA does). A step's bytes are the same either way: the head reads one ``[v, h]``
@@ -140,13 +161,15 @@ def check_config(cfg: DecodeBenchConfig, num_layers: int) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
     if cfg.kv_budget_mb is not None and cfg.kv_budget_mb <= 0:
         raise ConfigError("--kv-budget-mb must be > 0")
+    if cfg.moc_topk != 1.0:
+        check_moc_config(cfg.moc_topk, cfg.moc_groups, get_preset(cfg.preset).ffn_hidden_size, 1, "local")
 
 
-def _variant(model, attention, kernel, batch, cfg, vocab, mode, generator):
+def _variant(model, attention, kernel, batch, cfg, vocab, mode, generator, moc_decode="masked"):
     from epas_megatron.inference.decode_step import StaticDecodeStep
     from epas_megatron.inference.engine import DecodeEngine
 
-    engine = DecodeEngine(model, attention, kernel)
+    engine = DecodeEngine(model, attention, kernel, moc_decode)
     cache = engine.new_cache(batch, cfg.context + 1)
     # random K and V drawn in place on the device (no host copy of the cache)
     device_generator = torch.Generator(device=engine.device).manual_seed(int(torch.randint(2**31, (1,), generator=generator)))
@@ -174,7 +197,6 @@ def run_decode_bench(cfg: DecodeBenchConfig, log=print) -> dict:
     """Measure the variants (call inside an initialised world of one process)."""
     from epas_megatron.assembly import plan_for_preset
     from epas_megatron.bench.common import alternating_throughput
-    from epas_megatron.config.presets import get_preset
     from epas_megatron.inference.decode_cost import decode_bytes_per_step, max_batch_for_budget
     from epas_megatron.inference.decode_step import resolve_decode_step
     from epas_megatron.inference.kv_cache import kv_bytes_per_token
@@ -192,7 +214,13 @@ def run_decode_bench(cfg: DecodeBenchConfig, log=print) -> dict:
              for name, layers in (("baseline", ()), ("epas", region_layers(preset.num_layers, cfg.region, flag="--region")))}
     arch, precision, sharing = plans["epas"].arch, plans["epas"].precision, plans["epas"].sharing_layers
     mode = resolve_decode_step(cfg.decode_step, torch.device("cuda" if cuda else "cpu"))
+    moc = cfg.moc_topk < 1.0
+    if moc:  # region 0, the baseline's shape with Mixture-of-Channels MLPs
+        plans["moc"] = replace(plans["baseline"], arch=replace(plans["baseline"].arch, moc_topk=cfg.moc_topk,
+                                                               moc_groups=cfg.moc_groups))
     models = {name: build_model(plan, seed=cfg.seed).chunks[0].eval() for name, plan in plans.items()}
+    if moc:
+        _check_same_mlp_weights(unwrap_model(models["baseline"]), unwrap_model(models["moc"]))
     # Same weights: the first sharing layer's own projection is the baseline layer's rows of it.
     first = sharing[0]
     hn = arch.hidden_size // arch.num_attention_heads
@@ -213,6 +241,10 @@ def run_decode_bench(cfg: DecodeBenchConfig, log=print) -> dict:
         log("note: --share kv has no probability reuse (a KV-sharing layer has its own Q); reuse is not measured")
     variants = {name: _variant(model, attention, kernel, cfg.batch, cfg, arch.vocab_size, mode, generator)
                 for name, model, attention, kernel in attentions}
+    if moc:
+        for moc_decode in ("masked", "sparse"):
+            variants[f"moc-{moc_decode}"] = _variant(models["moc"], "qk", None, cfg.batch, cfg, arch.vocab_size, mode, generator,
+                                                     moc_decode)
     mode = _same_step_everywhere(variants, mode, log)
     element = 4 if precision == "fp32" else 2
     attention_text = (f"matmul attention: Q K^T of {precision} operands to fp32 scores, fp32 softmax, P.V in {precision} with fp32 "
@@ -220,18 +252,20 @@ def run_decode_bench(cfg: DecodeBenchConfig, log=print) -> dict:
     log(f"decode bench: {cfg.preset} ({arch.num_layers} layers, h {arch.hidden_size}, {arch.num_attention_heads}/"
         f"{arch.num_query_groups} heads), region {cfg.region} {list(sharing)} ({cfg.share}), batch {cfg.batch}, context "
         f"{cfg.context}, {cfg.new_tokens} decode steps per block, {cfg.blocks} blocks; preallocated in-place KV cache, "
-        f"{attention_text}, {mode} decode step, {precision} on {'CUDA' if cuda else 'CPU'}")
+        f"{attention_text}, {mode} decode step, {precision} on {'CUDA' if cuda else 'CPU'}"
+        + (f"; Mixture-of-Channels at region 0: top {kept_channels(arch.ffn_hidden_size, cfg.moc_groups, cfg.moc_topk)} of "
+           f"{arch.ffn_hidden_size // cfg.moc_groups} channels in each of {cfg.moc_groups} groups" if moc else ""))
     tps = alternating_throughput(variants, cfg.batch, iters=cfg.new_tokens * cfg.blocks, blocks=cfg.blocks,
                                  warmup=cfg.warmup, log=log, step=_decode_block)
 
     modes = {"baseline": layer_modes(arch.num_layers, ()), "epas": layer_modes(arch.num_layers, sharing)}
     step_bytes = {name: decode_bytes_per_step(arch, modes["baseline" if name == "baseline" else "epas"], cfg.share,
                                               "reuse" if name.startswith("reuse") else "qk", cfg.batch, cfg.context, element)
-                  for name in variants}
+                  for name in variants if not name.startswith("moc")}
     per_token = {name: kv_bytes_per_token(modes[name], cfg.share, arch.num_query_groups, hn, element) for name in modes}
     for name, variant in variants.items():
         allocated = variant.cache.nbytes // (cfg.batch * variant.cache.max_length)
-        expected = per_token["baseline" if name == "baseline" else "epas"]
+        expected = per_token["baseline" if name == "baseline" or name.startswith("moc") else "epas"]
         if allocated != expected:
             raise RuntimeError(f"{name}: the cache holds {allocated} bytes per token, the formula says {expected}")
     del variants
@@ -271,8 +305,40 @@ def run_decode_bench(cfg: DecodeBenchConfig, log=print) -> dict:
     if "reuse+kernel" in tps:
         record["reuse_kernel_tokens_per_s"] = tps["reuse+kernel"]
         record["region_kernel"] = cfg.region_kernel
+    if moc:
+        record.update(_moc_record(cfg, arch, tps, element, step_bytes["baseline"].total))
     log(format_table(record))
     return record
+
+
+def _check_same_mlp_weights(baseline, moc) -> None:
+    """The Mixture-of-Channels model was built with the baseline's weights (the same seed)."""
+    for dense_layer, moc_layer in zip(baseline.decoder.layers, moc.decoder.layers):
+        for name in ("linear_fc1", "linear_fc2"):
+            if not torch.equal(getattr(dense_layer.mlp, name).weight, getattr(moc_layer.mlp, name).weight):
+                raise RuntimeError("the baseline and Mixture-of-Channels models were built with different weights")
+
+
+def _moc_record(cfg: DecodeBenchConfig, arch, tps: dict, element: int, step_bytes: int) -> dict:
+    """The Mixture-of-Channels fields of the record: tokens/s, ratios, ``W_down`` bytes and the
+    sparse read's byte limit (``step_bytes``: what the baseline's -- and the dense-masked -- step
+    moves, :mod:`epas_megatron.inference.decode_cost`; the sparse step moves that with its
+    ``W_down`` bytes in place of the whole matrices)."""
+    from epas_megatron.inference.moc_decode import down_bytes_per_step
+
+    down = down_bytes_per_step(arch.num_layers, arch.hidden_size, arch.ffn_hidden_size, cfg.moc_groups, cfg.moc_topk, cfg.batch,
+                               element)
+    return {
+        "moc_topk": cfg.moc_topk, "moc_groups": cfg.moc_groups, "moc_per_group": arch.ffn_hidden_size // cfg.moc_groups,
+        "moc_kept": kept_channels(arch.ffn_hidden_size, cfg.moc_groups, cfg.moc_topk),
+        "moc_masked_tokens_per_s": tps["moc-masked"], "moc_sparse_tokens_per_s": tps["moc-sparse"],
+        "ratio_moc_masked": tps["moc-masked"] / tps["baseline"], "ratio_moc_sparse": tps["moc-sparse"] / tps["baseline"],
+        "ratio_moc_sparse_over_masked": tps["moc-sparse"] / tps["moc-masked"],
+        "w_down_bytes_per_step_masked": down.masked, "w_down_bytes_per_step_sparse": down.sparse,
+        "w_down_bytes_per_token_masked": down.masked / cfg.batch, "w_down_bytes_per_token_sparse": down.sparse / cfg.batch,
+        "w_down_read_ratio": down.sparse / down.masked,
+        "byte_limit_ratio_moc_sparse": step_bytes / (step_bytes - down.masked + down.sparse),
+    }
 
 
 def format_table(record: dict) -> str:
@@ -288,6 +354,16 @@ def format_table(record: dict) -> str:
     if "reuse_kernel_tokens_per_s" in record:
         rows.append(f"| EPAS, reuse + {record['region_kernel']} region kernel | {record['reuse_kernel_tokens_per_s']:.1f} | "
                     f"{record['reuse_kernel_tokens_per_s'] / base:.3f} | | |")
+    if "moc_topk" in record:
+        rows += [f"\nMixture-of-Channels at region 0, top {record['moc_kept']} of {record['moc_per_group']} channels in each of "
+                 f"{record['moc_groups']} groups (W_down bytes read by the decode step):",
+                 "| variant | tokens/s | vs baseline | vs dense-masked | byte limit | W_down bytes/step | W_down bytes/token |",
+                 "|---|---|---|---|---|---|---|"]
+        for name, label in (("masked", "MoC, dense-masked W_down GEMM"), ("sparse", "MoC, sparse read of the kept W_down rows")):
+            rows.append(f"| {label} | {record[f'moc_{name}_tokens_per_s']:.1f} | {record[f'ratio_moc_{name}']:.3f} | "
+                        f"{record[f'moc_{name}_tokens_per_s'] / record['moc_masked_tokens_per_s']:.3f} | "
+                        f"{1.0 if name == 'masked' else record['byte_limit_ratio_moc_sparse']:.3f} | "
+                        f"{record[f'w_down_bytes_per_step_{name}']} | {record[f'w_down_bytes_per_token_{name}']:.0f} |")
     if record["serving_tokens_per_s_baseline"] is not None:
         rows.append(f"\nfixed KV budget {record['kv_budget_bytes'] / 2**20:.0f} MiB: baseline batch "
                     f"{record['max_batch_baseline']} at {record['serving_tokens_per_s_baseline']:.1f} tokens/s, EPAS batch "

@@ -17,6 +17,12 @@ the copied ``tokenizer.model``. ``hf-import`` reads either kind; an EPAS directo
 a checkpoint saved at its region (``sharing_layers`` and ``epas_share`` in its metadata, so
 ``epas-eval`` and ``epas-generate`` default to it).
 
+A Mixture-of-Channels model (``--moc-topk < 1``; Wu et al., arXiv 2511.09323) always exports as
+an ``EpasLlamaForCausalLM`` (region 0 without ``--region``): its config records ``moc_topk`` and
+``moc_groups`` and its MLPs keep the same Top-K gate channels (a stock ``LlamaForCausalLM`` on
+these weights would be a dense model, another model). ``hf-import`` reads them back into the
+checkpoint's model fields.
+
 Both run as one process (whole tensors, TP=1/PP=1); the checkpoint then loads into any layout.
 Import checks what the architecture supports (no RoPE scaling, no biases, SiLU). The vocabulary
 is padded to a multiple of 128 inside the checkpoint and cut back on export. A ``tokenizer.model``
@@ -47,6 +53,7 @@ def _model_config_from_hf(hf_config):
         raise ConfigError("--hf-dir: attention/MLP biases are not supported (LLaMA has none)")
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ConfigError(f"--hf-dir: activation {hf_config.hidden_act!r} is not SwiGLU/SiLU")
+    moc_topk = float(getattr(hf_config, "moc_topk", 1.0))  # an EPAS export of a Mixture-of-Channels model
     return ModelConfig(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -59,6 +66,8 @@ def _model_config_from_hf(hf_config):
         norm_epsilon=hf_config.rms_norm_eps,
         untie_embeddings_and_output_weights=not hf_config.tie_word_embeddings,
         transformer_impl="local",
+        moc_topk=moc_topk,
+        moc_groups=int(getattr(hf_config, "moc_groups", 8)) if moc_topk < 1.0 else 8,
     )
 
 
@@ -149,7 +158,8 @@ def export_region(meta, text: str) -> int:
 def hf_export(load: Path, output: Path, region: Optional[str] = None) -> Path:
     """Checkpoint (any sharing region) -> Hugging Face directory: a plain ``LlamaForCausalLM``
     (``region`` None), or an ``EpasLlamaForCausalLM`` with ``region`` ('max' or an int up to the
-    trained region) sharing layers (see the module notes)."""
+    trained region) sharing layers -- always for a Mixture-of-Channels model, at region 0 when
+    ``region`` is None (see the module notes)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from epas_megatron.assembly import plan_for_checkpoint
@@ -162,9 +172,11 @@ def hf_export(load: Path, output: Path, region: Optional[str] = None) -> Path:
     checkpoint, meta = open_checkpoint(load, "--load", needs_config=True)
     size = None if region is None else export_region(meta, region)
     m = meta.run_config().model
-    if m.moc_topk < 1.0:
-        raise ConfigError(f"--load {load}: a Mixture-of-Channels model (--moc-topk {m.moc_topk}) cannot be exported yet: "
-                          "the exported modeling code has no Top-K MLP, and a dense LlamaMLP would be another model")
+    if m.moc_topk < 1.0 and size is None:
+        print(f"note: a Mixture-of-Channels model (--moc-topk {m.moc_topk}, --moc-groups {m.moc_groups}) exports as an "
+              "EpasLlamaForCausalLM at region 0 (load it with trust_remote_code=True): a plain LlamaForCausalLM would "
+              "run its MLPs dense", flush=True)
+        size = 0
     init_distributed(1, 1, None, seed=0)
     try:
         # fp32 local layers at the trained region (the export keeps every layer's own Q/K).
@@ -177,6 +189,8 @@ def hf_export(load: Path, output: Path, region: Optional[str] = None) -> Path:
     kwargs = hf_config_kwargs(m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size,
                               m.vocab_size, m.max_position_embeddings, m.rotary_base, m.norm_epsilon,
                               not m.untie_embeddings_and_output_weights)
+    if m.moc_topk < 1.0:
+        kwargs.update(moc_topk=float(m.moc_topk), moc_groups=int(m.moc_groups))
     if size is not None:
         return _write_epas(meta, kwargs, hf_state, size, output)
     config = LlamaConfig(**kwargs)
@@ -242,7 +256,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     exp.add_argument("--output", required=True, type=Path, help="directory to write")
     exp.add_argument("--region", default=None,
                      help="write an EPAS model for transformers (trust_remote_code) with this many sharing layers, up to "
-                          "the trained region ('max': that region); default: a plain LlamaForCausalLM (region 0)")
+                          "the trained region ('max': that region); default: a plain LlamaForCausalLM (region 0; a "
+                          "Mixture-of-Channels model: the EPAS modeling code at region 0)")
     args = parser.parse_args(argv)
     try:
         if args.command == "hf-import":

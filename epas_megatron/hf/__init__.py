@@ -1,10 +1,13 @@
-"""EPAS models for Hugging Face ``transformers``: what ``epas-convert hf-export --region R`` writes.
+"""EPAS models for Hugging Face ``transformers``: what ``epas-convert hf-export --region R`` writes
+(and ``hf-export`` of any Mixture-of-Channels model).
 
 - :mod:`.configuration_epas_llama`: ``EpasLlamaConfig`` (``model_type='epas_llama'``), LLaMA plus
-  the sharing region (its layers, the share kind 'qk'/'kv', the running region, probability reuse);
+  the sharing region (its layers, the share kind 'qk'/'kv', the running region, probability reuse)
+  and the Mixture-of-Channels Top-K (``moc_topk``, ``moc_groups``);
 - :mod:`.modeling_epas_llama`: ``EpasLlamaForCausalLM``, LLaMA whose sharing layers take the
   source's post-RoPE Q/K (or K/V) along the decoder loop, in every forward (with and without a
-  cache, gradient checkpointing, training);
+  cache, gradient checkpointing, training), and whose MLPs keep the Top-K gate channels of a
+  Mixture-of-Channels model (``EpasMoCMLP``);
 - :mod:`.cache_epas`: ``EpasCache``, a ``transformers`` cache that stores K+V for computing
   layers, V for qk-sharing layers and nothing for kv-sharing layers;
 - :mod:`.tokenization_epas`: ``EpasTokenizer``, the project's SentencePiece tokenizer (ids as
@@ -27,7 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from epas_megatron.hf.cache_epas import EpasCache, cache_bytes_per_token
 from epas_megatron.hf.configuration_epas_llama import EpasLlamaConfig
-from epas_megatron.hf.modeling_epas_llama import EpasLlamaForCausalLM, EpasLlamaModel
+from epas_megatron.hf.modeling_epas_llama import EpasLlamaForCausalLM, EpasLlamaModel, EpasMoCMLP
 from epas_megatron.hf.tokenization_epas import EpasTokenizer
 
 SHIPPED_FILES = ("configuration_epas_llama.py", "modeling_epas_llama.py", "cache_epas.py", "tokenization_epas.py")
@@ -49,5 +52,5 @@ AutoConfig.register(EpasLlamaConfig.model_type, EpasLlamaConfig, exist_ok=True)
 AutoModelForCausalLM.register(EpasLlamaConfig, EpasLlamaForCausalLM, exist_ok=True)
 AutoTokenizer.register(EpasLlamaConfig, slow_tokenizer_class=EpasTokenizer, exist_ok=True)
 
-__all__ = ["AUTO_MAP", "EpasCache", "EpasLlamaConfig", "EpasLlamaForCausalLM", "EpasLlamaModel", "EpasTokenizer",
+__all__ = ["AUTO_MAP", "EpasCache", "EpasLlamaConfig", "EpasLlamaForCausalLM", "EpasLlamaModel", "EpasMoCMLP", "EpasTokenizer",
            "SHIPPED_FILES", "SOURCE_DIR", "TOKENIZER_AUTO_MAP", "cache_bytes_per_token"]

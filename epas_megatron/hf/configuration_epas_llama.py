@@ -14,6 +14,12 @@ a new export::
 
     AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, epas_region=1)
 
+A model trained with Mixture-of-Channels (Wu et al., "Mixture-of-Channels: Exploiting Sparse
+FFNs for Efficient LLMs Pre-Training and Inference", arXiv 2511.09323; ``--moc-topk``,
+``--moc-groups``) records its Top-K in ``moc_topk`` and ``moc_groups``: every MLP keeps, per
+token, the channels with the largest gate pre-activation within each group. A configuration
+without them (every export written before they existed) is the dense LLaMA MLP.
+
 This file ships inside every exported model directory: it imports only ``transformers`` and
 ``huggingface_hub`` (a dependency of transformers, whose config classes use its ``strict``).
 """
@@ -55,6 +61,14 @@ class EpasLlamaConfig(LlamaConfig):
     instead of recomputing ``softmax(Q Kᵀ)`` from the same Q, K and mask (exact, and no K read;
     the source then runs eager attention to have the probabilities)."""
 
+    moc_topk: float | int = 1.0
+    """Mixture-of-Channels: the fraction of each group's gate channels an MLP keeps per token
+    (the Top-K of the gate pre-activation ``G``, by value); 1.0: the dense ``LlamaMLP``."""
+
+    moc_groups: int = 8
+    """Mixture-of-Channels: equal runs of the ``intermediate_size`` gate channels, each keeping
+    its own ``moc_kept_channels`` (read only when ``moc_topk < 1``)."""
+
     def __post_init__(self, **kwargs):
         self.epas_sharing_layers = [int(i) for i in (self.epas_sharing_layers or [])]
         if self.epas_region_order is None:
@@ -81,12 +95,26 @@ class EpasLlamaConfig(LlamaConfig):
                              f"got {self.epas_region}")
         if self.epas_reuse_probs and self.epas_share != "qk":
             raise ValueError("epas_reuse_probs needs epas_share='qk' (kv-sharing layers have their own Q)")
+        if not 0.0 < self.moc_topk <= 1.0:
+            raise ValueError(f"moc_topk must be in (0, 1] (the kept fraction of the MLP channels), got {self.moc_topk}")
+        if self.moc_topk < 1.0 and (self.moc_groups < 1 or self.intermediate_size % self.moc_groups):
+            raise ValueError(f"moc_groups {self.moc_groups} must divide intermediate_size {self.intermediate_size}")
 
     @property
     def epas_active_layers(self) -> tuple[int, ...]:
         """The layers that share at ``epas_region``, ascending: the first ``epas_region`` of
         ``epas_region_order``."""
         return tuple(sorted(self.epas_region_order[: int(self.epas_region)]))
+
+    @property
+    def moc_kept_channels(self) -> int | None:
+        """Channels a Mixture-of-Channels MLP keeps per token in each group, ``round(moc_topk *
+        intermediate_size / moc_groups)``, at least 1 (as the training framework counts them);
+        None for the dense MLP."""
+        if self.moc_topk >= 1.0:
+            return None
+        per_group = self.intermediate_size // self.moc_groups
+        return max(1, min(per_group, round(self.moc_topk * per_group)))
 
 
 __all__ = ["EpasLlamaConfig", "SHARE_KINDS"]

@@ -2,7 +2,8 @@
 
 Built from transformers' LLaMA blocks (``LlamaRMSNorm``, ``LlamaRotaryEmbedding``, ``LlamaMLP``,
 ``apply_rotary_pos_emb``, the attention-function registry); what differs is the attention of
-the layers in the sharing region (:class:`~.configuration_epas_llama.EpasLlamaConfig`):
+the layers in the sharing region (:class:`~.configuration_epas_llama.EpasLlamaConfig`), and the
+MLP of a Mixture-of-Channels model:
 
 - **The hand-off runs along the decoder loop**, never through the cache: the source (the last
   computing layer before the region) returns its post-RoPE Q and *every* K up to the current
@@ -27,6 +28,10 @@ the layers in the sharing region (:class:`~.configuration_epas_llama.EpasLlamaCo
 - **Probability reuse** (``epas_reuse_probs``, 'qk'): the source computes its attention
   probabilities explicitly and hands them on; each sharing layer applies them to its own V --
   the same numbers as recomputing ``softmax(Q Kᵀ + mask)``, as Q, K and the mask are the same.
+- **Mixture-of-Channels** (Wu et al., arXiv 2511.09323; ``moc_topk < 1``): every layer's MLP is
+  :class:`EpasMoCMLP`, LLaMA's SwiGLU that keeps per token the Top-K gate channels within each
+  of ``moc_groups`` groups -- the model it was trained as (a dense ``LlamaMLP`` on the same
+  weights is another model). ``moc_topk`` 1.0 (and configurations without it): ``LlamaMLP``.
 
 This file ships inside every exported model directory: it imports only torch, transformers and
 its sibling files.
@@ -38,6 +43,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
@@ -167,6 +173,31 @@ class EpasLlamaAttention(nn.Module):
         return torch.matmul(probs, repeat_kv(value, self.num_key_value_groups)).transpose(1, 2)
 
 
+class EpasMoCMLP(nn.Module):
+    """LLaMA's SwiGLU MLP with Mixture-of-Channels activations: with ``G = gate_proj(x)`` and
+    ``U = up_proj(x)``, per token and within each of ``moc_groups`` equal runs of channels the
+    mask ``M`` keeps the ``moc_kept_channels`` largest values of ``G`` (``torch.topk`` on values,
+    not magnitudes); ``down_proj(act(G) * U * M)``. The mask is a constant for autograd (as in
+    training). Same parameter names as ``LlamaMLP``."""
+
+    def __init__(self, config: EpasLlamaConfig):
+        super().__init__()
+        self.hidden_size, self.intermediate_size = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=config.mlp_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+        self.groups = config.moc_groups
+        self.kept = config.moc_kept_channels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)  # [b, s, f] each
+        grouped = gate.unflatten(-1, (self.groups, -1))  # [b, s, f] -> [b, s, groups, f / groups]
+        index = grouped.topk(self.kept, dim=-1, sorted=False).indices  # [b, s, groups, k]
+        mask = torch.zeros_like(grouped).scatter_(-1, index, 1.0).flatten(-2)  # [b, s, f], no gradient
+        return self.down_proj(self.act_fn(gate) * up * mask)
+
+
 class EpasLlamaDecoderLayer(GradientCheckpointingLayer):
     """A LLaMA decoder layer whose attention may share (the hand-off is positional, see the module notes)."""
 
@@ -174,7 +205,7 @@ class EpasLlamaDecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.hidden_size = config.hidden_size
         self.self_attn = EpasLlamaAttention(config=config, layer_idx=layer_idx)
-        self.mlp = LlamaMLP(config)
+        self.mlp = EpasMoCMLP(config) if config.moc_topk < 1.0 else LlamaMLP(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -313,4 +344,4 @@ class EpasLlamaForCausalLM(EpasLlamaPreTrainedModel, GenerationMixin):
         return output.to_tuple() if return_dict is False else output
 
 
-__all__ = ["EpasLlamaForCausalLM", "EpasLlamaModel", "EpasLlamaPreTrainedModel", "attention_probabilities"]
+__all__ = ["EpasLlamaForCausalLM", "EpasLlamaModel", "EpasLlamaPreTrainedModel", "EpasMoCMLP", "attention_probabilities"]

@@ -6,6 +6,7 @@
   the first;
 - :mod:`.engine`: prefill and incremental decode over the built model chunks;
 - :mod:`.decode_step`: a fixed-shape decode step, captured once as a CUDA graph;
+- :mod:`.moc_decode`: Mixture-of-Channels decode steps that read only the kept rows of ``W_down``;
 - :mod:`.sampling`: greedy, temperature, top-k and top-p;
 - :mod:`.generator`: :class:`~epas_megatron.inference.generator.Generator`, the Python API
   behind ``epas-generate`` (from a checkpoint, at a chosen region);

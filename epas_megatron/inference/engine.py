@@ -25,6 +25,10 @@ Two ways to run a step (see :mod:`epas_megatron.inference.decode_step` for when 
   the later ones masked. No Python value of the step depends on the position, so one CUDA graph
   capture replays every step.
 
+Mixture-of-Channels MLPs (``--moc-topk < 1``) run as trained (the MLP's dense GEMM over the
+masked activations) or, with ``moc_decode='sparse'``, read in each forward of one token per row
+only the kept rows of ``W_down`` (:mod:`epas_megatron.inference.moc_decode`).
+
 Per-step work is kept to what the model needs: RoPE's cos/sin are computed once per step (not
 per layer), the mask once per step, no copy of the cache in another dtype (see
 :mod:`epas_megatron.inference.attention` for the precision of each product), no synchronisation
@@ -47,6 +51,7 @@ from epas_kernels.region_pv import region_pv
 from epas_megatron.errors import ConfigError
 from epas_megatron.inference import attention as attn_ops
 from epas_megatron.inference.kv_cache import KVCache, source_layer
+from epas_megatron.inference.moc_decode import MOC_DECODE_CHOICES, row_readers
 from epas_megatron.sharing.schedule import LayerMode
 
 DECODE_ATTENTION_CHOICES = ("qk", "reuse")
@@ -99,7 +104,8 @@ class _Rope:
 class DecodeEngine:
     """Cached forward passes of one model chunk (the whole model: PP = 1)."""
 
-    def __init__(self, model, decode_attention: str = "reuse", region_kernel: Optional[str] = None):
+    def __init__(self, model, decode_attention: str = "reuse", region_kernel: Optional[str] = None,
+                 moc_decode: str = "masked"):
         from epas_megatron.runtime.wrapping import unwrap_model
 
         model = unwrap_model(model)
@@ -111,8 +117,13 @@ class DecodeEngine:
             raise ConfigError(f"--decode-attention {decode_attention!r}: choose one of {', '.join(DECODE_ATTENTION_CHOICES)}")
         if region_kernel not in REGION_KERNEL_CHOICES:
             raise ConfigError(f"--region-kernel {region_kernel!r}: choose one of torch, triton")
+        if moc_decode not in MOC_DECODE_CHOICES:
+            raise ConfigError(f"--moc-decode {moc_decode!r}: choose one of {', '.join(MOC_DECODE_CHOICES)}")
         self.model = model.eval()
         self.layers = list(model.decoder.layers)
+        self.moc_decode = moc_decode
+        self.moc_readers = row_readers(self.layers) if moc_decode == "sparse" else {}
+        """Per Mixture-of-Channels layer index: its sparse-read MLP for one-token forwards."""
         self.modes = tuple(layer.epas_mode for layer in self.layers)
         shared = [layer.self_attention for layer in self.layers if layer.epas_mode == LayerMode.SHARE]
         self.share = shared[0].share if shared else "qk"
@@ -193,6 +204,9 @@ class DecodeEngine:
         # [n, b, np * hn] -> [n, b, h]
         output = layer.self_attention.linear_proj(context)
         hidden = layer.self_attn_bda(False, layer.config.bias_dropout_fusion)(output, residual, layer.hidden_dropout)
+        reader = self.moc_readers.get(index)
+        if reader is not None and hidden.size(0) == 1:  # one new token per row: only the kept rows of W_down
+            return reader.forward_layer(layer, hidden)
         return layer._forward_mlp(hidden)
 
     def _attention(self, index, attention, normed, cache, slots, rope, region) -> Tensor:

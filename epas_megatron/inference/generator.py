@@ -12,7 +12,9 @@ left-padded into one batch (see :mod:`epas_megatron.inference.kv_cache`), prefil
 then decoded one token per step until every row has produced ``eos`` or ``max_new_tokens``. On
 a GPU the decode steps replay one CUDA graph of a fixed-shape step (``decode_step='auto'``; see
 :mod:`epas_megatron.inference.decode_step`); the cache is sized to the prompt plus
-``max_new_tokens``, which such a step reads whole.
+``max_new_tokens``, which such a step reads whole. A Mixture-of-Channels checkpoint generates with
+its Top-K MLPs (the checkpoint records ``--moc-topk``); ``moc_decode='sparse'`` makes its decode
+steps read only the kept rows of ``W_down`` (:mod:`epas_megatron.inference.moc_decode`).
 """
 
 from __future__ import annotations
@@ -62,11 +64,12 @@ class Generator:
     """Greedy or sampled generation with a KV cache over a built, loaded model (TP = PP = 1)."""
 
     def __init__(self, model, tokenizer=None, decode_attention: str = "auto", region_kernel: Optional[str] = None,
-                 decode_step: str = "auto"):
+                 decode_step: str = "auto", moc_decode: str = "masked"):
         share = _share_of(model)
         if decode_attention == "auto":
             decode_attention = "reuse" if share == "qk" else "qk"
-        self.engine = DecodeEngine(model, decode_attention, region_kernel)
+        # moc_decode: 'sparse' -- a Mixture-of-Channels model's decode steps read only the kept rows of W_down
+        self.engine = DecodeEngine(model, decode_attention, region_kernel, moc_decode)
         resolve_decode_step(decode_step, self.engine.device)  # a bad choice fails here, not at generate()
         self.decode_step = decode_step
         """'auto', 'eager', 'static' or 'cuda-graph' (:mod:`epas_megatron.inference.decode_step`)."""
@@ -85,7 +88,7 @@ class Generator:
     def from_checkpoint(cls, load: str | Path, region: int | str | None = None, *, allow_untrained_region: bool = False,
                         decode_attention: str = "auto", region_kernel: Optional[str] = None,
                         precision: str = "auto", tokenizer_model: Optional[str] = None,
-                        decode_step: str = "auto") -> "Generator":
+                        decode_step: str = "auto", moc_decode: str = "masked") -> "Generator":
         """Build the model at ``region`` sharing layers (None / 'max': the trained region; the
         block ends where the checkpoint's regions end, see ``--epas-exclude-last``) and load
         ``load`` (a checkpoint root or an ``iter_*`` directory) into it. Starts a world of one
@@ -105,7 +108,7 @@ class Generator:
         plan = plan_for_checkpoint(meta, region, flag="--region", precision=precision, backend="local")
         chunks = build_model(plan, seed=0).chunks
         load_checkpoint(checkpoint, chunks, restore_rng=False)
-        generator = cls(chunks[0], tokenizer, decode_attention, region_kernel, decode_step)
+        generator = cls(chunks[0], tokenizer, decode_attention, region_kernel, decode_step, moc_decode)
         generator.checkpoint, generator.trained_region = checkpoint, meta.trained_region
         return generator
 
