@@ -46,6 +46,10 @@ def _parser() -> argparse.ArgumentParser:
                         "that step without a graph, 'eager' runs each step as it comes; auto = cuda-graph on a GPU")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="model precision ('auto': bf16 on a GPU, fp32 on CPU)")
+    p.add_argument("--moc-decode", default="masked", choices=["masked", "sparse"],
+                   help="a Mixture-of-Channels checkpoint's decode steps: 'masked' = the MLP's dense W_down GEMM over the "
+                        "masked activations (as trained); 'sparse' = read only each token's kept rows of W_down (fewer "
+                        "bytes while batch x topk < 1)")
     p.add_argument("--tokenizer-model", default=None, help="SentencePiece model (default: the checkpoint's)")
     p.add_argument("--no-stream", action="store_true", help="print a single prompt's continuation only when done")
     p.add_argument("--json", action="store_true", help="also print a GENERATE {json} line")
@@ -109,7 +113,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         generator = Generator.from_checkpoint(
             args.load, args.region, allow_untrained_region=args.allow_untrained_regions,
             decode_attention=args.decode_attention, region_kernel=None if args.region_kernel == "none" else args.region_kernel,
-            precision=args.precision, tokenizer_model=args.tokenizer_model, decode_step=args.decode_step)
+            precision=args.precision, tokenizer_model=args.tokenizer_model, decode_step=args.decode_step,
+            moc_decode=args.moc_decode)
         generator.encode(prompts)  # bad prompts fail here, before any model work is printed
         print(f"checkpoint {generator.checkpoint} | region {generator.region} of {len(generator.engine.modes)} layers "
               f"(trained {generator.trained_region}) | decode attention {generator.engine.decode_attention}",
@@ -139,7 +144,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.json:
         payload = {"checkpoint": str(generator.checkpoint), "region": generator.region, "trained_region": generator.trained_region,
                    "decode_attention": generator.engine.decode_attention, "region_kernel": generator.engine.region_kernel,
-                   "seconds": seconds,
+                   "moc_decode": generator.engine.moc_decode, "seconds": seconds,
                    "results": [{"prompt": p, "prompt_tokens": r.prompt_tokens, "tokens": r.tokens, "text": r.text,
                                 "finish_reason": r.finish_reason} for p, r in zip(prompts, results)]}
         print("GENERATE " + json.dumps(payload), flush=True)

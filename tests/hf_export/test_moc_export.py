@@ -139,24 +139,13 @@ def full_forward_greedy(model, ids, new_tokens, eos):
 def test_epas_generate_equals_a_greedy_decode_of_the_export(moc_decode, moc_checkpoint, moc_exported, load_export, capsys):
     from transformers import AutoTokenizer
 
-    from epas_megatron.inference.generator import Generator
-    from epas_megatron.runtime.distributed import destroy_distributed
-
-    argv = ["--load", str(moc_checkpoint), "--max-new-tokens", str(NEW_TOKENS), "--json"]
-    if moc_decode == "masked":  # the command line (its default decode)
-        code = generate([*argv, *(a for p in PROMPTS for a in ("--prompt", p))])
-        captured = capsys.readouterr()
-        assert code == 0, captured.err
-        payload = json.loads([line for line in captured.out.splitlines() if line.startswith("GENERATE ")][-1][9:])
-        assert payload["region"] == 2
-        ours = [r["tokens"] for r in payload["results"]]
-    else:  # the Generator API behind it, decode steps reading only the kept rows of W_down
-        try:
-            generator = Generator.from_checkpoint(moc_checkpoint, moc_decode="sparse")
-            assert generator.engine.moc_readers
-            ours = [r.tokens for r in generator.generate(PROMPTS, max_new_tokens=NEW_TOKENS)]
-        finally:
-            destroy_distributed()
+    argv = ["--load", str(moc_checkpoint), "--max-new-tokens", str(NEW_TOKENS), "--json", "--moc-decode", moc_decode]
+    code = generate([*argv, *(a for p in PROMPTS for a in ("--prompt", p))])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    payload = json.loads([line for line in captured.out.splitlines() if line.startswith("GENERATE ")][-1][9:])
+    assert payload["region"] == 2 and payload["moc_decode"] == moc_decode
+    ours = [r["tokens"] for r in payload["results"]]
     tokenizer = AutoTokenizer.from_pretrained(moc_exported, trust_remote_code=True)
     model = load_export(moc_exported).eval()
     expected = [full_forward_greedy(model, tokenizer(p)["input_ids"], NEW_TOKENS, tokenizer.eos_token_id) for p in PROMPTS]
