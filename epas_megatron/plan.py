@@ -11,7 +11,13 @@ memory at the first and the final region from :mod:`epas_megatron.metrics.memory
 weights + gradients + Adam state, and the activations of its in-flight micro-batches; with
 in-memory switches (``--epas-switch-mode memory``, the default) also each rank's peak through
 its worst switch: the parameter state plus what the switch allocates before the old state goes
-(new weights, gradient buffer and optimizer state; no activations then). The
+(new weights, gradient buffer and optimizer state; no activations then). With ``--pp`` > 1 it
+compares the pipeline schedules the run could use (1f1b; interleaved with ``--vpp``; v-1f1b,
+v-half, v-min -- Qi et al., "Pipeline Parallelism with Controllable Memory", NeurIPS 2024):
+every rank's memory at both regions under each (a V schedule's peak along each rank's action
+list, a pass weighed by what it holds before and after its input-gradient backward), the
+iteration time and bubble of the action lists simulated with F / B / W costs from the model
+FLOPs (no p2p time), and names the fastest that fits the budget. The
 figures are the model's (local layers; no CUDA context, workspaces or allocator fragmentation,
 which the budget's 10% reserve stands for). Exit 0 when every rank fits, 3 when one does not,
 2 on bad input. The launcher's ``DRY_RUN=1`` prints it too.
@@ -21,9 +27,21 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from epas_megatron.errors import ConfigError
+from epas_megatron.metrics.flops import Convention, ModelShape, layer_matmul_flops, lm_head_forward_flops
+from epas_megatron.metrics.memory_model import rank_memory_bytes
+from epas_megatron.model.v_placement import even_v_stage_sizes, v_stage
+from epas_megatron.parallel.pipeline_schedule import (
+    SPLIT_BACKWARD,
+    V_SCHEDULES,
+    PassCosts,
+    build_schedule,
+    paper_peak,
+    simulate,
+)
 
 DOES_NOT_FIT = 3
 RESERVE = 0.9
@@ -41,11 +59,10 @@ def _split_argv(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 def report(run, gpu_memory_gb: Optional[float]) -> tuple[list[str], bool]:
     """The report's lines and whether every rank fits (always True without a budget)."""
     from epas_megatron.assembly import memory_settings, plan_after_switch, plan_for_run, stage_memory_limit
-    from epas_megatron.metrics.flops import Convention, ModelShape, flops_per_iteration
+    from epas_megatron.metrics.flops import flops_per_iteration
     from epas_megatron.model.fusions import ASSUMED_GPU, KernelAvailability
     from epas_megatron.parallel.layout import StageLayout
     from epas_megatron.parallel.memory_budget import GIB
-    from epas_megatron.parallel.pipeline_schedule import V_SCHEDULES
     from epas_megatron.runtime.device import device_memory_gb
     from epas_megatron.sharing.shape import RegionShape
 
@@ -95,27 +112,39 @@ def report(run, gpu_memory_gb: Optional[float]) -> tuple[list[str], bool]:
                                               first.arch.num_query_groups, first.arch.ffn_hidden_size,
                                               t.seq_length, t.micro_batch_size),
                                    memory_settings(run, first.arch.vocab_size, kernels), p.pp, run.vpp or 1, float("inf"))
-    for label, sharing in (("first region (0 layers sharing)", ()), (f"final region ({len(final)} layers sharing)", final)):
+    measure = replace(measure, settings=replace(measure.settings, pipeline_schedule=run.pipeline_schedule))
+    regions = (("first region (0 layers sharing)", ()), (f"final region ({len(final)} layers sharing)", final))
+    own_rows, own_sizes = [], []  # per region: every rank's memory under the run's own schedule, its stage sizes
+    for label, sharing in regions:
         modes = RegionShape.of(schedule).modes(sharing)
         if run.pipeline_schedule in V_SCHEDULES:
-            per_rank, where = _v_rank_bytes(run, first, measure, modes), f"{run.pipeline_schedule}, V placement"
+            sizes = region_plan(sharing).v_stage_sizes if run.rebalance else first.v_stage_sizes
+            sizes = sizes or even_v_stage_sizes(n, p.pp)
+            per_rank = _v_rank_bytes(run, first, measure, modes, run.pipeline_schedule, sizes)
+            where = f"{run.pipeline_schedule}, V placement ({', '.join(map(str, sizes))})"
         else:
             layout = region_plan(sharing).layout or StageLayout.even(n, p.pp, run.vpp or 1)
-            per_rank, where = measure.layout_bytes(layout, modes), f"layout {layout.to_layout_string()}"
+            per_rank, where, sizes = measure.layout_bytes(layout, modes), f"layout {layout.to_layout_string()}", layout.stage_sizes
+        own_rows.append(per_rank)
+        own_sizes.append(tuple(sizes))
         lines.append(f"memory per GPU at the {label}, {where}"
                      + (f" (budget {budget / GIB:.1f} GiB)" if budget else "") + ":")
         lines.append("  pp rank  parameters+grads+Adam  activations (in flight)       total")
         for rank, need in enumerate(per_rank):
             over = budget is not None and need["total"] > budget
             fits = fits and not over
-            lines.append(f"  {rank:7d}  {need['parameters'] / GIB:17.2f} GiB  {need['activations'] / GIB:8.2f} GiB ({need['in_flight']:g})"
-                         f"  {need['total'] / GIB:8.2f} GiB{'  DOES NOT FIT' if over else ''}")
+            lines.append(f"  {rank:7d}  {need['parameters'] / GIB:17.2f} GiB  {need['activations'] / GIB:8.2f} GiB "
+                         f"({need['in_flight']:.3g})  {need['total'] / GIB:8.2f} GiB{'  DOES NOT FIT' if over else ''}")
     switch_fits = True
     if schedule.num_switches and cfg.epas.epas_switch_mode == "memory" and run.pipeline_schedule in V_SCHEDULES:
         lines.append("memory through an in-memory switch: not modelled yet under V placement (the region's figures above are)")
     elif schedule.num_switches and cfg.epas.epas_switch_mode == "memory":
         switch_lines, switch_fits = _switch_peaks(run, base, limit, measure, budget)
         lines += switch_lines
+    choice = None
+    if p.pp > 1:
+        compare_lines, choice = _compare_schedules(run, first, measure, budget, own_rows, own_sizes[0], [sharing for _, sharing in regions])
+        lines += compare_lines
     if fits and switch_fits:
         lines.append("fits")
     elif fits:
@@ -123,29 +152,205 @@ def report(run, gpu_memory_gb: Optional[float]) -> tuple[list[str], bool]:
                      "through a checkpoint (--epas-switch-mode checkpoint)")
     else:
         lines.append("does NOT fit: raise --pp or --tp, use --recompute selective or --use-distributed-optimizer, "
-                     "or lower --micro-batch-size")
+                     "or lower --micro-batch-size" + (f"; or --pipeline-schedule {choice}, which fits (compared above)"
+                                                      if choice is not None and choice != run.pipeline_schedule else ""))
     fits = fits and switch_fits
     return lines, fits
 
 
-def _v_rank_bytes(run, plan, measure, modes) -> list[dict]:
-    """Every rank's memory under V placement: its two chunks' layers (the V stages of the even
-    split), the embedding and the LM head both on rank 0, and the schedule's own peak of
-    in-flight micro-batches from its simulation."""
-    from epas_megatron.metrics.memory_model import rank_memory_bytes
-    from epas_megatron.model.v_placement import even_v_stage_sizes, v_stage
-    from epas_megatron.parallel.pipeline_schedule import build_schedule, simulate
-
+def _v_rank_bytes(run, plan, measure, modes, name: str, sizes=None) -> list[dict]:
+    """Every rank's memory under the V schedule ``name``: its two chunks' layers (V stages of
+    ``sizes``, default the even split), the embedding and the LM head both on rank 0, and the
+    schedule's peak along the rank's own list, each pass weighed by what it holds before and
+    after its input-gradient backward
+    (:func:`~epas_megatron.metrics.memory_model.schedule_activation_peak`)."""
     pp = run.cfg.parallel.pp
-    sizes = even_v_stage_sizes(plan.arch.num_layers, pp)
+    sizes = sizes or even_v_stage_sizes(plan.arch.num_layers, pp)
     starts = [sum(sizes[:s]) for s in range(len(sizes))]
-    peaks = simulate(build_schedule(run.pipeline_schedule, pp, run.num_microbatches)).peak_in_flight
+    settings = replace(measure.settings, pipeline_schedule=name)
     rows = []
     for rank in range(pp):
         stages = [v_stage(rank, chunk, pp) for chunk in (0, 1)]
         roles = [["share" if modes[i] == "share" else "compute" for i in range(starts[s], starts[s] + sizes[s])] for s in stages]
-        rows.append(rank_memory_bytes(measure.shape, roles, rank, pp, 2, measure.settings, in_flight=peaks[rank], head_rank=0))
+        rows.append(rank_memory_bytes(measure.shape, roles, rank, pp, 2, settings))
     return rows
+
+
+SAME_TIME = 1.01
+"""A schedule must be more than 1% faster (modelled) than the run's own to be chosen over it."""
+
+PAPER_UNITS = {"1f1b": "p", "interleaved": "--", "v-1f1b": "3p/4", "v-half": "(p+2)//2", "v-min": "(p+4)//3"}
+"""How the paper counts each schedule's peak (Qi et al., NeurIPS 2024), in micro-batches of a rank."""
+
+
+def layer_and_head_costs(arch, seq_length: int, micro_batch_size: int):
+    """Modelled ``F`` / ``B`` / ``W`` (:class:`~epas_megatron.parallel.pipeline_schedule.PassCosts`,
+    in FLOPs) of one micro-batch through one computing decoder layer and through the LM head: a
+    GEMM's input gradient and its weight gradient each cost its forward; the attention core's
+    backward twice its forward, all in ``B``."""
+    shape = ModelShape.of(arch, seq_length)
+    matmuls = layer_matmul_flops(shape, Convention.MEGATRON)
+    core = matmuls.attention_scores + matmuls.attention_values
+    gemms = matmuls.total - core
+    b = micro_batch_size
+    head = lm_head_forward_flops(shape) * b
+    return PassCosts(forward=(gemms + core) * b, input_grad=(gemms + 2 * core) * b, weight_grad=gemms * b), \
+        PassCosts(forward=head, input_grad=head, weight_grad=head)
+
+
+def pass_costs(arch, seq_length: int, micro_batch_size: int, pp: int):
+    """:func:`layer_and_head_costs` of the whole model over ``pp`` ranks: one micro-batch through
+    an average rank's share."""
+    layer, head = layer_and_head_costs(arch, seq_length, micro_batch_size)
+    n = arch.num_layers
+    return PassCosts(forward=(n * layer.forward + head.forward) / pp, input_grad=(n * layer.input_grad + head.input_grad) / pp,
+                     weight_grad=(n * layer.weight_grad + head.weight_grad) / pp)
+
+
+def stage_costs(layer, head, stage_sizes: Sequence[int]) -> dict:
+    """Each virtual stage's costs: its layers', the LM head's on the last stage."""
+    last = len(stage_sizes) - 1
+    return {s: PassCosts(forward=k * layer.forward + (s == last) * head.forward,
+                         input_grad=k * layer.input_grad + (s == last) * head.input_grad,
+                         weight_grad=k * layer.weight_grad + (s == last) * head.weight_grad)
+            for s, k in enumerate(stage_sizes)}
+
+
+def schedule_time(name: str, pp: int, num_microbatches: int, costs: dict, vpp: Optional[int] = None) -> tuple[float, float]:
+    """(iteration time, bubble) of schedule ``name`` with per-virtual-stage ``costs`` (stage
+    ``k`` of the interleaved schedule: chunk ``k // pp`` of rank ``k % pp``), no p2p time: the
+    action lists simulated (:func:`~epas_megatron.parallel.pipeline_schedule.simulate`);
+    Megatron's interleaved schedule (no lists here) by its steady state and bubble at the
+    slowest rank's pace, ``m T + (p - 1) T / vpp`` with ``T`` that rank's ``F + B + W``."""
+    if name == "interleaved":
+        slowest = max(sum(costs[k].of("F") + costs[k].of("BW") for k in range(rank, pp * vpp, pp)) for rank in range(pp))
+        span = num_microbatches * slowest + (pp - 1) * slowest / vpp
+        return span, 1 - num_microbatches * slowest / span
+    sim = simulate(build_schedule(name, pp, num_microbatches), stage_costs=costs)
+    return sim.makespan, sim.bubble
+
+
+def _applicable_schedules(run) -> tuple[list[str], list[str]]:
+    """(the schedules this run could use, notes on those it cannot)."""
+    cfg, pp, m = run.cfg, run.cfg.parallel.pp, run.num_microbatches
+    names, notes = ["1f1b"] + (["interleaved"] if run.vpp else []), []
+    why = None
+    if m < pp:
+        why = f"fewer micro-batches ({m}) than --pp {pp}"
+    elif not cfg.model.untie_embeddings_and_output_weights:
+        why = "tied embeddings (both ends are chunks of rank 0)"
+    elif cfg.model.num_layers < 2 * pp:
+        why = f"{cfg.model.num_layers} layers over 2 x --pp {pp} stages"
+    for name in V_SCHEDULES:
+        if why is not None:
+            notes.append(f"{name}: not applicable ({why})")
+        elif name in SPLIT_BACKWARD and run.backend != "local":
+            notes.append(f"{name}: not applicable (the split backward is built for --transformer-impl local)")
+        else:
+            names.append(name)
+    return names, notes
+
+
+@dataclass
+class ScheduleOption:
+    """One pipeline schedule as the report compares it."""
+
+    name: str
+
+    rows: list
+    """Per region compared (first, final): every rank's :func:`~epas_megatron.metrics.memory_model.rank_memory_bytes`."""
+
+    time: float
+    """Modelled iteration time, FLOPs along the slowest path (:func:`schedule_time`)."""
+
+    bubble: float
+
+    fits: bool
+    """Every rank of every region within the budget (True without one)."""
+
+    worst_rank: int
+    """The rank with the most memory."""
+
+
+def choose_schedule(options: Sequence[ScheduleOption], own: str) -> Optional[str]:
+    """The fastest option that fits; the run's ``own`` schedule instead when it fits and the
+    fastest is not more than 1% faster (:data:`SAME_TIME`: the p2p time, twice 1F1B's under V
+    placement, is not modelled); None when none fits."""
+    fitting = [option for option in options if option.fits]
+    if not fitting:
+        return None
+    fastest = min(fitting, key=lambda option: option.time)
+    mine = next((option for option in fitting if option.name == own), None)
+    return own if mine is not None and mine.time <= SAME_TIME * fastest.time else fastest.name
+
+
+def schedule_options(run, plan, measure, budget: Optional[float], own_rows, own_sizes, regions
+                     ) -> tuple[list[ScheduleOption], list[str]]:
+    """Every applicable pipeline schedule (:func:`_applicable_schedules`) priced: each rank's
+    memory at ``regions`` (the run's own schedule: ``own_rows``, with its planned layouts; 1F1B
+    and interleaved on the even layout; V schedules on the even V split), the iteration time and
+    bubble at the first region (:func:`schedule_time`; the run's own on its first region's
+    ``own_sizes``, per virtual stage, the others on the even ones), and whether every rank fits
+    ``budget``; and notes on the schedules left out."""
+    from epas_megatron.parallel.layout import StageLayout
+    from epas_megatron.sharing.shape import RegionShape
+
+    pp, n, m = run.cfg.parallel.pp, run.cfg.model.num_layers, run.num_microbatches
+    names, notes = _applicable_schedules(run)
+    layer, head = layer_and_head_costs(plan.arch, run.cfg.training.seq_length, run.cfg.training.micro_batch_size)
+    options = []
+    for name in names:
+        if name == run.pipeline_schedule:
+            rows, sizes = own_rows, own_sizes
+        else:
+            sizes = even_v_stage_sizes(n, pp) if name in V_SCHEDULES else \
+                StageLayout.even(n, pp, run.vpp if name == "interleaved" else 1).stage_sizes
+            rows = []
+            for sharing in regions:
+                modes = RegionShape.of(run.schedule).modes(sharing)
+                if name in V_SCHEDULES:
+                    rows.append(_v_rank_bytes(run, plan, measure, modes, name))
+                else:
+                    vpp = run.vpp if name == "interleaved" else 1
+                    limit = replace(measure, vpp=vpp, settings=replace(measure.settings, pipeline_schedule=name))
+                    rows.append(limit.layout_bytes(StageLayout.even(n, pp, vpp), modes))
+        worst, worst_rank = max((need["total"], rank) for per_rank in rows for rank, need in enumerate(per_rank))
+        time, bubble = schedule_time(name, pp, m, stage_costs(layer, head, sizes), run.vpp)
+        options.append(ScheduleOption(name, rows, time, bubble, budget is None or worst <= budget, worst_rank))
+    return options, notes
+
+
+def _compare_schedules(run, plan, measure, budget: Optional[float], own_rows, own_sizes, regions) -> tuple[list[str], Optional[str]]:
+    """The report's lines comparing the schedules (:func:`schedule_options`) and the choice
+    (:func:`choose_schedule`)."""
+    from epas_megatron.parallel.memory_budget import GIB
+
+    pp = run.cfg.parallel.pp
+    options, notes = schedule_options(run, plan, measure, budget, own_rows, own_sizes, regions)
+    costs = pass_costs(plan.arch, run.cfg.training.seq_length, run.cfg.training.micro_batch_size, pp)
+    base = next(option.time for option in options if option.name == "1f1b")
+    lines = [f"pipeline schedules compared (PP {pp}, {run.num_microbatches} micro-batches; F : B : W = 1 : "
+             f"{costs.input_grad / costs.forward:.2f} : {costs.weight_grad / costs.forward:.2f} from the model FLOPs, each stage's "
+             f"own, no p2p time; "
+             f"time relative to 1f1b; memory per pp rank in GiB at the first | final region"
+             + (f"; budget {budget / GIB:.1f} GiB" if budget else "") + "):",
+             "  schedule     in flight (paper)       time    bubble  memory per pp rank, GiB"]
+    for option in options:
+        in_flight = max(need["in_flight"] for per_rank in option.rows for need in per_rank)
+        paper = f"{paper_peak(option.name, pp):g} = {PAPER_UNITS[option.name]}" if option.name != "interleaved" else "--"
+        memory = " | ".join(" ".join(f"{need['total'] / GIB:.1f}" for need in per_rank) for per_rank in option.rows)
+        verdict = "" if budget is None else "fits" if option.fits else f"DOES NOT FIT (rank {option.worst_rank})"
+        lines.append(f"  {option.name:11s}  {in_flight:5.2f} ({paper:14s})  {option.time / base:5.3f}  {100 * option.bubble:5.1f}%  "
+                     f"{memory}  {verdict}".rstrip())
+    lines += [f"  {note}" for note in notes]
+    choice = choose_schedule(options, run.pipeline_schedule)
+    if choice is None:
+        lines.append("schedule choice: none of them fits the budget")
+    else:
+        lines.append(f"schedule choice: {choice}, the fastest " + ("that fits the budget" if budget is not None else "(no budget given)")
+                     + (" -- the run's own (another must be more than 1% faster)" if choice == run.pipeline_schedule else
+                        f" (this run: --pipeline-schedule {run.pipeline_schedule})"))
+    return lines, choice
 
 
 def _switch_peaks(run, base, limit, measure, budget: Optional[float]) -> tuple[list[str], bool]:

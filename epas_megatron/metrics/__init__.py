@@ -4,7 +4,8 @@
   Q/K projections and RoPE) and MFU;
 - :mod:`.memory_model`: activation, weight and optimizer memory term by term, per layer and per
   pipeline rank;
-- :mod:`.activation_memory`: the same activation bytes measured on a forward pass;
+- :mod:`.activation_memory`: the same activation bytes measured on a forward pass, and live
+  through a pipelined iteration (``LiveSavedBytes``);
 - :mod:`.logger`: the sinks (``metrics.jsonl``, TensorBoard, wandb).
 
 Layering: a leaf used across levels (config -> model/sharing -> parallel/checkpointing ->

@@ -42,13 +42,15 @@ end of its ``W`` (to the end of ``BW`` without the split).
 
 A schedule is a list of compute actions per rank (:class:`Action`); :func:`with_p2p` adds the
 sends and receives a runtime needs, and :func:`simulate` runs the lists in order with any
-``F``/``B``/``W`` costs (each action as soon as the one before it on its rank and the one it
-depends on have ended): the execution times, the bubble and each rank's peak activations.
-:func:`channel_orders` says whether every rank pair's messages are received in the order they
-are sent (1F1B, V-Half and V-Min: yes; v-1f1b: no, so its runtime must post receives in the
-senders' order). Nothing here touches a process or a tensor: this is the first part of the V
-schedules (issue #34); the executor, the weight-gradient split in the layers, V stage layouts,
-the balancer and the planner come next.
+``F``/``B``/``W`` costs, the same for every stage or each stage its own (each action as soon
+as the one before it on its rank and the one it depends on have ended): the execution times,
+the bubble and each rank's peak activations -- in chunk passes, or in bytes with each stage's
+pass weighed by what it holds before and after its ``B`` (:func:`rank_peak_bytes` counts the
+same along one rank's list: the order fixes it). :func:`channel_orders` says whether every rank
+pair's messages are received in the order they are sent (1F1B, V-Half and V-Min: yes; v-1f1b:
+no, so its runtime must post receives in the senders' order). Nothing here touches a process or
+a tensor: the executor (``training/pipeline_executor.py``) runs the lists, the memory model and
+``epas-plan`` price them.
 """
 
 from __future__ import annotations
@@ -346,10 +348,15 @@ class Simulation:
 
 
 def simulate(schedule: PipelineSchedule, costs: PassCosts = PassCosts(),
-             stage_bytes: Optional[Mapping[int, tuple[float, float]]] = None) -> Simulation:
+             stage_bytes: Optional[Mapping[int, tuple[float, float]]] = None,
+             stage_costs: Optional[Mapping[int, PassCosts]] = None) -> Simulation:
     """Run every rank's list in order, each action as soon as the action before it on its rank
     and the one it depends on (plus ``costs.p2p`` when that one is on another rank) have ended.
     ``ValueError`` if the lists deadlock (an action waits for one that can never run).
+
+    ``stage_costs``: each virtual stage's own costs (stages of unequal work: an uneven layout,
+    the LM head's stage), used as given -- not halved under V placement; ``costs`` then gives
+    only the p2p time.
 
     ``stage_bytes``: per virtual stage, ``(full, deferred)`` -- what one pass of that stage holds
     from its ``F``'s start to the end of its ``B`` (its activations), and from there to the end of
@@ -357,6 +364,12 @@ def simulate(schedule: PipelineSchedule, costs: PassCosts = PassCosts(),
     gradients); a ``BW`` holds ``full`` to its end. Gives :attr:`Simulation.peak_bytes`; stages
     left out hold nothing."""
     sim = Simulation(chunks_per_rank=schedule.chunks_per_rank)
+
+    def cost(action: Action) -> float:
+        if stage_costs is not None:
+            return stage_costs[action.stage].of(action.kind)
+        return costs.of(action.kind) / schedule.chunks_per_rank
+
     position = [0] * schedule.pp
     free = [0.0] * schedule.pp
     remaining = sum(len(actions) for actions in schedule.ranks)
@@ -373,7 +386,7 @@ def simulate(schedule: PipelineSchedule, costs: PassCosts = PassCosts(),
                     crossing = schedule.rank_of(needed.stage) != rank
                     ready = max(ready, sim.end[needed] + (costs.p2p if crossing else 0.0))
                 sim.start[action] = ready
-                sim.end[action] = free[rank] = ready + costs.of(action.kind) / schedule.chunks_per_rank
+                sim.end[action] = free[rank] = ready + cost(action)
                 position[rank] += 1
                 remaining -= 1
                 progressed = True
@@ -381,7 +394,7 @@ def simulate(schedule: PipelineSchedule, costs: PassCosts = PassCosts(),
             stuck = [str(actions[position[r]]) for r, actions in enumerate(schedule.ranks) if position[r] < len(actions)]
             raise ValueError(f"{schedule.name}: the action lists deadlock (waiting: {', '.join(stuck)})")
     for rank, actions in enumerate(schedule.ranks):
-        sim.busy.append(sum(costs.of(a.kind) for a in actions) / schedule.chunks_per_rank)
+        sim.busy.append(sum(cost(a) for a in actions))
         sim.span.append(sim.end[actions[-1]] - sim.start[actions[0]])
         releases = ("W", "BW")
         events = sorted([(sim.start[a], 1) for a in actions if a.kind == "F"] +
@@ -407,6 +420,26 @@ def simulate(schedule: PipelineSchedule, costs: PassCosts = PassCosts(),
                 peak_bytes = max(peak_bytes, held)
             sim.peak_bytes.append(peak_bytes)
     return sim
+
+
+def rank_peak_bytes(schedule: PipelineSchedule, rank: int, stage_bytes: Mapping[int, tuple[float, float]]) -> float:
+    """:attr:`Simulation.peak_bytes` of one rank without simulating the others: a rank runs its
+    list one action at a time, so its peak is fixed by the order alone (whatever the costs) --
+    a forward adds its stage's ``full``, a ``B`` gives back all but ``deferred``, a ``W`` the
+    ``deferred``, a ``BW`` the ``full`` (``stage_bytes`` as in :func:`simulate`)."""
+    held = peak = 0.0
+    for action in schedule.ranks[rank]:
+        full, deferred = stage_bytes.get(action.stage, (0.0, 0.0))
+        held += {"F": full, "B": deferred - full, "W": -deferred, "BW": -full}[action.kind]
+        peak = max(peak, held)
+    return peak
+
+
+@functools.lru_cache(maxsize=64)
+def peak_in_flight(name: str, pp: int, microbatches: int) -> tuple[float, ...]:
+    """:attr:`Simulation.peak_in_flight` of schedule ``name`` (every pass alike, held whole to the
+    end of its ``W`` or ``BW``), per rank; made once per arguments."""
+    return tuple(simulate(build_schedule(name, pp, microbatches)).peak_in_flight)
 
 
 # ---------------------------------------------------------------------------- communication

@@ -18,6 +18,8 @@ from epas_megatron.parallel.pipeline_schedule import (
     check_schedule_config,
     depends_on,
     paper_peak,
+    peak_in_flight,
+    rank_peak_bytes,
     simulate,
     v_chunk,
     v_rank,
@@ -130,6 +132,8 @@ def test_weighed_peaks_equal_a_count_along_each_list(name):
         stage_bytes = {s: (100.0 + 7 * s, 30.0 + s) for s in range(schedule.stages)}
         sim = simulate(schedule, PassCosts(1.0, 2.0, 0.5), stage_bytes=stage_bytes)
         assert sim.peak_bytes == [bytes_by_order(actions, stage_bytes) for actions in schedule.ranks]
+        assert sim.peak_bytes == [rank_peak_bytes(schedule, r, stage_bytes) for r in range(p)]
+        assert list(peak_in_flight(name, p, m)) == sim.peak_in_flight
         assert simulate(schedule).peak_bytes == []
         # counted whole (deferred = full), the peak is the chunk count's
         whole = simulate(schedule, stage_bytes={s: (1.0, 1.0) for s in range(schedule.stages)})
@@ -145,6 +149,23 @@ def test_one_f_one_b_by_hand():
     assert [start[k] for k in ("F1.0", "BW1.0", "F1.1", "BW1.1", "F1.2", "BW1.2")] == [1, 2, 4, 5, 7, 8]
     assert [start[k] for k in ("F0.0", "F0.1", "BW0.0", "F0.2", "BW0.1", "BW0.2")] == [0, 1, 4, 6, 7, 10]
     assert sim.makespan == 12 and sim.bubble_time == 3 and sim.bubble == pytest.approx(3 / 12)
+
+
+def test_stage_costs_by_hand():
+    """Stages of unequal work (``stage_costs``): 1F1B, p = 2, m = 3, stage 0 F = B = W = 1, stage 1
+    F = B = W = 2 (BW 4). Rank 0: F0.0 0-1, F0.1 1-2; rank 1: F1.0 1-3, BW1.0 3-7, F1.1 7-9,
+    BW1.1 9-13; rank 0: BW0.0 7-9, F0.2 9-10, BW0.1 13-15; rank 1: F1.2 13-15, BW1.2 15-19;
+    rank 0: BW0.2 19-21. Rank 1 is never idle after its start; the longest rank, 0, works 9 of 21."""
+    sim = simulate(build_schedule("1f1b", 2, 3), stage_costs={0: PassCosts(1, 1, 1), 1: PassCosts(2, 2, 2)})
+    start = {str(a): t for a, t in sim.start.items()}
+    assert [start[k] for k in ("F1.0", "BW1.0", "F1.1", "BW1.1", "F1.2", "BW1.2")] == [1, 3, 7, 9, 13, 15]
+    assert [start[k] for k in ("F0.0", "F0.1", "BW0.0", "F0.2", "BW0.1", "BW0.2")] == [0, 1, 7, 9, 13, 19]
+    assert sim.makespan == 21 and sim.busy == [9, 18] and sim.bubble == pytest.approx(1 - 9 / 21)
+    for name in NAMES:  # equal stage costs given per stage: as the costs per rank, halved under V
+        schedule = build_schedule(name, 4, 8)
+        per_stage = PassCosts(1.5 / schedule.chunks_per_rank, 2 / schedule.chunks_per_rank, 1 / schedule.chunks_per_rank)
+        ours = simulate(schedule, stage_costs={s: per_stage for s in range(schedule.stages)})
+        assert ours.makespan == pytest.approx(simulate(schedule, PassCosts(1.5, 2, 1)).makespan)
 
 
 @pytest.mark.parametrize("p", [2, 4, 8])
