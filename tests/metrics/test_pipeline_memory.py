@@ -68,3 +68,25 @@ def test_the_split_backwards_lighter_phase_matters(measured):
     whole = modelled(row, weighed=False)
     assert whole[2] / row["peak_per_rank"][2] > 1.05
     assert all(w >= m for w, m in zip(whole, modelled(row)))
+
+
+def table(rows) -> str:
+    """The measured-vs-modelled table (markdown) of the script's RESULT rows."""
+    lines = ["| schedule | paper's peak (units) | rank | measured KiB | modelled KiB | difference | in flight: weighed "
+             "(simulated units) | units x a rank's micro-batch vs measured |", "|---|---|---|---|---|---|---|---|"]
+    for name in ("1f1b", "v-1f1b", "v-half", "v-min"):
+        row = rows[name]
+        units = simulate(build_schedule(name, row["pp"], row["microbatches"])).peak_in_flight
+        for rank, (got, want, whole) in enumerate(zip(row["peak_per_rank"], modelled(row), modelled(row, weighed=False))):
+            lines.append(f"| {name} | {paper_peak(name, row['pp']):g} | {rank} | {got / 1024:.1f} | {want / 1024:.1f} | "
+                         f"{100 * (got / want - 1):+.2f}% | {want / whole * units[rank]:.2f} ({units[rank]:g}) | "
+                         f"{100 * (whole / got - 1):+.1f}% |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # PYTHONPATH=tests python tests/metrics/test_pipeline_memory.py [P]: the table at P ranks
+    import sys
+
+    p = int(sys.argv[1]) if len(sys.argv) > 1 else 4
+    proc = run_script(REPO / "tests" / "training" / "scripts" / "executor_memory.py", [str(p)], nproc=p, timeout=1800)
+    print(table({row["schedule"]: row for row in json_lines(proc.stdout, "RESULT")}))
