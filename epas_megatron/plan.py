@@ -231,7 +231,8 @@ def schedule_time(name: str, pp: int, num_microbatches: int, costs: dict, vpp: O
 
 
 def _applicable_schedules(run) -> tuple[list[str], list[str]]:
-    """(the schedules this run could use, notes on those it cannot)."""
+    """(the schedules this run could use, notes on those it cannot: what the run's validation
+    refuses under a V schedule -- the V schedules drop a ``--vpp`` themselves)."""
     cfg, pp, m = run.cfg, run.cfg.parallel.pp, run.num_microbatches
     names, notes = ["1f1b"] + (["interleaved"] if run.vpp else []), []
     why = None
@@ -241,6 +242,8 @@ def _applicable_schedules(run) -> tuple[list[str], list[str]]:
         why = "tied embeddings (both ends are chunks of rank 0)"
     elif cfg.model.num_layers < 2 * pp:
         why = f"{cfg.model.num_layers} layers over 2 x --pp {pp} stages"
+    elif cfg.parallel.overlap_grad_reduce:
+        why = "--overlap-grad-reduce: the executor reduces after the iteration"
     for name in V_SCHEDULES:
         if why is not None:
             notes.append(f"{name}: not applicable ({why})")
@@ -329,16 +332,17 @@ def _compare_schedules(run, plan, measure, budget: Optional[float], own_rows, ow
     options, notes = schedule_options(run, plan, measure, budget, own_rows, own_sizes, regions)
     costs = pass_costs(plan.arch, run.cfg.training.seq_length, run.cfg.training.micro_batch_size, pp)
     base = next(option.time for option in options if option.name == "1f1b")
+    largest = max(need["total"] for option in options for per_rank in option.rows for need in per_rank)
+    unit, size = ("GiB", GIB) if largest >= GIB else ("MiB", 2**20)
     lines = [f"pipeline schedules compared (PP {pp}, {run.num_microbatches} micro-batches; F : B : W = 1 : "
              f"{costs.input_grad / costs.forward:.2f} : {costs.weight_grad / costs.forward:.2f} from the model FLOPs, each stage's "
-             f"own, no p2p time; "
-             f"time relative to 1f1b; memory per pp rank in GiB at the first | final region"
-             + (f"; budget {budget / GIB:.1f} GiB" if budget else "") + "):",
-             "  schedule     in flight (paper)       time    bubble  memory per pp rank, GiB"]
+             f"own, no p2p time; time relative to 1f1b; memory per pp rank in {unit} at the first | final region"
+             + (f"; budget {budget / size:.1f} {unit}" if budget else "") + "):",
+             f"  schedule     in flight (paper)       time    bubble  memory per pp rank, {unit}"]
     for option in options:
         in_flight = max(need["in_flight"] for per_rank in option.rows for need in per_rank)
         paper = f"{paper_peak(option.name, pp):g} = {PAPER_UNITS[option.name]}" if option.name != "interleaved" else "--"
-        memory = " | ".join(" ".join(f"{need['total'] / GIB:.1f}" for need in per_rank) for per_rank in option.rows)
+        memory = " | ".join(" ".join(f"{need['total'] / size:.1f}" for need in per_rank) for per_rank in option.rows)
         verdict = "" if budget is None else "fits" if option.fits else f"DOES NOT FIT (rank {option.worst_rank})"
         lines.append(f"  {option.name:11s}  {in_flight:5.2f} ({paper:14s})  {option.time / base:5.3f}  {100 * option.bubble:5.1f}%  "
                      f"{memory}  {verdict}".rstrip())

@@ -281,3 +281,20 @@ def test_7b_on_8_gpus_of_40gb_fits_only_with_a_v_schedule(tmp_path):
     rows = {line.split()[0]: line for line in rebalanced.stdout.split("pipeline schedules compared")[1].splitlines()[2:6]}
     assert rows["1f1b"].endswith("fits") and float(rows["v-half"].split()[6]) < 0.99
     assert "schedule choice: v-half, the fastest that fits the budget (this run: --pipeline-schedule 1f1b)" in rebalanced.stdout
+
+
+def test_schedules_a_run_cannot_use_are_named_with_the_reason(tmp_path):
+    """V schedules are left out of the comparison where the run's validation would refuse them
+    (here --overlap-grad-reduce), with the reason; without a budget the fastest is named."""
+    common = ["--world-size", "2", "--preset", "tiny", "--pp", "2", "--global-batch-size", "16"]  # 8 micro-batches
+    proc = plan(*common, "--overlap-grad-reduce", "--output-dir", str(tmp_path / "r"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = proc.stdout.split("pipeline schedules compared")[1]
+    for name in ("v-1f1b", "v-half", "v-min"):
+        assert f"  {name}: not applicable (--overlap-grad-reduce: the executor reduces after the iteration)" in table
+    assert "schedule choice: 1f1b, the fastest (no budget given) -- the run's own" in table
+    assert "memory per pp rank in MiB" in table  # a tiny model's figures
+    fewer = plan(*common[:-1], "2", "--output-dir", str(tmp_path / "f"))  # 1 micro-batch: fewer than --pp
+    assert "  v-min: not applicable (fewer micro-batches (1) than --pp 2)" in fewer.stdout
+    free = plan(*common, "--output-dir", str(tmp_path / "v")).stdout.split("pipeline schedules compared")[1]
+    assert [line.split()[0] for line in free.splitlines()[2:6]] == ["1f1b", "v-1f1b", "v-half", "v-min"]
