@@ -144,12 +144,14 @@ def memory_settings(run: ResolvedRun, vocab_size: int, kernels: Optional[KernelA
     """The memory model's settings for ``run`` on a node with ``kernels`` (default: this
     process's, :meth:`~epas_megatron.model.fusions.KernelAvailability.detect`)."""
     kernels = KernelAvailability.detect() if kernels is None else kernels
-    p = run.cfg.parallel
+    p, m = run.cfg.parallel, run.cfg.model
     return RankMemorySettings(vocab_size=vocab_size, tp=p.tp, dp=run.dp, num_microbatches=run.num_microbatches,
                               precision=run.precision, distributed_optimizer=run.use_distributed_optimizer,
                               sequence_parallel=p.sequence_parallel, recompute=p.recompute if p.recompute != "full" else "none",
                               recompute_modules=recompute_modules(run),
                               share=run.cfg.epas.epas_share, tie_embeddings=not run.cfg.model.untie_embeddings_and_output_weights,
+                              moc=(m.moc_topk, m.moc_groups) if m.moc_topk < 1.0 else None,
+                              pipeline_schedule=run.pipeline_schedule,
                               **memory_kernels(kernels, run.backend, run.random_ltd is not None))
 
 

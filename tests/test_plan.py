@@ -298,3 +298,28 @@ def test_schedules_a_run_cannot_use_are_named_with_the_reason(tmp_path):
     assert "  v-min: not applicable (fewer micro-batches (1) than --pp 2)" in fewer.stdout
     free = plan(*common, "--output-dir", str(tmp_path / "v")).stdout.split("pipeline schedules compared")[1]
     assert [line.split()[0] for line in free.splitlines()[2:6]] == ["1f1b", "v-1f1b", "v-half", "v-min"]
+
+
+def test_mixture_of_channels_in_the_plan(tmp_path):
+    """--moc-topk reaches the memory model through the assembly: each rank's activations shrink
+    (the dense MLP's fc1 and SwiGLU terms are most of a layer's; the sparse form replacing them is
+    checked against the measurement in tests/metrics/test_activation_memory.py), the parameters
+    stay. Local layers: a MoC run with Transformer Engine's is refused."""
+    import re
+
+    from epas_megatron.assembly import memory_settings
+    from epas_megatron.config.cli import parse_config
+    from epas_megatron.config.validation import resolve_run
+
+    common = ["--world-size", "8", "--gpu-memory-gb", "80", "--config", "launch/configs/7b.yaml", "--transformer-impl", "local"]
+    rows = {}
+    for name, extra in (("dense", []), ("moc", ["--moc-topk", "0.2"])):
+        proc = plan(*common, *extra, "--output-dir", str(tmp_path / name))
+        assert proc.returncode in (0, 3), proc.stderr[-2000:]
+        first = proc.stdout.split("memory per GPU at the first region")[1].splitlines()[2]  # pp rank 0
+        rows[name] = [float(x) for x in re.findall(r"([\d.]+) GiB", first)]
+    assert rows["moc"][0] == rows["dense"][0]  # parameters
+    assert rows["moc"][1] < 0.75 * rows["dense"][1]  # activations
+    run = resolve_run(parse_config([*common[4:], "--moc-topk", "0.2", "--output-dir", str(tmp_path / "r")]), world_size=8, cuda=True,
+                      planning_only=True)
+    assert memory_settings(run, 32000).moc == (0.2, 8)

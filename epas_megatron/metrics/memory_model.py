@@ -105,6 +105,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Collection, Iterable, Literal, Optional, Sequence
 
+from epas_megatron.model.moc_sizes import index_bytes, moc_saved_bytes_per_token
 from epas_megatron.model.v_placement import v_stage
 from epas_megatron.parallel.pipeline_schedule import V_SCHEDULES, build_schedule, peak_in_flight, rank_peak_bytes
 
@@ -141,11 +142,13 @@ class LayerShape:
 def layer_activation_terms(shape: LayerShape, role: Role, share: str = "qk", element_bytes: int = 4, *,
                            tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
                            recompute_modules: Sequence[str] = ("core_attn",),
-                           fused_norm: bool = False, fused_swiglu: bool = False, fused_rope: bool = False) -> dict[str, int]:
+                           fused_norm: bool = False, fused_swiglu: bool = False, fused_rope: bool = False,
+                           moc: Optional[tuple[float, int]] = None) -> dict[str, int]:
     """Bytes per term (see the module doc) that one layer keeps for backward, per micro-batch,
     on one tensor-parallel rank; ``recompute_modules``: what selective recompute runs again
     (module doc); ``fused_norm`` / ``fused_swiglu`` / ``fused_rope``: the fused kernels (module
-    doc)."""
+    doc); ``moc``: ``(topk, groups)`` of Mixture-of-Channels MLPs (below 1: ``moc_sparse``
+    replaces ``fc1_output`` and ``swiglu``)."""
     if share not in ("qk", "kv"):
         raise ValueError(f"share must be 'qk' or 'kv', got {share!r}")
     if recompute not in ("none", "selective"):
@@ -186,7 +189,11 @@ def layer_activation_terms(shape: LayerShape, role: Role, share: str = "qk", ele
         terms["recompute_argument"] = 4  # an int32 scalar the checkpoint keeps
     else:
         terms["attention_lse"] = b * a * s * 4
-    if "mlp" not in selective:  # recomputed, the MLP keeps only its input (norm2_output, above)
+    if "mlp" in selective:  # recomputed, the MLP keeps only its input (norm2_output, above)
+        pass
+    elif moc is not None and moc[0] < 1.0:  # the sparse form: k indices and k values of G and of U per group
+        terms["moc_sparse"] = s * b * moc_saved_bytes_per_token(f, moc[1] // tp, moc[0], e)
+    else:
         terms["fc1_output"] = s * b * 2 * f * e
         terms["swiglu"] = (1 if fused_swiglu else 3) * s * b * f * e
     return terms
@@ -209,6 +216,10 @@ def layer_activation_tensors(shape: LayerShape, role: Role, share: str = "qk", e
     measurement sees storage by storage."""
     sizes = []
     for name, value in layer_activation_terms(shape, role, share, element_bytes, **parallel).items():
+        if name == "moc_sparse":  # the indices, and the k-wide G and U values
+            values = value // (2 * element_bytes + index_bytes(shape.ffn_hidden_size // parallel["moc"][1])) * element_bytes
+            sizes += [value - 2 * values, values, values]
+            continue
         count = TENSORS_PER_TERM.get(name, 1) if not (name == "swiglu" and parallel.get("fused_swiglu")) else 1
         if count is None:
             count = value // (shape.seq_length * shape.head_dim * element_bytes)
@@ -222,7 +233,7 @@ def layer_activation_bytes(shape: LayerShape, role: Role, share: str = "qk", ele
 
 
 def weight_grad_terms(shape: LayerShape, role: Role, share: str = "qk", element_bytes: int = 4, *, tp: int = 1,
-                      sequence_parallel: bool = False) -> dict[str, int]:
+                      sequence_parallel: bool = False, moc: Optional[tuple[float, int]] = None) -> dict[str, int]:
     """Bytes per term that one layer keeps from the end of its input-gradient backward (``B``) to
     its weight-gradient backward (``W``) under a split-backward schedule (v-half, v-min), per
     micro-batch on one tensor-parallel rank: each trainable linear's deferred GEMM keeps its input
@@ -243,7 +254,8 @@ def weight_grad_terms(shape: LayerShape, role: Role, share: str = "qk", element_
     (``a``, ``g``, ``F`` divided by TP; ``sn`` = ``s / t`` with sequence parallelism: a
     row-parallel GEMM's output, a column-parallel GEMM's kept input.) In the activation dtype.
     Recompute does not change them: a recomputed MLP's fc2 input is made again in ``B`` and kept
-    to ``W`` like the original."""
+    to ``W`` like the original. A Mixture-of-Channels MLP (``moc``) keeps fc2's input in its
+    sparse form (``moc_sparse``)."""
     if share not in ("qk", "kv"):
         raise ValueError(f"share must be 'qk' or 'kv', got {share!r}")
     s, b, h = shape.seq_length, shape.micro_batch_size, shape.hidden_size
@@ -254,7 +266,9 @@ def weight_grad_terms(shape: LayerShape, role: Role, share: str = "qk", element_
     return {"qkv_input": sn * b * h * e, "qkv_grad_output": s * b * own * d * e,
             "proj_input": s * b * a * d * e, "proj_grad_output": sn * b * h * e,
             "fc1_input": sn * b * h * e, "fc1_grad_output": s * b * 2 * f * e,
-            "fc2_input": s * b * f * e, "fc2_grad_output": sn * b * h * e}
+            "fc2_input": (s * b * moc_saved_bytes_per_token(f, moc[1] // tp, moc[0], e) if moc is not None and moc[0] < 1.0
+                          else s * b * f * e),
+            "fc2_grad_output": sn * b * h * e}
 
 
 def weight_grad_bytes(shape: LayerShape, role: Role, share: str = "qk", element_bytes: int = 4, **parallel) -> int:
@@ -390,6 +404,9 @@ class RankMemorySettings:
     recompute_modules: tuple[str, ...] = ("core_attn",)
     """With 'selective': what is recomputed ('core_attn', 'mlp')."""
 
+    moc: Optional[tuple[float, int]] = None
+    """Mixture-of-Channels MLPs: (kept fraction, groups); None: dense."""
+
     share: str = "qk"
     """What sharing layers reuse."""
 
@@ -429,7 +446,7 @@ def layer_memory(shape: LayerShape, role: Role, settings: RankMemorySettings) ->
     static = parameter_state_bytes(trainable, frozen, settings.precision, settings.distributed_optimizer, settings.dp)
     activations = layer_activation_bytes(shape, role, settings.share, settings.element_bytes, tp=settings.tp,
                                          sequence_parallel=settings.sequence_parallel, recompute=settings.recompute,
-                                         recompute_modules=settings.recompute_modules,
+                                         recompute_modules=settings.recompute_modules, moc=settings.moc,
                                          **settings.kernels)
     return static, activations
 
@@ -465,7 +482,7 @@ def rank_memory_bytes(shape: LayerShape, roles_by_chunk: list[list[Role]], pp_ra
             layer_static, layer_activation = layer_memory(shape, role, settings)
             static += layer_static
             full[c] += layer_activation
-            deferred[c] += weight_grad_bytes(shape, role, settings.share, e, **parallel)
+            deferred[c] += weight_grad_bytes(shape, role, settings.share, e, moc=settings.moc, **parallel)
     table = settings.vocab_size // settings.tp * shape.hidden_size
     if pp_rank == 0:
         static += parameter_state_bytes(table, 0, settings.precision, settings.distributed_optimizer, settings.dp)

@@ -37,6 +37,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.mlp import MLP
 
 from epas_megatron.errors import ConfigError
+from epas_megatron.model.moc_sizes import index_bytes, kept_channels, moc_saved_bytes_per_token  # noqa: F401 -- re-exported
 from epas_megatron.model.weight_grad import WEIGHT_GRAD_STORE
 from epas_megatron.model.weight_grad import _accumulate as accumulate_weight_grad
 
@@ -57,24 +58,9 @@ def check_moc_config(topk: float, groups: int, ffn_hidden_size: int, tp: int, ba
         raise ConfigError("--moc-topk < 1 is built for the local layers: use --transformer-impl local (or --moc-topk 1)")
 
 
-def kept_channels(ffn_hidden_size: int, groups: int, topk: float) -> int:
-    """Channels kept per token in each group: ``round(topk * ffn / groups)``, at least 1."""
-    per_group = ffn_hidden_size // groups
-    return max(1, min(per_group, round(topk * per_group)))
-
-
 def index_dtype(per_group: int) -> torch.dtype:
     """The narrowest integer type that holds a channel's index within its group."""
-    return torch.uint8 if per_group <= 256 else torch.int16 if per_group <= 32768 else torch.int32
-
-
-def moc_saved_bytes_per_token(ffn_local: int, groups_local: int, topk: float, value_bytes: int) -> int:
-    """Bytes one token keeps for backward in a MoC activation + ``linear_fc2`` (one TP rank):
-    ``k`` indices and ``k`` values of ``G`` and of ``U`` per group. (``linear_fc1``'s input is
-    kept by ``linear_fc1``, as in the dense MLP.)"""
-    per_group = ffn_local // groups_local
-    k = kept_channels(ffn_local, groups_local, topk)
-    return groups_local * k * (2 * value_bytes + torch.empty((), dtype=index_dtype(per_group)).element_size())
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32}[index_bytes(per_group)]
 
 
 class _MoCSwiGLUDown(torch.autograd.Function):

@@ -298,3 +298,32 @@ def test_mlp_recompute_keeps_only_the_mlps_input(modules, precision, element_byt
     f, e = 352, element_bytes
     saved = layer_activation_bytes(SHAPE, "compute", "qk", element_bytes) - compute
     assert saved == S * B * 2 * f * e + 3 * S * B * f * e + (B * 8 * S * 4 - 4 if "core_attn" in modules else 0)
+
+
+@pytest.mark.parametrize("topk, groups", [(0.25, 4), (0.2, 8)])
+@pytest.mark.parametrize("precision,element_bytes", [("fp32", 4), ("bf16", 2)])
+def test_mixture_of_channels_layers_keep_the_models_sparse_term(topk, groups, precision, element_bytes):
+    """A Mixture-of-Channels MLP keeps, instead of fc1's output and SwiGLU's three tensors, the
+    kept indices and the k-wide values of G and U: measured equal to the model's ``moc_sparse``
+    term per layer role, storage by storage; and MLP recompute still keeps only the input."""
+    from epas_megatron.metrics.activation_memory import measure_saved_bytes
+    from epas_megatron.model.architecture import LlamaArchitecture
+    from epas_megatron.model.build_plan import BuildPlan
+    from epas_megatron.model.builder import build_model
+    from epas_megatron.model.moc_sizes import kept_channels
+
+    arch = LlamaArchitecture(num_layers=4, hidden_size=128, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=352,
+                             vocab_size=512, max_sequence_length=S, moc_topk=topk, moc_groups=groups)
+    plan = BuildPlan.for_region(arch, (2, 3), seq_length=S, precision=precision)
+    tokens = torch.randint(0, 512, (B, S), generator=torch.Generator().manual_seed(0))
+    got = measure_saved_bytes(build_model(plan, seed=1).chunks[0], tokens, torch.arange(S).expand(B, S), None, labels=tokens)
+    moc = (topk, groups)
+    compute = layer_activation_bytes(SHAPE, "compute", "qk", element_bytes, moc=moc)
+    sharing = layer_activation_bytes(SHAPE, "share", "qk", element_bytes, moc=moc)
+    assert got.layers == {0: compute, 1: compute, 2: sharing, 3: sharing}
+    assert sorted(got.tensors[1]) == layer_activation_tensors(SHAPE, "compute", "qk", element_bytes, moc=moc)
+    k = kept_channels(352, groups, topk)  # by hand: uint8 indices (a group is at most 256 channels), two k-wide values
+    sparse = layer_activation_terms(SHAPE, "compute", "qk", element_bytes, moc=moc)["moc_sparse"]
+    assert sparse == S * B * groups * k * (1 + 2 * element_bytes)
+    dense = layer_activation_bytes(SHAPE, "compute", "qk", element_bytes)
+    assert dense - compute == S * B * 5 * 352 * element_bytes - S * B * groups * k * (1 + 2 * element_bytes)
