@@ -163,6 +163,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     memory.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     memory.add_argument("--tp", type=int, default=1, help="tensor parallel size: run under torchrun with this many processes")
     memory.add_argument("--sequence-parallel", action="store_true")
+    memory.add_argument("--moc-topk", type=float, default=0.2, help="Mixture-of-Channels kept fraction of the MLP comparison")
+    memory.add_argument("--moc-groups", type=int, default=8, help="Mixture-of-Channels channel groups (a multiple of --tp)")
     args = parser.parse_args(argv)
     from epas_megatron.runtime.accelerator import check_accelerator
 
@@ -326,6 +328,7 @@ def _memory(args) -> int:
     from epas_megatron.bench.memory_bench import MemoryBenchConfig, run_memory_bench
     from epas_megatron.bench.train_bench import format_record
     from epas_megatron.config.presets import get_preset
+    from epas_megatron.model.moc import check_moc_config
     from epas_megatron.runtime.distributed import destroy_distributed, init_distributed, world_size_from_env
 
     try:
@@ -338,6 +341,7 @@ def _memory(args) -> int:
             raise ConfigError("--sequence-parallel needs --tp > 1")
         if args.seq_length < 1 or args.micro_batch_size < 1:
             raise ConfigError("--seq-length and --micro-batch-size must be >= 1")
+        check_moc_config(args.moc_topk, args.moc_groups, preset.ffn_hidden_size, args.tp, "local")
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return ConfigError.exit_code
@@ -345,7 +349,8 @@ def _memory(args) -> int:
     log = (lambda line: print(line, flush=True)) if dims.is_logging_rank else (lambda line: None)
     try:
         cfg = MemoryBenchConfig(args.preset, region, args.seq_length, args.micro_batch_size, args.share, args.precision,
-                                tp=args.tp, sequence_parallel=args.sequence_parallel)
+                                tp=args.tp, sequence_parallel=args.sequence_parallel, moc_topk=args.moc_topk,
+                                moc_groups=args.moc_groups)
         record = run_memory_bench(cfg, log=log)
         log(format_record(record))
     finally:

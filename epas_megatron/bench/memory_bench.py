@@ -5,7 +5,11 @@ micro-batch forward with saved-tensor hooks (:mod:`epas_megatron.metrics.activat
 and prints, per layer role, the bytes kept for backward next to
 :mod:`epas_megatron.metrics.memory_model`'s prediction, the model's terms that differ between
 the roles, and what the region saves on the decoder's activations (with Korthikanti et al.'s
-GPT count at the same shape for scale). Last line: ``BENCH {json}``.
+GPT count at the same shape for scale). Then the MLP's own choices for a computing layer, measured
+and modelled: the dense MLP, Megatron-Core's MLP recompute (``--recompute-modules mlp``: one more
+MLP forward in backward) and Mixture-of-Channels (``--moc-topk``: the sparse form, no extra GEMM
+FLOPs, another model), with the bytes each saves and the FLOPs it costs. Last line:
+``BENCH {json}``.
 """
 
 from __future__ import annotations
@@ -46,17 +50,25 @@ class MemoryBenchConfig:
     sequence_parallel: bool = False
     """With TP > 1: sequence parallelism."""
 
+    moc_topk: float = 0.2
+    """Mixture-of-Channels kept fraction of the MLP comparison (the paper's K)."""
 
-def _measure(sharing, cfg: MemoryBenchConfig, share: str, recompute: str):
-    """Measured bytes of one micro-batch for one configuration (a fresh model)."""
+    moc_groups: int = 8
+    """Mixture-of-Channels channel groups (a multiple of ``tp``)."""
+
+
+def _measure(sharing, cfg: MemoryBenchConfig, share: str, recompute: str, modules=("core_attn",), moc=None):
+    """Measured bytes of one micro-batch for one configuration (a fresh model): selective
+    recompute of ``modules``; Mixture-of-Channels ``moc`` = (topk, groups)."""
     from epas_megatron.assembly import plan_for_preset
     from epas_megatron.metrics.activation_memory import measure_saved_bytes
     from epas_megatron.model.build_plan import RecomputeSettings
     from epas_megatron.model.builder import build_model
     from epas_megatron.runtime.device import compute_device
 
+    recompute_settings = RecomputeSettings(recompute, modules=tuple(modules)) if recompute == "selective" else RecomputeSettings(recompute)
     plan = plan_for_preset(cfg.preset, sharing, seq_length=cfg.seq_length, precision=cfg.precision, share=share,
-                           recompute=RecomputeSettings(recompute), tp=cfg.tp, sequence_parallel=cfg.sequence_parallel)
+                           recompute=recompute_settings, tp=cfg.tp, sequence_parallel=cfg.sequence_parallel, moc=moc)
     model = build_model(plan, seed=cfg.seed).chunks[0]
     arch = plan.arch
     device = compute_device()
@@ -130,4 +142,41 @@ def run_memory_bench(cfg: MemoryBenchConfig, log=print) -> dict:
         f"computing ({record['decoder_saving_fraction']:.1%} less); with the embedding, final norm and LM head "
         f"({outside * mb:.2f} MiB): {record['model_saving_fraction']:.1%} less. (Korthikanti's GPT layer at this shape: "
         f"{korthikanti * mb:.3f} MiB.)")
+    record["mlp_choices"] = _mlp_choices(sharing, cfg, shape, e, parallel, log)
     return record
+
+
+def _mlp_choices(sharing, cfg: MemoryBenchConfig, shape, e: int, parallel: dict, log) -> dict:
+    """A computing layer's bytes with the dense MLP, MLP recompute and Mixture-of-Channels, measured
+    and modelled, with the extra forward FLOPs each costs per micro-batch (one TP rank)."""
+    from epas_megatron.metrics.memory_model import layer_activation_bytes
+
+    s, b, h, f = cfg.seq_length, cfg.micro_batch_size, shape.hidden_size, shape.ffn_hidden_size // cfg.tp
+    moc = (cfg.moc_topk, cfg.moc_groups)
+    choices = {
+        "dense": (dict(recompute="none"), {}, 0),
+        "mlp_recompute": (dict(recompute="selective", modules=("mlp",)), dict(recompute="selective", recompute_modules=("mlp",)),
+                          2 * s * b * 3 * h * f),  # fc1 (h -> 2f) and fc2 (f -> h) again, 2 FLOPs a multiply-add
+        "moc": (dict(recompute="none", moc=moc), dict(moc=moc), 0),
+    }
+    rows = {}
+    for name, (measure_kw, model_kw, flops) in choices.items():
+        measured = _measure(sharing, cfg, "qk", **measure_kw)
+        computing = max(measured.layers[i] for i in range(len(measured.layers)) if i not in sharing)
+        rows[name] = {"layer_bytes_measured": computing, "layer_bytes_model": layer_activation_bytes(shape, "compute", "qk", e,
+                                                                                                    **parallel, **model_kw),
+                      "extra_forward_flops": flops}
+    dense = rows["dense"]["layer_bytes_measured"]
+    mb = 1 / 2**20
+    log(f"MLP choices, one computing layer, one micro-batch (Mixture-of-Channels: top {cfg.moc_topk:g} of the channels in "
+        f"{cfg.moc_groups} groups; it changes the model -- its quality is measured by epas-bench quality --parts moc):")
+    log("| MLP | measured MiB | model MiB | saved vs dense | extra GFLOP per micro-batch | MiB saved per extra GFLOP |")
+    log("|---|---:|---:|---:|---:|---:|")
+    for name, row in rows.items():
+        saved = dense - row["layer_bytes_measured"]
+        row["saved_fraction"] = saved / dense
+        per_gflop = saved * mb / (row["extra_forward_flops"] / 1e9) if row["extra_forward_flops"] else None
+        row["mib_saved_per_extra_gflop"] = per_gflop
+        log(f"| {name} | {row['layer_bytes_measured'] * mb:.3f} | {row['layer_bytes_model'] * mb:.3f} | {saved / dense:.1%} | "
+            f"{row['extra_forward_flops'] / 1e9:.3f} | {'no extra FLOPs' if per_gflop is None else f'{per_gflop:.3f}'} |")
+    return rows

@@ -75,6 +75,13 @@ def test_memory_bench_prints_measured_and_modelled_bytes():
     assert record["sharing_layer_bytes_measured"] < record["computing_layer_bytes_measured"]
     assert 0 < record["decoder_saving_fraction"] < 0.5 and record["layers_equal_within_role"]
     assert "| computing |" in proc.stdout and "terms that differ" in proc.stdout
+    # The MLP's choices: measured equal to the model; MLP recompute's cost by hand (fc1 and fc2 again:
+    # 2 FLOPs x s 32 x b 1 x 3 x h 64 x f 176); Mixture-of-Channels (top 0.2 of 8 groups) costs no GEMM FLOPs.
+    choices = record["mlp_choices"]
+    assert all(row["layer_bytes_measured"] == row["layer_bytes_model"] for row in choices.values()), choices
+    assert choices["mlp_recompute"]["extra_forward_flops"] == 2 * 32 * 3 * 64 * 176 and choices["moc"]["extra_forward_flops"] == 0
+    dense = choices["dense"]["layer_bytes_measured"]
+    assert choices["mlp_recompute"]["layer_bytes_measured"] < choices["moc"]["layer_bytes_measured"] < dense
 
 
 @pytest.mark.parametrize("share", ["qk", "kv"])
@@ -128,10 +135,13 @@ def test_memory_bench_under_tensor_and_sequence_parallelism():
     for row in record["configurations"]:
         assert row["computing_layer_bytes_measured"] == row["computing_layer_bytes_model"], row
         assert row["sharing_layer_bytes_measured"] == row["sharing_layer_bytes_model"], row
+    for name, row in record["mlp_choices"].items():  # MLP recompute and Mixture-of-Channels per TP rank too
+        assert row["layer_bytes_measured"] == row["layer_bytes_model"], (name, row)
 
 
 @pytest.mark.parametrize("argv,message", [(["--region", "9"], "--region must be between 1 and 3 for the tiny preset"),
-                                          (["--sequence-parallel"], "--sequence-parallel needs --tp > 1")])
+                                          (["--sequence-parallel"], "--sequence-parallel needs --tp > 1"),
+                                          (["--moc-groups", "7"], "--moc-groups 7 must divide --ffn-hidden-size 176")])
 def test_memory_bench_bad_input(argv, message):
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run([sys.executable, "-m", "epas_megatron.bench.cli", "memory", "--preset", "tiny", *argv],
