@@ -113,13 +113,16 @@ def plan_after_switch(run: ResolvedRun, current: BuildPlan, sharing_layers: Sequ
 
     Under V placement (``current.v_stage_sizes`` set) rebalancing chooses new V stage sizes
     (:func:`~epas_megatron.parallel.stage_layouts.balanced_v_layout`); the memory limit is not
-    applied there (the memory model does not price V placement's per-rank in-flight
-    micro-batches yet)."""
+    applied there -- the V balancer prices time only -- and the notice says so (a budget is never
+    dropped silently; ``epas-plan`` shows each rank's memory under the V schedules)."""
     if not run.rebalance:
         return current.with_region(sharing_layers, current.layout), None
     if current.v_stage_sizes is not None:
         layout = balanced_v_layout(current, sharing_layers, timer=timer)
-        return replace(current.with_region(sharing_layers), v_stage_sizes=layout.stage_sizes), None
+        notice = None if memory is None else (
+            f"not applied under --pipeline-schedule {run.pipeline_schedule} (the V balancer prices time only); "
+            f"the layout {layout} is the fastest, whatever each rank holds -- epas-plan shows every rank's memory")
+        return replace(current.with_region(sharing_layers), v_stage_sizes=layout.stage_sizes), notice
     layout, notice = balanced_layout_noted(current, sharing_layers, timer=timer, memory=memory)
     return current.with_region(sharing_layers, layout), notice
 

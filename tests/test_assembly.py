@@ -139,3 +139,7 @@ def test_v_plans_of_a_run(tmp_path):
         assert after.v_stage_sizes == balance_v_region(costs, 6, sharing, 2).stage_sizes and notice is None
         assert after.sharing_layers == sharing and after.layout_string.startswith("V:E")
     assert plan_after_switch(run, plan, (5,))[0].v_stage_sizes != plan.v_stage_sizes  # the layout does move
+    # A memory budget (on CUDA, 90% of the GPU by default) is not priced under V: the notice says so.
+    after, notice = plan_after_switch(run, plan, (5,), memory=object())
+    assert after.v_stage_sizes == balance_v_region(costs, 6, (5,), 2).stage_sizes
+    assert "not applied under --pipeline-schedule v-1f1b" in notice and "epas-plan" in notice
