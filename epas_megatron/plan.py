@@ -136,9 +136,7 @@ def report(run, gpu_memory_gb: Optional[float]) -> tuple[list[str], bool]:
             lines.append(f"  {rank:7d}  {need['parameters'] / GIB:17.2f} GiB  {need['activations'] / GIB:8.2f} GiB "
                          f"({need['in_flight']:.3g})  {need['total'] / GIB:8.2f} GiB{'  DOES NOT FIT' if over else ''}")
     switch_fits = True
-    if schedule.num_switches and cfg.epas.epas_switch_mode == "memory" and run.pipeline_schedule in V_SCHEDULES:
-        lines.append("memory through an in-memory switch: not modelled yet under V placement (the region's figures above are)")
-    elif schedule.num_switches and cfg.epas.epas_switch_mode == "memory":
+    if schedule.num_switches and cfg.epas.epas_switch_mode == "memory":
         switch_lines, switch_fits = _switch_peaks(run, base, limit, measure, budget)
         lines += switch_lines
     choice = None
@@ -362,18 +360,24 @@ def _switch_peaks(run, base, limit, measure, budget: Optional[float]) -> tuple[l
     between the layouts planned for the regions before and after it): the report's lines and
     whether every rank fits ``budget``."""
     from epas_megatron.assembly import plan_after_switch
-    from epas_megatron.parallel.layout import StageLayout
+    from epas_megatron.parallel.layout import StageLayout, VStageLayout
     from epas_megatron.parallel.memory_budget import GIB
     from epas_megatron.sharing.shape import RegionShape
 
     schedule, p = run.schedule, run.cfg.parallel
     region = RegionShape.of(schedule)
     layouts: dict = {}
+    if run.pipeline_schedule in V_SCHEDULES:  # two chunks per rank in V order, both ends on rank 0
+        measure = replace(measure, vpp=2)
 
     def layout_of(sharing):
         if sharing not in layouts:  # (the budget's notices are printed with the first and final regions)
-            planned = plan_after_switch(run, base, sharing, memory=limit)[0].layout
-            layouts[sharing] = planned or StageLayout.even(run.cfg.model.num_layers, p.pp, run.vpp or 1)
+            planned = plan_after_switch(run, base, sharing, memory=limit)[0]
+            if run.pipeline_schedule in V_SCHEDULES:
+                sizes = planned.v_stage_sizes or even_v_stage_sizes(run.cfg.model.num_layers, p.pp)
+                layouts[sharing] = VStageLayout(tuple(sizes), p.pp)
+            else:
+                layouts[sharing] = planned.layout or StageLayout.even(run.cfg.model.num_layers, p.pp, run.vpp or 1)
         return layouts[sharing]
 
     worst: list = [None] * p.pp

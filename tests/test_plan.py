@@ -177,7 +177,8 @@ def test_v_placement_in_the_plan(tmp_path):
     micro-batches; rank 0 runs F0.0 F3.0 BW3.0 F0.1 F3.1 ..., so it keeps two passes of chunk 0
     (8 layers and the embedding) and one of chunk 1 (8 layers, the head and the loss): in flight
     (2 f0 + f3) / (f0 + f3), a little under 1.5 as the head's logits outweigh the token ids (1F1B:
-    2 and 1). The switch's transient is said not to be modelled there."""
+    2 and 1). Through an in-memory switch too, rank 0 holds both ends: the state before its
+    largest switch is its first region's parameter state, above rank 1's."""
     import re
 
     from epas_megatron.parallel.pipeline_schedule import build_schedule
@@ -196,7 +197,9 @@ def test_v_placement_in_the_plan(tmp_path):
     assert f0 == pytest.approx(8 * layer, rel=0.01)  # (the token ids: 32 KiB)
     assert 1.4 < rows[0][3] < 1.5
     assert rows[0][0] > rows[1][0]  # rank 0 holds the embedding and the head (and a table's optimizer state)
-    assert "not modelled yet under V placement" in proc.stdout
+    switch = proc.stdout.split("memory per GPU through its largest in-memory switch")[1].splitlines()[2:4]
+    before = [[float(x) for x in re.findall(r"([\d.]+) GiB", line)] for line in switch]
+    assert before[0][0] == rows[0][0] > before[1][0] and all(b[1] > 0 and b[2] == pytest.approx(b[0] + b[1], abs=0.011) for b in before)
 
 
 def test_pass_costs_by_hand():

@@ -513,14 +513,16 @@ def qkv_parameters(shape: LayerShape, tp: int = 1) -> int:
 def rank_parameters(shape: LayerShape, roles: Iterable[Role], pp_rank: int, pp: int, settings: RankMemorySettings) -> tuple[int, int]:
     """(trainable, frozen) parameters of one pipeline rank holding layers of ``roles``: theirs,
     the embedding on the first rank, the LM head (unless tied to the embedding on the same rank)
-    and final norm on the last."""
+    and final norm on the last -- on the first too under a V schedule
+    (``settings.pipeline_schedule``), whose rank 0 holds both ends."""
     trainable = frozen = 0
     for role in roles:
         layer_trainable, layer_frozen = layer_parameters(shape, role, settings.share, settings.tp)
         trainable, frozen = trainable + layer_trainable, frozen + layer_frozen
     table = settings.vocab_size // settings.tp * shape.hidden_size
     head = 0 if (settings.tie_embeddings and pp == 1) else table
-    return trainable + table * (pp_rank == 0) + (head + shape.hidden_size) * (pp_rank == pp - 1), frozen
+    head_rank = 0 if settings.pipeline_schedule in V_SCHEDULES else pp - 1
+    return trainable + table * (pp_rank == 0) + (head + shape.hidden_size) * (pp_rank == head_rank), frozen
 
 
 def switch_transient_terms(shape: LayerShape, roles_before: Sequence[Role], roles_after: Sequence[Role],
