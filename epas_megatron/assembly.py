@@ -4,7 +4,7 @@
 A model is described by one of three sources, and every entry point goes through the function
 for its source instead of rebuilding a plan by hand:
 
-* a **resolved run** (:class:`~epas_megatron.config.validation.ResolvedRun`): the trainer, its
+* a **resolved run** (:class:`~epas_megatron.validation.ResolvedRun`): the trainer, its
   switches, ``epas-plan``, in-process tests -- :func:`plan_for_run`, :func:`optimizer_settings_for_run`,
   :func:`checkpoint_meta_for_run`;
 * a **checkpoint's metadata** (:class:`~epas_megatron.checkpointing.metadata.CheckpointMeta`):
@@ -33,7 +33,6 @@ import torch
 from epas_megatron.checkpointing.metadata import CheckpointMeta, SavedParallel, model_record
 from epas_megatron.config.cli import to_dict
 from epas_megatron.config.presets import get_preset
-from epas_megatron.config.validation import ResolvedRun
 from epas_megatron.errors import ConfigError
 from epas_megatron.metrics.memory_model import RankMemorySettings
 from epas_megatron.model.architecture import architecture_from_config, architecture_from_preset
@@ -44,9 +43,10 @@ from epas_megatron.parallel.memory_budget import MemoryLimit, memory_limit_for
 from epas_megatron.parallel.pipeline_schedule import V_SCHEDULES, PipelineSchedule, build_schedule
 from epas_megatron.parallel.stage_layouts import balanced_layout_noted, balanced_v_layout
 from epas_megatron.sharing.regions import parse_regions
+from epas_megatron.validation import ResolvedRun
 
 if TYPE_CHECKING:  # (its module imports Megatron's optimizer: seconds, which epas-plan never needs)
-    from epas_megatron.training.optimizer import OptimizerSettings
+    from epas_megatron.engine.optimizer import OptimizerSettings
 
 
 # ---------------------------------------------------------------------------- a resolved run
@@ -177,7 +177,7 @@ def stage_memory_limit(run: ResolvedRun, plan: BuildPlan, device_memory_gb: Opti
 def optimizer_settings_for_run(run: ResolvedRun, lr_schedule_units=None) -> "OptimizerSettings":
     """The optimizer and LR schedule of a run; ``lr_schedule_units``: the LR schedule's
     per-iteration units when they are not iterations (Random-LTD's layer tokens)."""
-    from epas_megatron.training.optimizer import OptimizerSettings  # Megatron's optimizer (see the import above)
+    from epas_megatron.engine.optimizer import OptimizerSettings  # Megatron's optimizer (see the import above)
 
     t = run.cfg.training
     return OptimizerSettings(

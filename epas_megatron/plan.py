@@ -405,8 +405,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     quiet_library_noise()
     from epas_megatron.config.cli import parse_config
-    from epas_megatron.config.validation import resolve_run
     from epas_megatron.runtime.distributed import world_size_from_env
+    from epas_megatron.validation import resolve_run
 
     ours, rest = _split_argv(sys.argv[1:] if argv is None else argv)
     try:

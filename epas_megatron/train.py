@@ -7,7 +7,7 @@ Run one process, or launch with torchrun (``launch/run_train.sh`` picks the argu
 
 Exit status: 0 on success (also after a checkpoint on SIGTERM/SIGUSR1), 2 on bad input or
 configuration (reported before any process group or data work), 3 when a step's loss or
-gradient norm is not finite (nothing of that state is saved; see training/step.py), 1 on other failures.
+gradient norm is not finite (nothing of that state is saved; see engine/step.py), 1 on other failures.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     exit_signal.install()
     quiet_library_noise()
     from epas_megatron.config.cli import parse_config
-    from epas_megatron.config.validation import resolve_run
     from epas_megatron.runtime.accelerator import check_accelerator
     from epas_megatron.training.trainer import Trainer
+    from epas_megatron.validation import resolve_run
 
     try:
         check_accelerator()  # before anything decides between CPU and GPU

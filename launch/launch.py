@@ -341,9 +341,9 @@ def will_it_fit(spec: LaunchSpec) -> list[str]:
     """``epas-plan``'s report for this launch (FLOPs, layouts per switch, memory per GPU), for
     ``DRY_RUN=1``; the GPU's memory is read where GPUs are."""
     from epas_megatron.config.cli import parse_config
-    from epas_megatron.config.validation import resolve_run
     from epas_megatron.errors import ConfigError
     from epas_megatron.plan import report
+    from epas_megatron.validation import resolve_run
 
     gpu_gb = None
     if spec.gpus:
@@ -388,7 +388,7 @@ def check_parallel_fit(spec: LaunchSpec, *, full: bool = True) -> None:
         )
     if not full:
         return
-    from epas_megatron.config.validation import resolve_run
+    from epas_megatron.validation import resolve_run
 
     try:
         resolve_run(cfg, world_size=spec.world_size, cuda=True if spec.gpus else None)

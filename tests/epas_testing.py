@@ -338,8 +338,8 @@ def train_in_process(args: Sequence[str], output_dir: Path, *, after_load=None, 
     import io
 
     from epas_megatron.config.cli import parse_config
-    from epas_megatron.config.validation import resolve_run
     from epas_megatron.training.trainer import Trainer
+    from epas_megatron.validation import resolve_run
 
     run = resolve_run(parse_config([*args, "--output-dir", str(output_dir)]), world_size=world_size)
     trainer = Trainer(run)

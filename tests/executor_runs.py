@@ -4,9 +4,9 @@ from one seed, the same synthetic micro-batches per chunk, a few training steps 
 forward-only step. Imported by tests/training/scripts/executor_*.py (under torchrun)."""
 
 from epas_megatron.bench.common import BENCH_OPTIMIZER, SyntheticTokens
-from epas_megatron.training.optimizer import OptimizerSettings
-from epas_megatron.training.state import build_training_state
-from epas_megatron.training.step import eval_step, train_step
+from epas_megatron.engine.optimizer import OptimizerSettings
+from epas_megatron.engine.state import build_training_state
+from epas_megatron.engine.step import eval_step, train_step
 
 SEQ, BATCH, MICROBATCHES, ITERATIONS = 32, 2, 4, 3
 

@@ -85,8 +85,8 @@ def run_audited(args: Sequence[str], output_dir: Path) -> dict:
     "unmoved_trainable": trainable weights of sharing layers equal to theirs at the last switch,
     "stdout": the run's output}."""
     from epas_megatron.config.cli import parse_config
-    from epas_megatron.config.validation import resolve_run
     from epas_megatron.training.trainer import Trainer
+    from epas_megatron.validation import resolve_run
 
     trainer = Trainer(resolve_run(parse_config([*args, "--output-dir", str(output_dir)]), world_size=1))
     stdout = io.StringIO()

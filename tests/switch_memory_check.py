@@ -98,10 +98,10 @@ def measure_switch(precision: str, distributed_optimizer: bool, output_dir: Opti
     ``build_peak`` (bytes) and the memory model's terms for the same switch (``model``)."""
     from epas_megatron.assembly import memory_settings
     from epas_megatron.config.cli import parse_config
-    from epas_megatron.config.validation import resolve_run
     from epas_megatron.metrics.memory_model import LayerShape, switch_transient_terms
     from epas_megatron.sharing.schedule import LayerMode
     from epas_megatron.training.trainer import Trainer
+    from epas_megatron.validation import resolve_run
 
     output_dir = Path(output_dir or tempfile.mkdtemp(prefix="epas-switch-memory-"))
     run = resolve_run(parse_config(trainer_args(precision, distributed_optimizer, output_dir)), world_size=1)

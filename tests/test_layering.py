@@ -23,8 +23,8 @@ LAYERS: list[tuple[str, ...]] = [
     #    EPAS export ships, which import only torch and transformers)
     ("epas_megatron.errors", "epas_megatron.runtime", "epas_megatron.compat", "epas_kernels", "epas_megatron",
      "epas_megatron.hf"),
-    # 1: the config schema and its command line
-    ("epas_megatron.config.schema", "epas_megatron.config.presets", "epas_megatron.config.cli", "epas_megatron.config"),
+    # 1: the config as data: schema, command line and YAML, presets, the generated reference
+    ("epas_megatron.config",),
     # 2: what the model is made of: the sharing schedule and region grammar, Random-LTD's schedule
     #    and token ops, the data pipeline
     ("epas_megatron.sharing", "epas_megatron.random_ltd", "epas_megatron.data"),
@@ -32,19 +32,21 @@ LAYERS: list[tuple[str, ...]] = [
     ("epas_megatron.model",),
     # 4: what measures and places it: FLOPs / memory models, pipeline layouts and their balancer
     ("epas_megatron.metrics", "epas_megatron.parallel"),
-    # 5: checkpoints and the training components (optimizer, state, one step)
-    ("epas_megatron.checkpointing", "epas_megatron.training.optimizer", "epas_megatron.training.state",
-     "epas_megatron.training.step", "epas_megatron.training.pipeline_executor", "epas_megatron.training.progress"),
+    # 5: checkpoints and the training engine's components (optimizer, state, one step, the executor)
+    ("epas_megatron.checkpointing", "epas_megatron.engine"),
     # 6: a run's config resolved against the world, its data and the checkpoint it resumes
-    ("epas_megatron.config.validation",),
+    ("epas_megatron.validation",),
     # 7: one assembly from every source to a build plan
     ("epas_megatron.assembly",),
-    # 8: what runs a model: training (and the training hooks of features), inference, evaluation
-    ("epas_megatron.training", "epas_megatron.inference", "epas_megatron.evaluation", "epas_megatron.random_ltd.feature"),
+    # 8: what runs a model: training (and the training features' hooks), inference, evaluation
+    ("epas_megatron.training", "epas_megatron.inference", "epas_megatron.evaluation"),
     # 9: the commands and what only they use
     ("epas_megatron.train", "epas_megatron.evaluate", "epas_megatron.generate", "epas_megatron.plan", "epas_megatron.bench",
      "epas_megatron.convert", "epas_megatron.experiments"),
 ]
+"""Every entry is a package or a top-level module: a folder sits in one layer as a whole (no
+module of a package is placed apart from it), so an import that runs upward between folders is
+an import that runs upward."""
 
 
 def _module_files() -> dict[str, Path]:
@@ -151,3 +153,17 @@ def test_imports_point_down_the_layers():
     upward = sorted(f"{module} (layer {_layer(module)}) imports {target} (layer {_layer(target)})"
                     for module, targets in graph.items() for target in targets if _layer(target) > _layer(module))
     assert not upward, "upward imports:\n  " + "\n  ".join(upward)
+
+
+def test_layers_are_whole_folders():
+    """Each layer entry is a package or a top-level module, and no entry lies inside another's
+    package: a module that belongs elsewhere moves to a folder of its layer, instead of an
+    exception that would let imports run upward between folders."""
+    modules = _module_files()
+    entries = [entry for layer in LAYERS for entry in layer]
+    for entry in entries:
+        assert entry in modules, f"{entry} is no module or package"
+        depth = entry.count(".")
+        assert depth <= 1, f"{entry}: a module of a package placed apart from its folder"
+    nested = [(a, b) for a in entries for b in entries if a != b and b.startswith(a + ".") and a != "epas_megatron"]
+    assert not nested, nested

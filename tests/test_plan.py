@@ -154,7 +154,7 @@ def test_mlp_recompute_in_the_plan(tmp_path):
 
     from epas_megatron.assembly import memory_settings
     from epas_megatron.config.cli import parse_config
-    from epas_megatron.config.validation import resolve_run
+    from epas_megatron.validation import resolve_run
 
     common = ["--world-size", "8", "--gpu-memory-gb", "80", "--config", "launch/configs/7b.yaml", "--recompute", "selective"]
     rows = {}
@@ -312,7 +312,7 @@ def test_mixture_of_channels_in_the_plan(tmp_path):
 
     from epas_megatron.assembly import memory_settings
     from epas_megatron.config.cli import parse_config
-    from epas_megatron.config.validation import resolve_run
+    from epas_megatron.validation import resolve_run
 
     common = ["--world-size", "8", "--gpu-memory-gb", "80", "--config", "launch/configs/7b.yaml", "--transformer-impl", "local"]
     rows = {}

@@ -15,11 +15,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from epas_megatron.engine.optimizer import OptimizerSettings
+from epas_megatron.engine.state import TrainingState, build_training_state
 from epas_megatron.model.build_plan import BuildPlan
 from epas_megatron.model.fusions import choose_backend
 from epas_megatron.random_ltd.model import set_kept_tokens
-from epas_megatron.training.optimizer import OptimizerSettings
-from epas_megatron.training.state import TrainingState, build_training_state
 
 
 @dataclass
@@ -118,7 +118,7 @@ class BenchVariant:
     """One model a benchmark times: its training state and its synthetic token streams."""
 
     state: TrainingState
-    """Model, optimizer and LR schedule (:func:`~epas_megatron.training.state.build_training_state`)."""
+    """Model, optimizer and LR schedule (:func:`~epas_megatron.engine.state.build_training_state`)."""
 
     data: list
     """One :class:`SyntheticTokens` stream per model chunk."""
@@ -150,7 +150,7 @@ def default_backend() -> str:
 
 def run_iteration(variant: BenchVariant) -> None:
     """One training iteration of a :func:`bench_variant`."""
-    from epas_megatron.training.step import train_step
+    from epas_megatron.engine.step import train_step
 
     state = variant.state
     train_step(state.model, state.optimizer, state.scheduler, variant.data,

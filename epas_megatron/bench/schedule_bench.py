@@ -6,7 +6,7 @@ Run under torchrun with one pipeline rank per process (``p`` = the number of pro
 ``v-min``) gets its own copy of the same model -- same seed, hence the same weights, the same
 ``--region`` sharing, the same synthetic tokens -- in one process group, placed as the schedule
 wants (1F1B: ``L/p`` layers per rank; V: two chunks per rank, embedding and loss on rank 0), and
-trained by the project's executor (:mod:`epas_megatron.training.pipeline_executor`; its ``1f1b``
+trained by the project's executor (:mod:`epas_megatron.engine.pipeline_executor`; its ``1f1b``
 lists are Megatron-Core's 1F1B bit for bit). Per schedule:
 
 * **peak memory per rank**, measured on one untimed iteration after the warm-up: on a GPU
@@ -21,7 +21,7 @@ lists are Megatron-Core's 1F1B bit for bit). Per schedule:
   turns (A B C, C B A, ...) so drift on a shared machine hits them alike;
 * **bubble, executed**: from the executor's recorded timeline of each timed iteration, the idle
   share ``1 - busy / span`` of the rank with the longest span
-  (:func:`~epas_megatron.training.pipeline_executor.executed_bubble`, as
+  (:func:`~epas_megatron.engine.pipeline_executor.executed_bubble`, as
   :attr:`~epas_megatron.parallel.pipeline_schedule.Simulation.bubble` defines it), median over
   iterations; next to it the **simulated** bubble of the same lists: replayed with this run's
   mean time of each pass on each stage (:func:`replay`: the simulation's rule with a cost per
@@ -285,10 +285,10 @@ def run_schedule_bench(cfg: ScheduleBenchConfig, log=print) -> dict:
     """Measure every schedule (inside a process group of ``p`` ranks, PP = p); the BENCH record."""
     from epas_megatron.assembly import memory_kernels, plan_for_preset
     from epas_megatron.bench.common import bench_variant, default_backend
+    from epas_megatron.engine.pipeline_executor import executed_bubble, record_timelines
+    from epas_megatron.engine.step import train_step
     from epas_megatron.model.fusions import KernelAvailability
     from epas_megatron.sharing.schedule import region_layers
-    from epas_megatron.training.pipeline_executor import executed_bubble, record_timelines
-    from epas_megatron.training.step import train_step
 
     p, rank = dist.get_world_size(), dist.get_rank()
     arch = plan_for_preset(cfg.preset, seq_length=cfg.seq_length).arch

@@ -104,8 +104,8 @@ def measure_once(cfg: SwitchBenchConfig, mode: str, output_dir: Path) -> dict:
     import io
 
     from epas_megatron.config.cli import parse_config
-    from epas_megatron.config.validation import resolve_run
     from epas_megatron.training.trainer import Trainer
+    from epas_megatron.validation import resolve_run
 
     trainer = Trainer(resolve_run(parse_config(trainer_args(cfg, mode, output_dir)), world_size=1))
     with contextlib.redirect_stdout(io.StringIO()):

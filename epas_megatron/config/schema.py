@@ -5,7 +5,7 @@ YAML config file (under its section: ``training: {train_iters: 100}``), and is w
 run's ``config.yaml``. Field names are unique across sections so flags stay flat. The help text
 of each flag is the docstring under the field (read by :mod:`epas_megatron.config.cli`).
 
-Validation that needs several sections at once lives in :mod:`epas_megatron.config.validation`.
+Validation that needs several sections at once lives in :mod:`epas_megatron.validation`.
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ class TrainingConfig:
 
 EMBEDDED_DATA = "embedded"
 """``--data embedded``: the embedded corpus, asked for by name (what a model larger than the
-``small`` preset needs to train on it: :func:`~epas_megatron.config.validation.resolve_run`)."""
+``small`` preset needs to train on it: :func:`~epas_megatron.validation.resolve_run`)."""
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """Quality of a trained model at its sharing regions.
 
 ``validation_loss`` (``epas-eval``: a checkpoint rebuilt at each requested region, validation
-loss and perplexity on any TP x PP x DP world), ``region_eval`` (during training: the weights in
-training evaluated at other regions in memory, ``--eval-regions``) and ``lm_eval_model`` (the
-bridge to EleutherAI's lm-evaluation-harness). The region grammar they share is
+loss and perplexity on any TP x PP x DP world) and ``lm_eval_model`` (the bridge to EleutherAI's
+lm-evaluation-harness). Validation at other regions during training is the trainer's
+(:mod:`epas_megatron.training.region_eval`). The region grammar they share is
 :mod:`epas_megatron.sharing.regions`.
 
 Layering: above the assembly, training components and inference (it builds models through

@@ -19,9 +19,9 @@ from epas_megatron.checkpointing.checkpoint import load_checkpoint
 from epas_megatron.checkpointing.metadata import CheckpointMeta
 from epas_megatron.data.datasets import build_data_iterator, build_gpt_datasets
 from epas_megatron.data.sources import prepare_data_sources
+from epas_megatron.engine.state import build_training_state
+from epas_megatron.engine.step import eval_step, stage_batch_keys
 from epas_megatron.errors import ConfigError
-from epas_megatron.training.state import build_training_state
-from epas_megatron.training.step import eval_step, stage_batch_keys
 
 
 def evaluate_regions(args, checkpoint: Path, meta: CheckpointMeta) -> list[dict]:

@@ -8,7 +8,7 @@ the same Megatron-Core functions ``TransformerBlock`` uses (``get_transformer_la
 Chunks are built on :func:`epas_megatron.runtime.device.compute_device` (the GPU, or what stands
 in for it on CPU). In bf16/fp16 the parameters are created in that dtype and each chunk is wrapped
 in Megatron-Core's ``Float16Module`` (as Megatron-LM does): per-token losses leave the last stage
-in fp32; the optimizer keeps fp32 main parameters (:mod:`epas_megatron.training.optimizer`).
+in fp32; the optimizer keeps fp32 main parameters (:mod:`epas_megatron.engine.optimizer`).
 """
 
 from __future__ import annotations

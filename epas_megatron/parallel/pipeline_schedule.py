@@ -49,7 +49,7 @@ pass weighed by what it holds before and after its ``B`` (:func:`rank_peak_bytes
 same along one rank's list: the order fixes it). :func:`channel_orders` says whether every rank
 pair's messages are received in the order they are sent (1F1B, V-Half and V-Min: yes; v-1f1b:
 no, so its runtime must post receives in the senders' order). Nothing here touches a process or
-a tensor: the executor (``training/pipeline_executor.py``) runs the lists, the memory model and
+a tensor: the executor (``engine/pipeline_executor.py``) runs the lists, the memory model and
 ``epas-plan`` price them.
 """
 

@@ -1,10 +1,10 @@
 """The training run: a configured run, from setup through its steps and switches to its summary.
 
 :class:`~epas_megatron.training.trainer.Trainer` drives it; the other modules are its parts --
-the trainable state for a ``BuildPlan`` (model chunks, DDP, optimizer, learning-rate schedule),
-one training or evaluation step through Megatron-Core's pipeline schedules, the EPAS switch
-event, optional training features (Random-LTD), the loop's bookkeeping and what the run reports
-(console, metrics records, ``SUMMARY``).
+the EPAS switch event, the training features (Random-LTD, the LR re-warm and the blended switch:
+each with its hooks), validation at other regions in memory, checkpoint saving, the data the run
+reads and what it reports (console, metrics records, ``SUMMARY``). The trainable state, one step
+and the pipeline executor are the engine's (:mod:`epas_megatron.engine`).
 
 Layering: the training level (config -> model/sharing -> parallel/checkpointing -> training ->
 entry points): it composes everything below -- config, data, model and sharing, parallel

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from epas_megatron.assembly import checkpoint_meta_for_run
 from epas_megatron.checkpointing import checkpoint as ckpt
 from epas_megatron.checkpointing.metadata import CheckpointMeta
-from epas_megatron.config.validation import ResolvedRun
 from epas_megatron.runtime.distributed import all_reduce_values
+from epas_megatron.validation import ResolvedRun
 
 
 class RunCheckpointer:

@@ -1,5 +1,5 @@
 """Optional training features as objects with hooks: what the trainer asks of a feature that changes
-how a run trains (Random-LTD, :class:`epas_megatron.random_ltd.feature.RandomLTDFeature`; the LR re-warm
+how a run trains (Random-LTD, :class:`epas_megatron.training.random_ltd.RandomLTDFeature`; the LR re-warm
 after EPAS switches, :class:`epas_megatron.training.rewarm.SwitchRewarmFeature`).
 
 The trainer never branches on a feature. It holds a :class:`TrainingFeatures` -- every feature
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator, Optional, Sequence
 
 from epas_megatron.checkpointing.metadata import CheckpointMeta
-from epas_megatron.config.validation import ResolvedRun
 from epas_megatron.errors import ConfigError
+from epas_megatron.validation import ResolvedRun
 
 
 class TrainingFeature:

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Sequence
 
 from epas_megatron.checkpointing.metadata import CheckpointMeta
-from epas_megatron.config.validation import ResolvedRun
 from epas_megatron.sharing.ramp import SwitchRamp
 from epas_megatron.training.features import TrainingFeature
+from epas_megatron.validation import ResolvedRun
 
 
 def apply_ramp(model: Sequence, ramp: SwitchRamp, iteration: int, share: str) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from epas_megatron.assembly import v_stage_sizes_for_run
 from epas_megatron.config.cli import dump_yaml, to_dict
-from epas_megatron.config.validation import ResolvedRun
+from epas_megatron.engine.progress import TrainingProgress, perplexity
 from epas_megatron.errors import NonFiniteError
 from epas_megatron.metrics.flops import Convention, ModelShape, layerwise_forward_flops, peak_name_for_device
 from epas_megatron.metrics.logger import MetricsLogger
@@ -35,7 +35,7 @@ from epas_megatron.runtime.distributed import ParallelDims
 from epas_megatron.runtime.fs import atomic_write_text
 from epas_megatron.sharing.schedule import LayerMode
 from epas_megatron.training.features import TrainingFeatures
-from epas_megatron.training.progress import TrainingProgress, perplexity
+from epas_megatron.validation import ResolvedRun
 
 
 # ---------------------------------------------------------------------------- pure parts

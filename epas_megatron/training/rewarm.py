@@ -3,7 +3,7 @@ the learning-rate re-warm after each EPAS switch.
 
 What the factor is, is :mod:`epas_megatron.sharing.rewarm`'s (a pure function of the iteration and
 the sharing schedule); this object hands it to the trainer through the ``lr_factor`` hook, which
-:func:`epas_megatron.training.step.train_step` applies to every parameter group on top of the
+:func:`epas_megatron.engine.step.train_step` applies to every parameter group on top of the
 scheduler's LR (whatever units the scheduler counts: iterations, or Random-LTD's layer tokens). It
 also says so in the start-up banner, records the factor of the logged ``lr`` in the metrics, and
 stores ``N`` in the checkpoint metadata so that a resume with another value is refused.
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
 from epas_megatron.checkpointing.metadata import CheckpointMeta
-from epas_megatron.config.validation import ResolvedRun
 from epas_megatron.sharing.rewarm import SwitchRewarm
 from epas_megatron.training.features import TrainingFeature
+from epas_megatron.validation import ResolvedRun
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 train/validation splits, and one micro-batch iterator per model chunk and data-parallel rank.
 
 Iterators are made per chunk because a chunk's pipeline position decides what it reads (the
-first stage the tokens, the last the labels and loss mask, :func:`~epas_megatron.training.step.stage_batch_keys`);
+first stage the tokens, the last the labels and loss mask, :func:`~epas_megatron.engine.step.stage_batch_keys`);
 that position is the same in every layout a switch makes, so the training iterators are made
 once, after the model is first built, and continue from the resumed sample count.
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from epas_megatron.config.validation import ResolvedRun
 from epas_megatron.data.datasets import build_data_iterator, build_gpt_datasets
 from epas_megatron.data.sources import prepare_data_sources
 from epas_megatron.errors import ConfigError
+from epas_megatron.validation import ResolvedRun
 
 
 class RunData:
@@ -56,7 +56,7 @@ class RunData:
 
     def start_training(self, model_chunks: list, dp_rank: int, dp_size: int, consumed_samples: int) -> None:
         """The training iterators of ``model_chunks``, from sample ``consumed_samples`` on."""
-        from epas_megatron.training.step import stage_batch_keys  # megatron-core (seconds; epas-plan needs none)
+        from epas_megatron.engine.step import stage_batch_keys  # megatron-core (seconds; epas-plan needs none)
 
         self._dp = (dp_rank, dp_size)
         mbs = self.run.cfg.training.micro_batch_size
@@ -65,7 +65,7 @@ class RunData:
 
     def valid_iterators(self, model_chunks: list) -> list:
         """Fresh validation iterators (from the split's start) for ``model_chunks``."""
-        from epas_megatron.training.step import stage_batch_keys  # megatron-core (seconds; epas-plan needs none)
+        from epas_megatron.engine.step import stage_batch_keys  # megatron-core (seconds; epas-plan needs none)
 
         dp_rank, dp_size = self._dp
         mbs = self.run.cfg.training.micro_batch_size

@@ -8,8 +8,8 @@ The trainer owns the run's state (plan, model chunks, optimizer, data iterators,
 sequences it; the rest is delegated, as in torchtitan: the switch event to
 :class:`~epas_megatron.training.switch.SwitchExecutor` (whose module documents it), everything
 printed or logged to :class:`~epas_megatron.training.reporting.Reporter`, one training step to
-:func:`~epas_megatron.training.step.train_step`, the loop's bookkeeping to
-:class:`~epas_megatron.training.progress.TrainingProgress`. Optional features (Random-LTD, the LR re-warm after switches) are
+:func:`~epas_megatron.engine.step.train_step`, the loop's bookkeeping to
+:class:`~epas_megatron.engine.progress.TrainingProgress`. Optional features (Random-LTD, the LR re-warm after switches) are
 :class:`~epas_megatron.training.features.TrainingFeature` objects whose hooks the trainer calls
 at fixed points without knowing which features are on (:data:`FEATURES` lists the kinds).
 """
@@ -26,25 +26,25 @@ import torch.distributed as dist
 
 from epas_megatron.assembly import optimizer_settings_for_run, pipeline_schedule_for, plan_after_switch, plan_for_run, stage_memory_limit
 from epas_megatron.checkpointing.checkpoint import load_checkpoint
-from epas_megatron.config.validation import ResolvedRun
+from epas_megatron.engine.progress import TrainingProgress
 from epas_megatron.errors import NonFiniteError
-from epas_megatron.evaluation.region_eval import evaluate_region
 from epas_megatron.model.build_plan import BuildPlan
 from epas_megatron.parallel.layer_timing import LayerTimer
 from epas_megatron.parallel.pipeline_schedule import V_SCHEDULES
-from epas_megatron.random_ltd.feature import RandomLTDFeature
 from epas_megatron.runtime.device import device_memory_gb, use_deterministic_kernels
 from epas_megatron.runtime.distributed import ParallelDims, destroy_distributed, init_distributed
 from epas_megatron.runtime.garbage import freeze_long_lived, unfreeze_long_lived
 from epas_megatron.training.checkpointer import RunCheckpointer
 from epas_megatron.training.exit_signal import ExitSignal
 from epas_megatron.training.features import TrainingFeature, TrainingFeatures
-from epas_megatron.training.progress import TrainingProgress
 from epas_megatron.training.ramp import SwitchRampFeature
+from epas_megatron.training.random_ltd import RandomLTDFeature
+from epas_megatron.training.region_eval import evaluate_region
 from epas_megatron.training.reporting import Reporter, peak_name, throughput_line
 from epas_megatron.training.rewarm import SwitchRewarmFeature
 from epas_megatron.training.run_data import RunData
 from epas_megatron.training.switch import SwitchExecutor
+from epas_megatron.validation import ResolvedRun
 
 FEATURES: tuple[type[TrainingFeature], ...] = (RandomLTDFeature, SwitchRewarmFeature, SwitchRampFeature)
 """The optional features a run may turn on (each has its checkpoint-metadata entry, on or off)."""
@@ -173,7 +173,7 @@ class Trainer:
 
         ``initialize=False`` skips the (layout-independent) weight initialisation when a
         checkpoint load follows."""
-        from epas_megatron.training.state import build_training_state  # megatron-core (seconds to import; epas-plan needs none)
+        from epas_megatron.engine.state import build_training_state  # megatron-core (seconds to import; epas-plan needs none)
 
         t = self.cfg.training
         self.state = None  # the previous region's model and optimizer go before the new ones come
@@ -222,7 +222,7 @@ class Trainer:
     def evaluate(self, region: Optional[int] = None) -> float:
         """Validation loss over --eval-iters global batches, with the region in training or, given
         ``region`` (a size), the same weights with that many layers sharing."""
-        from epas_megatron.training.step import eval_step  # megatron-core (seconds to import)
+        from epas_megatron.engine.step import eval_step  # megatron-core (seconds to import)
 
         t = self.cfg.training
         num_microbatches = self.run.num_microbatches * t.eval_iters
@@ -293,7 +293,7 @@ class Trainer:
 
     def _train_step(self):
         """One iteration over all micro-batches (with the features' preparation, and the layer timer's bookkeeping)."""
-        from epas_megatron.training.step import train_step  # megatron-core (seconds to import)
+        from epas_megatron.engine.step import train_step  # megatron-core (seconds to import)
 
         step = self.iteration  # the step about to run (completed iterations so far)
         self.features.before_step(self.model, step)
@@ -309,7 +309,7 @@ class Trainer:
         return result
 
     def _stop_non_finite(self, iteration: int, error: NonFiniteError) -> NonFiniteError:
-        """The error that ends the run at a non-finite step (see :mod:`epas_megatron.training.step`):
+        """The error that ends the run at a non-finite step (see :mod:`epas_megatron.engine.step`):
         saves in flight (of earlier iterations) complete, nothing of this state is saved, and the
         message names the iteration and the checkpoint to resume from."""
         self.checkpointer.finish()

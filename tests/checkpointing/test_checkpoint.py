@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from epas_megatron.checkpointing import checkpoint as ckpt
+from epas_megatron.engine.optimizer import OptimizerSettings, build_optimizer, build_scheduler, wrap_ddp
 from epas_megatron.model.architecture import LlamaArchitecture
-from epas_megatron.training.optimizer import OptimizerSettings, build_optimizer, build_scheduler, wrap_ddp
 from epas_testing import build
 
 pytestmark = pytest.mark.usefixtures("single_process")
@@ -19,7 +19,7 @@ SETTINGS = OptimizerSettings(lr=1e-3, min_lr=1e-4, weight_decay=0.1, adam_beta1=
 
 def training_state(seed):
     """Model, optimizer (after one step, so it has Adam state) and scheduler."""
-    from epas_megatron.training.step import train_step
+    from epas_megatron.engine.step import train_step
 
     model = build(ARCH, seed=seed)
     wrapped = wrap_ddp([model], model.config, SETTINGS)

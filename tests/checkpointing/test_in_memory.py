@@ -32,8 +32,8 @@ def test_held_state_restores_what_a_checkpoint_load_restores(tmp_path):
     ways: weights, frozen Q/K and every optimizer tensor are equal, and the next step's loss too."""
     from epas_megatron.checkpointing.in_memory import hold_state, restore_state
     from epas_megatron.config.cli import parse_config
-    from epas_megatron.config.validation import resolve_run
     from epas_megatron.training.trainer import Trainer
+    from epas_megatron.validation import resolve_run
     from epas_testing import TINY
 
     argv = [*TINY, "--train-iters", "4", "--exit-interval", "3", "--global-batch-size", "2", "--micro-batch-size", "1",
@@ -79,8 +79,8 @@ def test_distributed_optimizer_state_is_never_gathered_by_the_in_memory_switch(t
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     from epas_megatron.config.cli import parse_config
-    from epas_megatron.config.validation import resolve_run
     from epas_megatron.training.trainer import Trainer
+    from epas_megatron.validation import resolve_run
     from epas_testing import TINY
 
     def gather(*args, **kwargs):

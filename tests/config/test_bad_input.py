@@ -196,7 +196,7 @@ def test_named_embedded_data_trains_a_larger_model(tmp_path, monkeypatch):
     resolved run keeps the name, which the data sources read as the embedded corpus)."""
     from epas_megatron.config.cli import parse_config
     from epas_megatron.config.presets import too_large_for_the_embedded_corpus
-    from epas_megatron.config.validation import resolve_run
+    from epas_megatron.validation import resolve_run
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     run = resolve_run(parse_config(["--preset", "125m", "--data", "embedded", "--output-dir", str(tmp_path / "out")]), world_size=1)
@@ -244,7 +244,7 @@ def test_v_schedules_rebalance_and_take_a_v_layout(tmp_path, monkeypatch):
     and no fixed --pipeline-layout) rebalance, off does not; a V layout is a fixed layout, its
     stages (in V order) the run's, which auto then leaves alone."""
     from epas_megatron.config.cli import parse_config
-    from epas_megatron.config.validation import resolve_run
+    from epas_megatron.validation import resolve_run
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
 
@@ -265,8 +265,8 @@ def test_split_backward_schedules_need_the_local_layers(name, tmp_path):
     """The weight-gradient split is built for the local linears; with Transformer Engine's layers
     (chosen on a GPU node) the split schedules are refused, naming both ways out; local runs pass."""
     from epas_megatron.config.cli import parse_config
-    from epas_megatron.config.validation import _resolve_pipeline_schedule
     from epas_megatron.errors import ConfigError
+    from epas_megatron.validation import _resolve_pipeline_schedule
 
     cfg = parse_config(["--preset", "tiny", "--pp", "2", "--pipeline-schedule", name, "--output-dir", str(tmp_path)])
     with pytest.raises(ConfigError, match="--transformer-impl local or --pipeline-schedule v-1f1b"):

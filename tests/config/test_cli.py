@@ -60,7 +60,7 @@ def test_default_ffn_size_is_llama_swiglu():
 
 
 def test_epas_exclude_last_resolves_into_the_schedule(tmp_path):
-    from epas_megatron.config.validation import resolve_run
+    from epas_megatron.validation import resolve_run
 
     base = ["--preset", "tiny", "--output-dir", str(tmp_path / "out")]
     run = resolve_run(parse_config([*base, "--epas-target-layers", "2", "--epas-interval", "10", "--epas-exclude-last", "1"]), world_size=1)
@@ -72,7 +72,7 @@ def test_epas_exclude_last_resolves_into_the_schedule(tmp_path):
 
 
 def test_random_ltd_resolves_into_its_schedule(tmp_path):
-    from epas_megatron.config.validation import resolve_run
+    from epas_megatron.validation import resolve_run
 
     base = ["--preset", "tiny", "--output-dir", str(tmp_path / "out"), "--train-iters", "100"]
     run = resolve_run(parse_config([*base, "--random-ltd", "--random-ltd-layers", "1,2", "--random-ltd-min-value", "8"]), world_size=1)

@@ -184,7 +184,7 @@ def test_a_stage_reads_only_what_it_uses():
 def test_stage_batch_keys():
     from types import SimpleNamespace
 
-    from epas_megatron.training.step import stage_batch_keys
+    from epas_megatron.engine.step import stage_batch_keys
 
     def chunk(pre, post):  # wrapped as DDP(Float16Module(model)) is: .module twice
         return SimpleNamespace(module=SimpleNamespace(module=SimpleNamespace(pre_process=pre, post_process=post)))

@@ -53,12 +53,12 @@ ARGS = [*TINY, "--train-iters", "9", "--global-batch-size", "8", "--micro-batch-
 
 def _setup(sharing):
     from epas_megatron.assembly import memory_kernels
+    from epas_megatron.engine.optimizer import OptimizerSettings
+    from epas_megatron.engine.state import build_training_state
     from epas_megatron.metrics.memory_model import LayerShape, RankMemorySettings
     from epas_megatron.model.architecture import LlamaArchitecture
     from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.fusions import KernelAvailability
-    from epas_megatron.training.optimizer import OptimizerSettings
-    from epas_megatron.training.state import build_training_state
 
     arch = LlamaArchitecture(num_layers=4, hidden_size=1024, num_attention_heads=16, num_query_groups=4,
                              ffn_hidden_size=2816, vocab_size=8192, max_sequence_length=1024)
@@ -126,6 +126,7 @@ def test_saved_tensors_on_the_gpu_equal_the_model_tensor_by_tensor(world):
 
 @pytest.mark.parametrize("sharing", [(), (2, 3)], ids=["region_0", "region_2"])
 def test_memory_model_against_the_cuda_allocator(world, sharing):
+    from epas_megatron.engine.step import train_step
     from epas_megatron.metrics.memory_model import (
         embedding_activation_bytes,
         head_activation_bytes,
@@ -133,7 +134,6 @@ def test_memory_model_against_the_cuda_allocator(world, sharing):
         rank_memory_bytes,
     )
     from epas_megatron.runtime.device import to_compute_device
-    from epas_megatron.training.step import train_step
 
     gc.collect()  # what earlier tests left in reference cycles; what stays is not this test's
     # cuBLAS takes its workspace (32 MiB on Hopper) from the caching allocator, once per thread:

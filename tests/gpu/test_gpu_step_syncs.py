@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 import torch
 
-import epas_megatron.training.step as step
+import epas_megatron.engine.step as step
 from epas_testing import TINY, train_in_process
 from host_reads import cuda_syncs
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from epas_megatron.config.cli import parse_config
-from epas_megatron.config.validation import resolve_run
+from epas_megatron.validation import resolve_run
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "launch" / "configs"
 CPU_CONFIGS = {"tiny": (1, 2), "small": (1, 2)}

@@ -35,7 +35,7 @@ progress = _load("epas_run_progress", REPO / "launch" / "run_progress.py")
 )
 def test_region_flags_switch_the_whole_region_at_once(preset, region, layers):
     from epas_megatron.config.cli import parse_config
-    from epas_megatron.config.validation import resolve_run
+    from epas_megatron.validation import resolve_run
 
     flags = record.region_flags(preset, region)
     if layers == 0:

@@ -106,10 +106,10 @@ def test_a_rank_by_hand():
 def test_parameter_state_bytes_match_a_trained_model(precision, tmp_path):
     """Weights + DDP gradient buffer + optimizer state (fp32 main weights and moments) of the
     built objects after one step, against the model's count (within DDP's bucket padding)."""
+    from epas_megatron.engine.optimizer import OptimizerSettings
+    from epas_megatron.engine.state import build_training_state
     from epas_megatron.model.architecture import LlamaArchitecture
     from epas_megatron.model.build_plan import BuildPlan
-    from epas_megatron.training.optimizer import OptimizerSettings
-    from epas_megatron.training.state import build_training_state
 
     arch = LlamaArchitecture(4, 64, 4, 2, 176, 512, 64)
     plan = BuildPlan.for_region(arch, (3,), seq_length=64, precision=precision)

@@ -234,8 +234,8 @@ def test_layer_backend_choice_never_falls_back_in_silence(impl, cuda, te, expect
 
 def test_the_start_up_line_says_why_auto_chose_its_layers(tmp_path, monkeypatch):
     from epas_megatron.config.cli import parse_config
-    from epas_megatron.config.validation import resolve_run
     from epas_megatron.training.reporting import layers_description
+    from epas_megatron.validation import resolve_run
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     run = resolve_run(parse_config(["--preset", "tiny", "--output-dir", str(tmp_path)]), world_size=1, cuda=False)

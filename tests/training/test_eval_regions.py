@@ -103,8 +103,8 @@ def test_evaluating_another_region_leaves_every_rng_state_as_it_was(tmp_path):
     from megatron.core import tensor_parallel
 
     from epas_megatron.config.cli import parse_config
-    from epas_megatron.config.validation import resolve_run
     from epas_megatron.training.trainer import Trainer
+    from epas_megatron.validation import resolve_run
 
     trainer = Trainer(resolve_run(parse_config([*ARGS, *REGIONS, "--output-dir", str(tmp_path / "run")]), world_size=1))
     trainer.setup()

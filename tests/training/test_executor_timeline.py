@@ -1,4 +1,4 @@
-"""The executor's timeline recorder (training/pipeline_executor.py, ``record_timelines``) on a
+"""The executor's timeline recorder (engine/pipeline_executor.py, ``record_timelines``) on a
 real two-rank run (gloo, PP=2), 1F1B and V-Half: the bubble recomputed by hand from the recorded
 start and end times, the p2p bytes against a hand count (messages x tensor shape x 4 bytes), and
 a run with the recorder on equal bit for bit to one with it off."""

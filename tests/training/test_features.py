@@ -1,5 +1,5 @@
 """The training-feature hooks (epas_megatron.training.features) and Random-LTD's implementation of
-them (epas_megatron.random_ltd.feature), against values worked out by hand from DeepSpeed's
+them (epas_megatron.training.random_ltd), against values worked out by hand from DeepSpeed's
 schedule and against the RandomLTDSchedule they delegate to; how hooks combine over features."""
 
 from types import SimpleNamespace
@@ -8,11 +8,11 @@ import pytest
 
 from epas_megatron.checkpointing.metadata import CheckpointMeta
 from epas_megatron.config.cli import parse_config
-from epas_megatron.config.validation import resolve_run
 from epas_megatron.errors import ConfigError
-from epas_megatron.random_ltd.feature import RandomLTDFeature
 from epas_megatron.random_ltd.schedule import RandomLTDSchedule
 from epas_megatron.training.features import TrainingFeature, TrainingFeatures
+from epas_megatron.training.random_ltd import RandomLTDFeature
+from epas_megatron.validation import resolve_run
 
 # 4 layers, layers 1-2 drop, seq 64, batch 2. Kept: floor(step/4 * 48 + 16) rounded down to a
 # multiple of 16 -> 16, 16 (28), 32 (40), 48 (52), 64 at steps 0..4. Layer tokens of a step:

@@ -13,11 +13,11 @@ from unittest import mock
 
 import pytest
 
-import epas_megatron.training.step as step
+import epas_megatron.engine.step as step
 from epas_testing import TINY, train_in_process
 from host_reads import HostReads
 
-HOST_COPY = "epas_megatron/training/step.py:_host_values"
+HOST_COPY = "epas_megatron/engine/step.py:_host_values"
 
 
 def reads_per_iteration(tmp_path: Path, micro_batches: int, extra=(), loss_func=None) -> list[Counter]:

@@ -91,8 +91,8 @@ def test_bf16_resume_without_optimizer_state_equals_the_fresh_run(tmp_path, extr
     """A checkpoint of the initial weights (what ``epas-convert hf-import`` writes: no optimizer
     state) resumed in bf16 is the fresh bf16 run, bit for bit."""
     from epas_megatron.config.cli import parse_config
-    from epas_megatron.config.validation import resolve_run
     from epas_megatron.training.trainer import Trainer
+    from epas_megatron.validation import resolve_run
 
     args = [*ARGS, "--precision", "bf16", *extra]
     fresh = train_in_process(args, tmp_path / "fresh")

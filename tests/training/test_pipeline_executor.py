@@ -1,4 +1,4 @@
-"""The project's pipeline executor (training/pipeline_executor.py) running action lists against
+"""The project's pipeline executor (engine/pipeline_executor.py) running action lists against
 Megatron-Core's own 1F1B schedule (two gloo ranks, PP=2): bit for bit."""
 
 from pathlib import Path

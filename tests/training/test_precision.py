@@ -57,10 +57,10 @@ def _main_params(trainer) -> dict:
 
 def test_bf16_switch_carries_fp32_main_weights_exactly(tmp_path):
     from epas_megatron.config.cli import parse_config
-    from epas_megatron.config.validation import resolve_run
     from epas_megatron.model.attention import split_qkv_rows
     from epas_megatron.runtime.wrapping import unwrap_model
     from epas_megatron.training.trainer import Trainer
+    from epas_megatron.validation import resolve_run
 
     trainer = Trainer(resolve_run(parse_config([*ARGS, "--precision", "bf16", "--exit-interval", "5",
                                                 "--output-dir", str(tmp_path / "run")]), world_size=1))

@@ -80,9 +80,9 @@ def test_pipeline_note_names_the_v_stages(tmp_path):
     """The start-up line under a V schedule: its stages' layers when fixed (even, or
     --pipeline-layout V:...), that they are chosen per region when rebalanced."""
     from epas_megatron.config.cli import parse_config
-    from epas_megatron.config.validation import resolve_run
     from epas_megatron.runtime.distributed import ParallelDims
     from epas_megatron.training.reporting import pipeline_note
+    from epas_megatron.validation import resolve_run
 
     def note(*flags):
         cfg = parse_config(["--preset", "tiny", "--num-layers", "6", "--pp", "2", "--pipeline-schedule", "v-1f1b",

@@ -5,8 +5,8 @@ optimizer and the gradient buffers."""
 import torch
 
 from epas_megatron.config.cli import parse_config
-from epas_megatron.config.validation import resolve_run
 from epas_megatron.model.attention import SharedAttention, split_qkv_rows
+from epas_megatron.validation import resolve_run
 from epas_testing import TINY
 
 # Switches at 3 (region [3]), 6 ([2, 3]) and 9 ([1, 2, 3]).
@@ -98,9 +98,9 @@ def test_loss_right_after_a_switch_equals_a_model_built_with_that_region(tmp_pat
     model built directly with region [2, 3] and loaded from the iteration-5 weights."""
     from epas_megatron.checkpointing.checkpoint import iteration_dir, load_checkpoint
     from epas_megatron.data.datasets import build_data_iterator
+    from epas_megatron.engine.step import loss_func
     from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import build_model
-    from epas_megatron.training.step import loss_func
 
     out = tmp_path / "run"
     trainer = trainer_for([*ARGS, "--exit-interval", "6", "--save-interval", "5", "--output-dir", str(out)])

@@ -84,7 +84,7 @@ def test_scale_lr_reads_the_scheduler_afresh():
 
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from epas_megatron.training.step import scale_lr
+    from epas_megatron.engine.step import scale_lr
 
     optimizer = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.ones(2))]}, {"params": [torch.nn.Parameter(torch.ones(3))]}],
                                 lr=1.0)

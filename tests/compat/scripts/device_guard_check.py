@@ -38,9 +38,9 @@ def trainer_paths(results: dict) -> None:
     import tempfile
 
     from epas_megatron.config.cli import parse_config
-    from epas_megatron.config.validation import resolve_run
-    from epas_megatron.training.step import _run_schedule
+    from epas_megatron.engine.step import _run_schedule
     from epas_megatron.training.trainer import Trainer
+    from epas_megatron.validation import resolve_run
 
     out = tempfile.mkdtemp()
     argv = ["--preset", "tiny", "--no-tensorboard", "--train-iters", "2", "--global-batch-size", "4",
@@ -76,10 +76,10 @@ def pipeline_paths(results: dict) -> None:
 
     from epas_megatron.bench.common import bench_variant
     from epas_megatron.bench.pipeline_bench import _stage_compute_seconds
+    from epas_megatron.engine.step import forward_step
     from epas_megatron.model.architecture import LlamaArchitecture
     from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import build_model
-    from epas_megatron.training.step import forward_step
 
     init_distributed(1, 2, None, seed=0)
     try:

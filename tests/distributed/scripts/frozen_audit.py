@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from epas_megatron.config.cli import parse_config
-from epas_megatron.config.validation import resolve_run
 from epas_megatron.training.trainer import Trainer
+from epas_megatron.validation import resolve_run
 
 
 def main(argv):

@@ -44,13 +44,13 @@ def batches(dp_rank, dp_size, vocab):
 def main():
     from megatron.core import parallel_state
 
+    from epas_megatron.engine.optimizer import OptimizerSettings, build_optimizer, build_scheduler, wrap_ddp
+    from epas_megatron.engine.step import train_step
     from epas_megatron.model.architecture import LlamaArchitecture
     from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import build_model
     from epas_megatron.parallel.layout import StageLayout
     from epas_megatron.sharing.schedule import region_layers
-    from epas_megatron.training.optimizer import OptimizerSettings, build_optimizer, build_scheduler, wrap_ddp
-    from epas_megatron.training.step import train_step
 
     only = sys.argv[1:] or list(LAYOUTS)
     arch = LlamaArchitecture(8, 64, 4, 2, 176, 256, SEQ, init_method_std=0.2)

@@ -17,15 +17,15 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from epas_megatron.bench.common import BENCH_OPTIMIZER, SyntheticTokens
+from epas_megatron.engine.optimizer import OptimizerSettings
+from epas_megatron.engine.state import build_training_state
+from epas_megatron.engine.step import train_step
 from epas_megatron.metrics.activation_memory import LiveSavedBytes
 from epas_megatron.model.architecture import LlamaArchitecture
 from epas_megatron.model.build_plan import BuildPlan
 from epas_megatron.model.v_placement import even_v_stage_sizes
 from epas_megatron.parallel.pipeline_schedule import V_SCHEDULES, build_schedule
 from epas_megatron.runtime.distributed import init_distributed
-from epas_megatron.training.optimizer import OptimizerSettings
-from epas_megatron.training.state import build_training_state
-from epas_megatron.training.step import train_step
 
 SEQ, BATCH = 32, 2
 ARCH = dict(hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=176, vocab_size=256)

@@ -13,13 +13,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from epas_megatron.engine import pipeline_executor
+from epas_megatron.engine.pipeline_executor import executed_bubble, record_timelines
 from epas_megatron.model.architecture import LlamaArchitecture
 from epas_megatron.model.build_plan import BuildPlan
 from epas_megatron.model.v_placement import even_v_stage_sizes
 from epas_megatron.parallel.pipeline_schedule import build_schedule
 from epas_megatron.runtime.distributed import init_distributed
-from epas_megatron.training import pipeline_executor
-from epas_megatron.training.pipeline_executor import executed_bubble, record_timelines
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the shared helper
 

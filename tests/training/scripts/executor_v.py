@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 
+from epas_megatron.engine import pipeline_executor
 from epas_megatron.model.architecture import LlamaArchitecture
 from epas_megatron.model.build_plan import BuildPlan
 from epas_megatron.model.v_placement import even_v_stage_sizes
@@ -25,7 +26,6 @@ from epas_megatron.model.weight_grad import WEIGHT_GRAD_STORE
 from epas_megatron.parallel.pipeline_schedule import build_schedule
 from epas_megatron.runtime.distributed import init_distributed
 from epas_megatron.runtime.wrapping import unwrap_model
-from epas_megatron.training import pipeline_executor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the shared helper
 

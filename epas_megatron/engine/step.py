@@ -126,7 +126,7 @@ def _run_schedule(model_chunks, data_iterators, num_microbatches, seq_length, mi
     ``schedule`` (a :class:`~epas_megatron.parallel.pipeline_schedule.PipelineSchedule`) on the
     project's executor."""
     if schedule is not None:
-        from epas_megatron.training.pipeline_executor import run_pipeline_schedule
+        from epas_megatron.engine.pipeline_executor import run_pipeline_schedule
 
         if schedule.microbatches != num_microbatches:
             raise ValueError(f"the schedule is for {schedule.microbatches} micro-batches, the step runs {num_microbatches}")

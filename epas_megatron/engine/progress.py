@@ -47,7 +47,7 @@ class TrainingProgress:
         self._loss_sum, self._loss_count = 0.0, 0
 
     def step(self, iteration: int, result, step_time: float, after_rebuild: bool) -> None:
-        """Account for the step that made ``iteration`` (a :class:`~epas_megatron.training.step.StepResult`)."""
+        """Account for the step that made ``iteration`` (a :class:`~epas_megatron.engine.step.StepResult`)."""
         self.last_step_time = step_time
         self.train_seconds += step_time
         self._interval_iterations += 1

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Sequence
 
 from epas_megatron.checkpointing.metadata import CheckpointMeta
-from epas_megatron.config.validation import ResolvedRun
 from epas_megatron.random_ltd.model import set_kept_tokens
 from epas_megatron.random_ltd.schedule import RandomLTDSchedule
 from epas_megatron.training.features import TrainingFeature
+from epas_megatron.validation import ResolvedRun
 
 
 @dataclass(frozen=True)

@@ -43,12 +43,12 @@ def copy_weights(source_chunks: Sequence[torch.nn.Module], target_chunks: Sequen
 def evaluate_region(plan: BuildPlan, sharing_layers: Sequence[int], training_chunks: Sequence[torch.nn.Module],
                     valid_iterators: Callable[[], list], *, num_microbatches: int, micro_batch_size: int,
                     pipeline_schedule=None):
-    """Validation loss (a :class:`~epas_megatron.training.step.StepResult`) of the training
+    """Validation loss (a :class:`~epas_megatron.engine.step.StepResult`) of the training
     chunks' weights with ``sharing_layers`` sharing, on the layout of ``plan`` (run with
     ``pipeline_schedule``'s action lists where the run has one)."""
+    from epas_megatron.engine.state import build_training_state
+    from epas_megatron.engine.step import eval_step
     from epas_megatron.runtime.rng import preserved_rng_state
-    from epas_megatron.training.state import build_training_state
-    from epas_megatron.training.step import eval_step
 
     region_plan = plan.with_region(tuple(sharing_layers), plan.layout)
     with preserved_rng_state():

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from epas_megatron.engine.optimizer import OptimizerSettings
 from epas_megatron.model.build_plan import BuildPlan
-from epas_megatron.training.optimizer import OptimizerSettings
 
 
 @dataclass
@@ -40,8 +40,8 @@ def build_training_state(plan: BuildPlan, settings: Optional[OptimizerSettings] 
     """Build the plan's chunks and, with ``settings``, wrap them in Megatron's DDP and make the
     optimizer and LR schedule. ``seed``: initialise the weights (layout- and region-independent);
     None when every weight is loaded next (a resume, a switch, evaluation): then none is drawn."""
+    from epas_megatron.engine.optimizer import build_optimizer, build_scheduler, wrap_ddp
     from epas_megatron.model.builder import build_model
-    from epas_megatron.training.optimizer import build_optimizer, build_scheduler, wrap_ddp
 
     built = build_model(plan, seed=seed, load_follows=seed is None)
     if settings is None:
