@@ -99,7 +99,7 @@ def measure_switch(precision: str, distributed_optimizer: bool, output_dir: Opti
     from epas_megatron.assembly import memory_settings
     from epas_megatron.config.cli import parse_config
     from epas_megatron.metrics.memory_model import LayerShape, switch_transient_terms
-    from epas_megatron.sharing.schedule import LayerMode
+    from epas_megatron.sharing.shape import LayerMode
     from epas_megatron.training.trainer import Trainer
     from epas_megatron.validation import resolve_run
 

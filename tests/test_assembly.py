@@ -20,7 +20,7 @@ from epas_megatron.checkpointing.metadata import CheckpointMeta
 from epas_megatron.config.cli import parse_config
 from epas_megatron.errors import ConfigError
 from epas_megatron.model.build_plan import RandomLTDSettings, RecomputeSettings
-from epas_megatron.sharing.schedule import LayerMode
+from epas_megatron.sharing.shape import LayerMode
 from epas_megatron.validation import resolve_run
 
 FIXTURE_META = Path(__file__).resolve().parent / "fixtures" / "checkpoint_406e8ca" / "iter_0000007" / "run_meta.json"

@@ -203,7 +203,7 @@ def run_decode_bench(cfg: DecodeBenchConfig, log=print) -> dict:
     from epas_megatron.model.attention import split_qkv_rows
     from epas_megatron.model.builder import build_model
     from epas_megatron.runtime.wrapping import unwrap_model
-    from epas_megatron.sharing.schedule import layer_modes, region_layers
+    from epas_megatron.sharing.shape import layer_modes, region_layers
 
     preset = get_preset(cfg.preset)
     check_config(cfg, preset.num_layers)

@@ -87,7 +87,7 @@ def run_memory_bench(cfg: MemoryBenchConfig, log=print) -> dict:
     from epas_megatron.metrics.memory_model import LayerShape, layer_activation_terms
     from epas_megatron.model.architecture import architecture_from_preset
     from epas_megatron.model.fusions import KernelAvailability
-    from epas_megatron.sharing.schedule import region_layers
+    from epas_megatron.sharing.shape import region_layers
 
     preset = get_preset(cfg.preset)
     arch = architecture_from_preset(preset, cfg.seq_length)

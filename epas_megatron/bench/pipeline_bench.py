@@ -91,7 +91,7 @@ def run_pipeline_bench(cfg: BenchConfig, log=print) -> dict:
     from epas_megatron.bench.common import alternating_throughput, bench_variant, default_backend
     from epas_megatron.parallel.stage_layouts import flops_layer_costs, region_layout
     from epas_megatron.runtime.distributed import seed_everything
-    from epas_megatron.sharing.schedule import region_layers
+    from epas_megatron.sharing.shape import region_layers
 
     arch = plan_for_preset(cfg.preset, seq_length=cfg.seq_length).arch
     sharing = region_layers(arch.num_layers, cfg.region, flag="--region")

@@ -260,7 +260,7 @@ def modelled_activation_bytes(plan, schedule: PipelineSchedule, settings: RankMe
     """The memory model's activations per rank of ``plan`` under ``schedule`` (1F1B: Megatron's
     even split, the LM head on the last rank; V: the even V stages, both ends on rank 0), times the
     simulation's in-flight peak of each rank."""
-    from epas_megatron.sharing.schedule import LayerMode
+    from epas_megatron.sharing.shape import LayerMode
 
     roles = ["share" if mode == LayerMode.SHARE else "compute" for mode in plan.modes]
     p, sim = schedule.pp, simulate(schedule)
@@ -288,7 +288,7 @@ def run_schedule_bench(cfg: ScheduleBenchConfig, log=print) -> dict:
     from epas_megatron.engine.pipeline_executor import executed_bubble, record_timelines
     from epas_megatron.engine.step import train_step
     from epas_megatron.model.fusions import KernelAvailability
-    from epas_megatron.sharing.schedule import region_layers
+    from epas_megatron.sharing.shape import region_layers
 
     p, rank = dist.get_world_size(), dist.get_rank()
     arch = plan_for_preset(cfg.preset, seq_length=cfg.seq_length).arch

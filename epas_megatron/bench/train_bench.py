@@ -41,7 +41,7 @@ def run_train_bench(cfg: BenchConfig, log=print) -> dict:
     from epas_megatron.model.build_plan import RandomLTDSettings
     from epas_megatron.model.fusions import choose_precision
     from epas_megatron.random_ltd.schedule import default_layers
-    from epas_megatron.sharing.schedule import region_layers
+    from epas_megatron.sharing.shape import region_layers
 
     arch = plan_for_preset(cfg.preset, seq_length=cfg.seq_length).arch
     sharing = region_layers(arch.num_layers, cfg.region, flag="--region")

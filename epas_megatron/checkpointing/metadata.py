@@ -193,7 +193,7 @@ class CheckpointMeta:
     @property
     def blocks(self) -> int:
         """The ``--epas-blocks`` it was trained with: every region built from it has that many
-        blocks (:func:`~epas_megatron.sharing.schedule.region_layers`); 1 for older checkpoints."""
+        blocks (:func:`~epas_megatron.sharing.shape.region_layers`); 1 for older checkpoints."""
         schedule = self.epas_schedule or {}
         if "blocks" in schedule:
             return int(schedule["blocks"])

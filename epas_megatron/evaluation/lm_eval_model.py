@@ -48,7 +48,7 @@ from epas_megatron.inference.generator import Generator
 from epas_megatron.inference.sampling import SamplingParams
 from epas_megatron.runtime.device import to_compute_device
 from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
-from epas_megatron.sharing.schedule import LayerMode
+from epas_megatron.sharing.shape import LayerMode
 
 DEFAULT_BATCH_SIZE = 8
 """Sequences per forward (loglikelihood) or per generation batch."""

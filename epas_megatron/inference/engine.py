@@ -52,7 +52,7 @@ from epas_megatron.errors import ConfigError
 from epas_megatron.inference import attention as attn_ops
 from epas_megatron.inference.kv_cache import KVCache, source_layer
 from epas_megatron.inference.moc_decode import MOC_DECODE_CHOICES, row_readers
-from epas_megatron.sharing.schedule import LayerMode
+from epas_megatron.sharing.shape import LayerMode
 
 DECODE_ATTENTION_CHOICES = ("qk", "reuse")
 REGION_KERNEL_CHOICES = (None, "torch", "triton")

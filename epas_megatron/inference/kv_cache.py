@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from epas_megatron.sharing.schedule import LayerMode
+from epas_megatron.sharing.shape import LayerMode
 
 
 def cached_parts(mode: LayerMode | str, share: str) -> tuple[str, ...]:

@@ -34,7 +34,7 @@ from megatron.core.utils import make_viewless_tensor
 from epas_megatron.random_ltd import tokens as ltd_tokens
 from epas_megatron.random_ltd.keyed_draw import kept_index
 from epas_megatron.sharing import handoff as qk_handoff
-from epas_megatron.sharing.schedule import LayerMode
+from epas_megatron.sharing.shape import LayerMode
 
 
 class EpasTransformerBlock(TransformerBlock):

@@ -8,7 +8,7 @@ trainer, the benchmarks, evaluation and conversion. It is frozen; a switch makes
 
 Normalised here, once:
 
-* the per-layer roles, as :class:`~epas_megatron.sharing.schedule.LayerMode` (validated: one
+* the per-layer roles, as :class:`~epas_megatron.sharing.shape.LayerMode` (validated: one
   contiguous region ending at layer ``num_layers - 1 - exclude_last``, a source before it);
 * the virtual-pipeline size: ``None`` without interleaving (``--vpp 1`` and ``--vpp`` unset
   mean the same), otherwise the number of chunks per rank -- taken from the layout when there
@@ -26,8 +26,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from epas_megatron.model.architecture import LlamaArchitecture
 from epas_megatron.model.fusions import PRECISIONS
 from epas_megatron.model.v_placement import v_layout_string
-from epas_megatron.sharing.schedule import LayerMode
-from epas_megatron.sharing.shape import RegionShape
+from epas_megatron.sharing.shape import LayerMode, RegionShape
 
 if TYPE_CHECKING:  # (parallel sits above model; the layout is only carried here)
     from epas_megatron.parallel.layout import StageLayout
@@ -139,7 +138,7 @@ class BuildPlan:
 
     blocks: int = 1
     """Sharing blocks (``--epas-blocks``): every region of this plan has that many blocks, each
-    with its own source (:func:`~epas_megatron.sharing.schedule.region_layers`); kept on the plan
+    with its own source (:func:`~epas_megatron.sharing.shape.region_layers`); kept on the plan
     for the same reason as :attr:`exclude_last`."""
 
     random_ltd: Optional[RandomLTDSettings] = None

@@ -1,7 +1,7 @@
 """Build plan -> Megatron ``TransformerConfig`` -> the model chunks this rank holds.
 
 The decoder is described by one *global* list of layer specs (one per layer, from the plan's
-:class:`~epas_megatron.sharing.schedule.LayerMode` s); each pipeline stage / virtual stage takes the slice of its own layers, found with
+:class:`~epas_megatron.sharing.shape.LayerMode` s); each pipeline stage / virtual stage takes the slice of its own layers, found with
 the same Megatron-Core functions ``TransformerBlock`` uses (``get_transformer_layer_offset``,
 ``get_num_layers_to_build``), so even, uneven and explicit-layout pipelines all agree.
 
@@ -37,7 +37,7 @@ from epas_megatron.model.specs import decoder_layer_specs, get_backend
 from epas_megatron.model.v_layout import VPipelineLayout
 from epas_megatron.runtime.device import compute_device
 from epas_megatron.sharing import handoff as qk_handoff
-from epas_megatron.sharing.schedule import LayerMode
+from epas_megatron.sharing.shape import LayerMode
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """The parameter dtype of each precision (:data:`epas_megatron.model.fusions.PRECISIONS`)."""

@@ -22,7 +22,7 @@ from megatron.core.typed_torch import apply_module
 
 from epas_megatron.model.attention import ComputingAttention, SharedAttention
 from epas_megatron.random_ltd.tokens import gather_tokens
-from epas_megatron.sharing.schedule import LayerMode
+from epas_megatron.sharing.shape import LayerMode
 
 
 class EpasTransformerLayer(TransformerLayer):

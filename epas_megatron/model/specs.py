@@ -2,7 +2,7 @@
 
 A :class:`Backend` names the classes of one implementation (local pure-PyTorch Megatron-Core
 modules, or Transformer Engine). :func:`layer_spec` builds the ``ModuleSpec`` of a layer for a
-:class:`~epas_megatron.sharing.schedule.LayerMode` -- ``compute``, ``source`` (computing, and
+:class:`~epas_megatron.sharing.shape.LayerMode` -- ``compute``, ``source`` (computing, and
 hands its Q/K on) or ``share`` -- from any backend,
 so local and TE paths share everything but the classes. Transformer Engine classes are named by
 import path (``ModuleSpec(module=(path, name))``): building a TE spec imports nothing, the class is
@@ -41,7 +41,7 @@ from epas_megatron.model.layer import EpasTransformerLayer
 from epas_megatron.model.moc import MoCMLP
 from epas_megatron.model.norm import RMSNorm
 from epas_megatron.model.weight_grad import DelayedWgradColumnParallelLinear, DelayedWgradRowParallelLinear
-from epas_megatron.sharing.schedule import LayerMode
+from epas_megatron.sharing.shape import LayerMode
 
 
 @dataclass(frozen=True)
@@ -189,5 +189,5 @@ def decoder_layer_specs(
     moc: Optional[tuple[float, int]] = None,
 ) -> list[ModuleSpec]:
     """Specs of all decoder layers of the model, one per mode (global, not yet sliced per
-    pipeline stage); the modes come from :func:`epas_megatron.sharing.schedule.layer_modes`."""
+    pipeline stage); the modes come from :func:`epas_megatron.sharing.shape.layer_modes`."""
     return [layer_spec(mode, backend, share, detach_shared, moc) for mode in modes]

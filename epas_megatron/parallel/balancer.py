@@ -42,8 +42,7 @@ from epas_megatron.errors import ConfigError
 from epas_megatron.parallel.cost_model import LayerCosts, costs_for_modes
 from epas_megatron.parallel.layout import StageLayout, VStageLayout
 from epas_megatron.parallel.partition import REL_TOL, best_split
-from epas_megatron.sharing.schedule import LayerMode
-from epas_megatron.sharing.shape import RegionShape, as_shape
+from epas_megatron.sharing.shape import LayerMode, RegionShape, as_shape
 
 __all__ = ["StageLayout", "VStageLayout", "crosses_region", "balance_layout", "balance_region", "priced_layout",
            "balance_v_layout", "balance_v_region", "priced_v_layout"]

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from epas_megatron.errors import ConfigError
-from epas_megatron.sharing.schedule import LayerMode
+from epas_megatron.sharing.shape import LayerMode
 
 P2P_FLOPS_PER_BYTE = 4000.0
 """FLOPs a GPU computes in the time it sends one byte to its pipeline neighbour, used to put p2p
@@ -88,7 +88,7 @@ class LayerCosts:
 
 def costs_for_modes(layer_costs: LayerCosts, modes: Sequence[LayerMode | str]) -> list[float]:
     """Per-decoder-layer costs for a model whose layer ``i`` is in mode ``modes[i]`` (e.g. from
-    :func:`epas_megatron.sharing.schedule.layer_modes`).
+    :func:`epas_megatron.sharing.shape.layer_modes`).
 
     ``SOURCE`` layers cost the same as ``COMPUTE`` layers: they still run their Q/K projections
     (within a stage the hand-off to the sharing layers is a reference, not extra work).

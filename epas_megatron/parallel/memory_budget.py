@@ -24,7 +24,7 @@ from epas_megatron.metrics.memory_model import (
     rank_memory_bytes,
     switch_transient_terms,
 )
-from epas_megatron.sharing.schedule import LayerMode
+from epas_megatron.sharing.shape import LayerMode
 
 GIB = 2**30
 

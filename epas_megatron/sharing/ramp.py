@@ -35,7 +35,8 @@ from typing import ClassVar, Optional
 
 from epas_megatron.errors import ConfigError
 from epas_megatron.sharing.per_switch import StepsPerSwitch
-from epas_megatron.sharing.schedule import LayerMode, SharingSchedule
+from epas_megatron.sharing.schedule import SharingSchedule
+from epas_megatron.sharing.shape import LayerMode
 
 __all__ = ["RampStep", "SwitchRamp", "ramp_step"]
 

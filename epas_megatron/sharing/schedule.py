@@ -29,48 +29,36 @@ Our generalisation and decisions (the paper leaves them open):
 * At least one layer must keep computing before the region (the source), so at most
   ``num_layers - 1 - exclude_last`` layers can be targets.
 * ``blocks = K`` (``--epas-blocks``, default 1: the paper's single block) splits the targets into
-  ``K`` blocks of ``size = target_layers / K`` layers (``K`` must divide the target). Layers
-  ``0..region_end`` (``E = region_end + 1`` of them) are cut into ``K`` spans; span ``k``
-  (0-based) ends at layer ``e_k = floor((k + 1) * E / K) - 1``, and block ``k`` fills its deep
-  end, layers ``e_k - size + 1 .. e_k``, with its own source ``e_k - size`` inside the span (so
-  ``target_layers + K <= E``: one computing source per block). Why: each block repeats the
-  paper's single-block placement within its share of the depth; the deepest block still ends at
-  ``region_end`` (the last layer by default, which the paper's ablation found better); and the
-  blocks are spread as evenly as the depth allows, so for the same number of sharing layers only
-  the block structure differs from ``K = 1`` (the paper's "one block vs several" ablation).
-* With ``K`` blocks the targets switch round-robin, deepest block first and each block deep ->
-  shallow (block ``K - 1``'s deepest layer, block ``K - 2``'s, ..., block 0's, then every block's
-  second deepest, ...); switch ``j`` takes the next ``growth`` layers of that order. Why: the
-  blocks grow together, every region on the way has the same block structure as the final one,
-  and ``K = 1`` is exactly Algorithm 1. The blocks' ends depend only on ``E`` and ``K``, so a
-  region of size ``r`` is always the first ``r`` layers of one fixed order (whatever the target);
-  the target only decides which sizes are reachable.
+  ``K`` blocks; where the blocks lie and the order their layers switch in is the region
+  geometry of :mod:`epas_megatron.sharing.shape`.
 
 Everything here is a pure function of the configuration; the trainer asks the schedule *what*
 changes at a switch and one place (model specs, freezing, optimizer, pipeline layout) carries it
 out.
-
-Why one module of ~750 lines: the layer roles, the region rules and the schedule are one
-algorithm whose decisions (above) and flag-naming errors read together; a third of it is this
-record and the messages.
 """
 
 from __future__ import annotations
 
-import enum
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from fractions import Fraction
 
 from epas_megatron.errors import ConfigError
+from epas_megatron.sharing.shape import (
+    LayerMode,
+    check_blocks,
+    check_exclude_last,
+    format_layers,
+    is_int,
+    layer_modes,
+    layer_runs,
+    place_blocks,
+    switching_order,
+)
 
 __all__ = [
-    "LayerMode",
     "SharingSchedule",
-    "largest_region",
-    "layer_modes",
-    "region_layers",
     "resolve_target_layers",
 ]
 
@@ -98,45 +86,6 @@ _FIELD_FLAGS = {
 }
 
 
-class LayerMode(enum.StrEnum):
-    """What a decoder layer does with Q/K. Members compare equal to their string values."""
-
-    COMPUTE = "compute"
-    """Computes its own Q/K; no later layer reads them."""
-    SOURCE = "source"
-    """Computes its own Q/K and is the last computing layer before a sharing block (the whole
-    region when there is one block): every sharing layer of that block reuses its (post-RoPE)
-    Q/K."""
-    SHARE = "share"
-    """Skips its Q/K projections and reuses its block's source layer's Q/K with its own V."""
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _runs(layers: Iterable[int]) -> list[tuple[int, int]]:
-    """Maximal runs of consecutive layers as ``(first, last)``, ascending."""
-    runs: list[tuple[int, int]] = []
-    for layer in sorted(layers):
-        if runs and layer == runs[-1][1] + 1:
-            runs[-1] = (runs[-1][0], layer)
-        else:
-            runs.append((layer, layer))
-    return runs
-
-
-def _format_layers(layers: Iterable[int]) -> str:
-    """``(6, 7, 8)`` -> ``"6-8"``, ``(11,)`` -> ``"11"``, ``(3, 4, 5, 9, 11)`` -> ``"3-5, 9, 11"``,
-    ``()`` -> ``"none"``."""
-    return _format_ranges(_runs(layers)) or "none"
-
-
-def _format_ranges(ranges: Iterable[tuple[int, int]]) -> str:
-    """``((3, 5), (9, 9))`` -> ``"3-5, 9"``; adjacent ranges stay apart."""
-    return ", ".join(str(first) if first == last else f"{first}-{last}" for first, last in ranges)
-
-
 def resolve_target_layers(target: float | int | str, num_layers: int) -> int:
     """Number of target (eventually sharing) layers from ``--epas-target-layers``.
 
@@ -151,7 +100,7 @@ def resolve_target_layers(target: float | int | str, num_layers: int) -> int:
     The result must leave a source layer: ``0 <= result <= num_layers - 1``.
     """
     flag = "--epas-target-layers"
-    if not _is_int(num_layers) or num_layers < 1:
+    if not is_int(num_layers) or num_layers < 1:
         raise ConfigError(f"--num-layers must be a positive integer, got {num_layers!r}")
     if isinstance(target, bool):
         raise ConfigError(f"{flag} must be a layer count or a fraction in (0, 1), got {target!r}")
@@ -164,7 +113,7 @@ def resolve_target_layers(target: float | int | str, num_layers: int) -> int:
                 f"{flag} must be a layer count (e.g. 6) or a fraction of the layers in (0, 1) "
                 f"(e.g. 0.5), got {target!r}"
             ) from None
-    elif _is_int(target):
+    elif is_int(target):
         value = Fraction(target)
     elif isinstance(target, float):
         if not math.isfinite(target):
@@ -193,284 +142,6 @@ def resolve_target_layers(target: float | int | str, num_layers: int) -> int:
             f"layer must keep computing Q/K as the source; use at most {num_layers - 1}"
         )
     return count
-
-
-def _check_exclude_last(num_layers: int, exclude_last: int) -> None:
-    """``exclude_last`` must leave at least one layer (the source) in a ``num_layers`` model."""
-    if not _is_int(exclude_last) or not 0 <= exclude_last <= num_layers - 1:
-        raise ConfigError(
-            f"--epas-exclude-last must be an integer between 0 and {num_layers - 1} for a "
-            f"{num_layers}-layer model (the deepest layers that never share), got {exclude_last!r}"
-        )
-
-
-def _check_blocks_value(blocks: int) -> None:
-    """``--epas-blocks`` is an integer >= 1 (whether it fits the target: :func:`_check_blocks`)."""
-    if not _is_int(blocks) or blocks < 1:
-        raise ConfigError(
-            f"--epas-blocks must be an integer >= 1 (the number of sharing blocks; 1 is the "
-            f"paper's single block), got {blocks!r}"
-        )
-
-
-def _check_blocks(
-    num_layers: int,
-    exclude_last: int,
-    target: int,
-    blocks: int,
-    target_flag: str = "--epas-target-layers",
-) -> None:
-    """``target`` layers (already within ``0..region_end``) split into ``blocks`` equal blocks,
-    each with a computing source before it inside its span (module docstring). ``target_flag``
-    names the option that set ``target``. EPAS off (``target`` 0) takes any ``blocks``."""
-    _check_blocks_value(blocks)
-    if blocks == 1 or target == 0:
-        return
-    end = num_layers - 1 - exclude_last
-    depth = end + 1  # layers 0..end, cut into the blocks' spans
-    # Every span holds at least floor(depth / blocks) layers, so a block of `size` layers keeps
-    # its source in every span iff size + 1 <= depth // blocks, i.e. target + blocks <= depth.
-    fitting = [k for k in range(1, target + 1) if target % k == 0 and target + k <= depth]
-    if target % blocks:
-        raise ConfigError(
-            f"--epas-blocks {blocks} does not divide {target_flag} {target} (the blocks have "
-            f"equal sizes); use --epas-blocks among {fitting}, or a target that is a multiple "
-            f"of {blocks}"
-        )
-    if target + blocks > depth:
-        size = target // blocks
-        excluded = f" (--epas-exclude-last {exclude_last})" if exclude_last else ""
-        largest_target = blocks * (depth // blocks - 1)
-        other = (
-            f", or at most {largest_target} {target_flag} with --epas-blocks {blocks}"
-            if largest_target > 0
-            else f"; no target fits {blocks} blocks here (a block and its source take at least 2 "
-            f"layers, so at most {depth // 2} blocks)"
-        )
-        raise ConfigError(
-            f"--epas-blocks {blocks} with {target_flag} {target}: each block of {size} layer(s) "
-            f"needs a computing source layer before it inside its own span of layers 0-{end}"
-            f"{excluded}, {blocks * (size + 1)} layers in all, but there are {depth}; "
-            + (f"use --epas-blocks among {fitting} (at most {fitting[-1]})" if fitting
-               else f"no --epas-blocks fits {target} layers")
-            + other
-        )
-
-
-def _place_blocks(region_end: int, target: int, blocks: int) -> tuple[tuple[int, int], ...]:
-    """``(first, last)`` of each of the ``blocks`` final blocks, ascending (module docstring);
-    ``()`` for an empty target. Assumes :func:`_check_blocks` passed."""
-    if not target:
-        return ()
-    size = target // blocks
-    depth = region_end + 1
-    ends = [(k + 1) * depth // blocks - 1 for k in range(blocks)]
-    return tuple((last - size + 1, last) for last in ends)
-
-
-def _switching_order(block_ranges: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
-    """Target layers in the order they switch: round-robin over the blocks, deepest block first,
-    each block deep -> shallow. One block: ``region_end, region_end - 1, ...``."""
-    if not block_ranges:
-        return ()
-    size = block_ranges[0][1] - block_ranges[0][0] + 1
-    return tuple(last - depth for depth in range(size) for _, last in reversed(block_ranges))
-
-
-def _resolve_target(
-    num_layers: int, exclude_last: int, size: int, flag: str, target_layers: int | None, blocks: int = 1
-) -> tuple[int, str]:
-    """(target region size, the flag that set it) for a region of ``size`` layers. Without
-    ``target_layers``: the smallest target of ``blocks`` equal blocks that holds ``size`` layers
-    (``size`` itself for one block), named by ``flag`` -- the layers of a region do not depend on
-    the target (module docstring), only whether it fits does."""
-    if target_layers is None:
-        return -(-size // blocks) * blocks, flag
-    end = num_layers - 1 - exclude_last
-    if not _is_int(target_layers) or not 0 <= target_layers <= end:
-        excluded = f" with --epas-exclude-last {exclude_last}" if exclude_last else ""
-        raise ConfigError(
-            f"--epas-target-layers {target_layers!r}: a target region must have between 0 and "
-            f"{end} layers for a {num_layers}-layer model{excluded} (one layer before it must "
-            f"remain the source)"
-        )
-    if size > target_layers:
-        raise ConfigError(
-            f"{flag}: a region of {size} sharing layers is larger than the --epas-target-layers "
-            f"{target_layers} region its blocks are placed for; use at most {target_layers}"
-        )
-    return target_layers, "--epas-target-layers"
-
-
-def largest_region(num_layers: int, exclude_last: int = 0, blocks: int = 1) -> int:
-    """The most layers that can share in a ``num_layers`` model: every block keeps a computing
-    source inside its span, so ``blocks * (E // blocks - 1)`` with ``E = num_layers -
-    exclude_last`` (``num_layers - 1 - exclude_last`` for one block)."""
-    _check_exclude_last(num_layers, exclude_last)
-    _check_blocks_value(blocks)
-    return max(0, blocks * ((num_layers - exclude_last) // blocks - 1))
-
-
-def region_layers(
-    num_layers: int,
-    size: int,
-    flag: str = "--epas-target-layers",
-    exclude_last: int = 0,
-    blocks: int = 1,
-    target_layers: int | None = None,
-) -> tuple[int, ...]:
-    """The sharing region of ``size`` layers, ascending: the first ``size`` layers of the
-    switching order of the ``target_layers`` target region in ``blocks`` blocks (module
-    docstring). With one block it is the block that ends at layer ``num_layers - 1 -
-    exclude_last`` (the deepest layers when ``exclude_last`` is 0), whatever ``target_layers`` is.
-
-    For callers that pick a region length directly (e.g. evaluation at several region sizes).
-    ``target_layers`` (the run's) only checks that ``size`` is reachable (``size <=
-    target_layers``, the blocks fit); ``None`` checks that some target of equal blocks holds
-    ``size`` layers. ``flag`` names the option that set ``size`` in error messages.
-    """
-    if not _is_int(num_layers) or num_layers < 1:
-        raise ConfigError(f"--num-layers must be a positive integer, got {num_layers!r}")
-    _check_exclude_last(num_layers, exclude_last)
-    end = num_layers - 1 - exclude_last  # the region's last layer
-    if not _is_int(size) or not 0 <= size <= end:
-        after = (
-            f" with --epas-exclude-last {exclude_last} (layer(s) "
-            f"{_format_layers(range(end + 1, num_layers))} never share)"
-            if exclude_last
-            else ""
-        )
-        raise ConfigError(
-            f"{flag} {size!r}: a sharing region must have between 0 and {end} layers for a "
-            f"{num_layers}-layer model{after} (one layer before the region must remain the source)"
-        )
-    _check_blocks_value(blocks)
-    target, target_flag = _resolve_target(num_layers, exclude_last, size, flag, target_layers, blocks)
-    _check_blocks(num_layers, exclude_last, target, blocks, target_flag)
-    order = _switching_order(_place_blocks(end, target, blocks))
-    return tuple(sorted(order[:size]))
-
-
-def region_order(
-    num_layers: int,
-    size: int,
-    flag: str = "--epas-target-layers",
-    exclude_last: int = 0,
-    blocks: int = 1,
-) -> tuple[int, ...]:
-    """The layers of :func:`region_layers` (same arguments) in the order they join the region
-    (the switching order; one block: the deepest first): the region of any ``r <= size`` layers
-    is the first ``r`` of them."""
-    region = region_layers(num_layers, size, flag, exclude_last, blocks)
-    target, _ = _resolve_target(num_layers, exclude_last, size, flag, None, blocks)
-    order = _switching_order(_place_blocks(num_layers - 1 - exclude_last, target, blocks))[:size]
-    assert tuple(sorted(order)) == region, (order, region)
-    return tuple(order)
-
-
-def layer_modes(
-    num_layers: int,
-    sharing_layers: Iterable[int],
-    flag: str = "--epas-target-layers",
-    exclude_last: int = 0,
-    blocks: int = 1,
-    target_layers: int | None = None,
-) -> list[LayerMode]:
-    """Per-layer mode (``"compute"`` / ``"source"`` / ``"share"``) for a sharing set.
-
-    With one block, ``sharing_layers`` must be one contiguous block of 0-based layer indices
-    ending at layer ``num_layers - 1 - exclude_last`` (the last layer by default) and must leave
-    layer 0 computing; otherwise a ``ConfigError`` naming ``flag`` is raised. The source is the
-    last computing layer before a non-empty region; layers after the region compute
-    (``"compute"``); with an empty region every layer is ``"compute"``.
-
-    With ``blocks > 1`` the set must be ``region_layers(num_layers, len(sharing_layers), ...,
-    blocks=blocks, target_layers=target_layers)``; each maximal run of sharing layers has its source right before it.
-    """
-    if not _is_int(num_layers) or num_layers < 1:
-        raise ConfigError(f"--num-layers must be a positive integer, got {num_layers!r}")
-    _check_exclude_last(num_layers, exclude_last)
-    _check_blocks_value(blocks)
-    layers = list(sharing_layers)
-    for layer in layers:
-        if not _is_int(layer) or not 0 <= layer < num_layers:
-            raise ConfigError(
-                f"{flag}: sharing layer {layer!r} is not a layer index of a {num_layers}-layer "
-                f"model (0..{num_layers - 1})"
-            )
-    if len(set(layers)) != len(layers):
-        raise ConfigError(f"{flag}: sharing layers {layers} contain duplicates")
-    region = sorted(layers)
-    end = num_layers - 1 - exclude_last  # where the region must end
-    if blocks > 1:
-        return _block_layer_modes(num_layers, region, flag, exclude_last, blocks, target_layers)
-    if region:
-        if region[-1] != end:
-            if exclude_last:
-                where = (
-                    f"layer {end} (--epas-exclude-last {exclude_last} keeps layers "
-                    f"{_format_layers(range(end + 1, num_layers))} computing)"
-                )
-            else:
-                where = f"the last layer ({end}); EPAS shares a deep block that includes the last layer"
-            raise ConfigError(
-                f"{flag}: the sharing region {_format_layers(region)} must end at {where}; use "
-                f"layers ending at {end}, or the --epas-exclude-last that makes "
-                f"{region[-1]} the region's end ({num_layers - 1 - region[-1]})"
-            )
-        if region != list(range(region[0], end + 1)):
-            raise ConfigError(
-                f"{flag}: the sharing layers {_format_layers(region)} are not one contiguous "
-                f"block; use layers {region[0]}-{end} or a shorter block ending at {end}"
-            )
-        if region[0] == 0:
-            raise ConfigError(
-                f"{flag}: the region {_format_layers(region)} starts at layer 0, leaving no "
-                f"source layer before it; use at most {end} sharing layers"
-            )
-    if target_layers is not None:
-        _resolve_target(num_layers, exclude_last, len(region), flag, target_layers)
-    modes = [LayerMode.COMPUTE] * num_layers
-    if region:
-        modes[region[0] - 1] = LayerMode.SOURCE
-        for layer in region:
-            modes[layer] = LayerMode.SHARE
-    return modes
-
-
-def _block_layer_modes(
-    num_layers: int,
-    region: list[int],
-    flag: str,
-    exclude_last: int,
-    blocks: int,
-    target_layers: int | None,
-) -> list[LayerMode]:
-    """:func:`layer_modes` for ``blocks > 1``; ``region`` is sorted, valid indices, distinct."""
-    end = num_layers - 1 - exclude_last
-    if len(region) > end:
-        raise ConfigError(
-            f"{flag}: {len(region)} sharing layers leave no source layer in a {num_layers}-layer "
-            f"model (the region ends at layer {end}); use at most {end} sharing layers"
-        )
-    target, target_flag = _resolve_target(num_layers, exclude_last, len(region), flag, target_layers, blocks)
-    _check_blocks(num_layers, exclude_last, target, blocks, target_flag)
-    placed = _place_blocks(end, target, blocks)
-    expected = sorted(_switching_order(placed)[: len(region)])
-    if region != expected:
-        raise ConfigError(
-            f"{flag}: the sharing layers {_format_layers(region)} are not a region of "
-            f"--epas-blocks {blocks} (blocks {_format_ranges(placed)} of the "
-            f"{target}-layer target region); {len(region)} sharing layers would be "
-            f"{_format_layers(expected)}"
-        )
-    modes = [LayerMode.COMPUTE] * num_layers
-    for first, last in _runs(region):
-        # every block keeps a computing layer before it in its span, so runs never touch
-        modes[first - 1] = LayerMode.SOURCE
-        for layer in range(first, last + 1):
-            modes[layer] = LayerMode.SHARE
-    return modes
 
 
 @dataclass(frozen=True)
@@ -513,23 +184,23 @@ class SharingSchedule:
     ``target_layers + K <= region_end + 1``. Any value is accepted when EPAS is off."""
 
     def __post_init__(self) -> None:
-        if not _is_int(self.num_layers) or self.num_layers < 1:
+        if not is_int(self.num_layers) or self.num_layers < 1:
             raise ConfigError(f"--num-layers must be a positive integer, got {self.num_layers!r}")
-        if not _is_int(self.interval) or self.interval < 1:
+        if not is_int(self.interval) or self.interval < 1:
             raise ConfigError(
                 f"--epas-interval must be an integer >= 1 (iterations between switches), got "
                 f"{self.interval!r}"
             )
-        if not _is_int(self.growth) or self.growth < 1:
+        if not is_int(self.growth) or self.growth < 1:
             raise ConfigError(
                 f"--epas-growth must be an integer >= 1 (layers per switch), got {self.growth!r}"
             )
-        if not _is_int(self.target_layers) or self.target_layers < 0:
+        if not is_int(self.target_layers) or self.target_layers < 0:
             raise ConfigError(
                 f"--epas-target-layers must be a layer count >= 0 (0 turns EPAS off), got "
                 f"{self.target_layers!r}"
             )
-        _check_exclude_last(self.num_layers, self.exclude_last)
+        check_exclude_last(self.num_layers, self.exclude_last)
         if self.target_layers > self.region_end:
             excluded = (
                 f" with --epas-exclude-last {self.exclude_last} (the region ends at layer "
@@ -549,10 +220,10 @@ class SharingSchedule:
                 f"--epas-growth {self.growth} does not divide --epas-target-layers "
                 f"{self.target_layers}; use a growth among {divisors} (or change the target)"
             )
-        _check_blocks(self.num_layers, self.exclude_last, self.target_layers, self.blocks)
+        check_blocks(self.num_layers, self.exclude_last, self.target_layers, self.blocks)
         if self.first_switch is None:
             object.__setattr__(self, "first_switch", self.interval)
-        elif not _is_int(self.first_switch) or self.first_switch < 1:
+        elif not is_int(self.first_switch) or self.first_switch < 1:
             raise ConfigError(
                 f"--epas-first-switch must be an iteration >= 1 (iterations count from 1), got "
                 f"{self.first_switch!r}"
@@ -591,7 +262,7 @@ class SharingSchedule:
     def block_ranges(self) -> tuple[tuple[int, int], ...]:
         """``(first, last)`` layer of each final block, ascending; ``()`` when EPAS is off. One
         block: ``((region_end + 1 - target_layers, region_end),)``."""
-        return _place_blocks(self.region_end, self.target_layers, self.blocks)
+        return place_blocks(self.region_end, self.target_layers, self.blocks)
 
     @property
     def enabled(self) -> bool:
@@ -615,7 +286,7 @@ class SharingSchedule:
         return self.first_switch + (self.num_switches - 1) * self.interval
 
     def _switches_done(self, iteration: int) -> int:
-        if not _is_int(iteration) or iteration < 0:
+        if not is_int(iteration) or iteration < 0:
             raise ValueError(f"iteration must be an integer >= 0, got {iteration!r}")
         if not self.enabled or iteration < self.first_switch:
             return 0
@@ -628,12 +299,12 @@ class SharingSchedule:
     def sharing_layers(self, iteration: int) -> tuple[int, ...]:
         """Sharing layers (ascending) in effect for the step of ``iteration``: the first
         :meth:`region_size` layers of the switching order."""
-        return tuple(sorted(_switching_order(self.block_ranges)[: self.region_size(iteration)]))
+        return tuple(sorted(switching_order(self.block_ranges)[: self.region_size(iteration)]))
 
     def source_layers(self, iteration: int) -> tuple[int, ...]:
         """The source of every block that shares at ``iteration`` (the computing layer right
         before the block's sharing layers), ascending; ``()`` when no layer shares."""
-        return tuple(first - 1 for first, _ in _runs(self.sharing_layers(iteration)))
+        return tuple(first - 1 for first, _ in layer_runs(self.sharing_layers(iteration)))
 
     def source_layer(self, iteration: int) -> int | None:
         """The last computing layer before the region, whose Q/K the region reuses; ``None``
@@ -655,7 +326,7 @@ class SharingSchedule:
     def switch_iterations(self) -> list[tuple[int, tuple[int, ...]]]:
         """Every switch as ``(iteration, layers that switch there, in switching order)``; one
         block: deep -> shallow."""
-        order = _switching_order(self.block_ranges)
+        order = switching_order(self.block_ranges)
         return [
             (
                 self.first_switch + k * self.interval,
@@ -691,7 +362,7 @@ class SharingSchedule:
         ``final_iteration > 0.9 * train_iters`` (the final region then trains for fewer than a
         tenth of the steps). EPAS off: no warnings.
         """
-        if not _is_int(train_iters) or train_iters < 1:
+        if not is_int(train_iters) or train_iters < 1:
             raise ConfigError(f"--train-iters must be an integer >= 1, got {train_iters!r}")
         if not self.enabled:
             return []
@@ -717,7 +388,7 @@ class SharingSchedule:
         """Multi-line human-readable plan, one line per switch, for printing at start."""
         if not self.enabled:
             return f"EPAS off: all {self.num_layers} layers compute their own Q/K"
-        targets = _switching_order(self.block_ranges)
+        targets = switching_order(self.block_ranges)
         # blocks are never adjacent (each keeps its source before it), so the targets' runs
         # are the blocks
         blocks = (
@@ -727,13 +398,13 @@ class SharingSchedule:
             else ""
         )
         excluded = (
-            f", layer(s) {_format_layers(range(self.region_end + 1, self.num_layers))} never "
+            f", layer(s) {format_layers(range(self.region_end + 1, self.num_layers))} never "
             f"share (--epas-exclude-last {self.exclude_last})"
             if self.exclude_last
             else ""
         )
         lines = [
-            f"EPAS schedule: {self.num_layers} layers, target region {_format_layers(targets)} "
+            f"EPAS schedule: {self.num_layers} layers, target region {format_layers(targets)} "
             f"({self.target_layers} layers{blocks}){excluded}, growth {self.growth} every "
             f"{self.interval} iteration(s) from iteration {self.first_switch}"
         ]
@@ -747,7 +418,7 @@ class SharingSchedule:
             )
             lines.append(
                 f"  iteration {iteration:>{width}}: layer(s) {', '.join(map(str, switching))} "
-                f"switch to sharing -> region {_format_layers(region)} ({len(region)} layers), "
+                f"switch to sharing -> region {format_layers(region)} ({len(region)} layers), "
                 f"{sources}"
             )
         final = f"full region from iteration {self.final_iteration}"
@@ -804,7 +475,7 @@ class SharingSchedule:
             if here != there:
                 region_note = (
                     f"; at iteration {iteration} the checkpoint's region is "
-                    f"{_format_layers(there)} but this run's would be {_format_layers(here)}"
+                    f"{format_layers(there)} but this run's would be {format_layers(here)}"
                 )
         raise ConfigError(
             "the EPAS schedule differs from the one saved in the checkpoint ("

@@ -33,7 +33,7 @@ from epas_megatron.parallel.pipeline_schedule import V_SCHEDULES
 from epas_megatron.parallel.stage_layouts import describe_schedule_layouts
 from epas_megatron.runtime.distributed import ParallelDims
 from epas_megatron.runtime.fs import atomic_write_text
-from epas_megatron.sharing.schedule import LayerMode
+from epas_megatron.sharing.shape import LayerMode
 from epas_megatron.training.features import TrainingFeatures
 from epas_megatron.validation import ResolvedRun
 

@@ -116,7 +116,7 @@ def test_a_memory_budget_changes_the_layout_not_the_losses(runs, tmp_path):
     there and says so, and its losses still equal PP=1's."""
     from epas_megatron.metrics.memory_model import LayerShape, RankMemorySettings
     from epas_megatron.parallel.memory_budget import GIB, MemoryLimit
-    from epas_megatron.sharing.schedule import layer_modes
+    from epas_megatron.sharing.shape import layer_modes
 
     costs = flops_layer_costs(LlamaArchitecture(8, 128, 4, 4, 64, 1024, 64), 64)
     limit = MemoryLimit(LayerShape(128, 4, 4, 64, 64, 1), RankMemorySettings(vocab_size=1024, num_microbatches=4), 2, 1, 1e18)

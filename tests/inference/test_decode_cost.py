@@ -3,7 +3,7 @@
 import pytest
 
 from epas_megatron.inference.decode_cost import decode_bytes_per_step, max_batch_for_budget
-from epas_megatron.sharing.schedule import layer_modes
+from epas_megatron.sharing.shape import layer_modes
 from epas_testing import build
 
 

@@ -63,7 +63,7 @@ def test_every_ramp_step_matches_the_reference(tiny_arch, share):
 
 
 def test_outside_a_ramp_every_layer_is_as_built(tiny_arch):
-    from epas_megatron.sharing.schedule import LayerMode
+    from epas_megatron.sharing.shape import LayerMode
     from epas_megatron.training.ramp import apply_ramp
 
     torch.manual_seed(1)

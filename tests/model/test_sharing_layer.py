@@ -20,7 +20,7 @@ def test_model_with_sharing_matches_reference(tiny_arch, sharing, exclude_last, 
     """With --epas-exclude-last the layers after the region compute their own Q/K (the hand-off
     passes through them unused)."""
     from epas_megatron.model.attention import split_qkv_rows
-    from epas_megatron.sharing.schedule import LayerMode
+    from epas_megatron.sharing.shape import LayerMode
 
     torch.manual_seed(0)
     tokens = torch.randint(0, tiny_arch.vocab_size, (2, 24))
@@ -70,7 +70,7 @@ def test_several_blocks_match_reference(tiny_arch, num_layers, blocks, sharing, 
     import dataclasses
 
     from epas_megatron.model.attention import split_qkv_rows
-    from epas_megatron.sharing.schedule import LayerMode
+    from epas_megatron.sharing.shape import LayerMode
 
     arch = dataclasses.replace(tiny_arch, num_layers=num_layers)
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from epas_megatron.errors import ConfigError
 from epas_megatron.model.attention import FrozenProjection, SharedAttention
 from epas_megatron.model.specs import LOCAL, TRANSFORMER_ENGINE, decoder_layer_specs, get_backend, layer_spec
-from epas_megatron.sharing.schedule import layer_modes
+from epas_megatron.sharing.shape import layer_modes
 
 
 def test_roles():

@@ -13,8 +13,7 @@ from epas_megatron.parallel.cost_model import LayerCosts
 from epas_megatron.parallel.layout import StageLayout
 from epas_megatron.parallel.layout_report import PipelineSpeedup, format_layouts, predict_pipeline_speedup
 from epas_megatron.parallel.partition import best_split
-from epas_megatron.sharing.schedule import LayerMode, layer_modes
-from epas_megatron.sharing.shape import RegionShape
+from epas_megatron.sharing.shape import LayerMode, RegionShape, layer_modes
 
 # --------------------------------------------------------------------------------------------
 # Brute force: every contiguous split, priced and ranked by the documented rules

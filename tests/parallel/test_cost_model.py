@@ -9,7 +9,7 @@ from epas_megatron.errors import ConfigError
 from epas_megatron.model.architecture import LlamaArchitecture
 from epas_megatron.parallel.cost_model import LayerCosts, calibrate, costs_for_modes
 from epas_megatron.parallel.stage_layouts import flops_layer_costs
-from epas_megatron.sharing.schedule import LayerMode, layer_modes
+from epas_megatron.sharing.shape import LayerMode, layer_modes
 
 
 def test_costs_for_modes_source_costs_like_compute():

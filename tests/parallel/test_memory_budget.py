@@ -10,7 +10,7 @@ from epas_megatron.model.architecture import LlamaArchitecture
 from epas_megatron.parallel.balancer import balance_region, priced_layout
 from epas_megatron.parallel.memory_budget import GIB, MemoryLimit, layout_within_budget
 from epas_megatron.parallel.stage_layouts import flops_layer_costs
-from epas_megatron.sharing.schedule import layer_modes
+from epas_megatron.sharing.shape import layer_modes
 
 # The rebalancing tests' shape (attention-heavy, ffn 64): at region 0 the FLOP-optimal PP=2
 # layout puts 5 layers on rank 0 (the LM head sits on rank 1), and rank 0 also keeps the most

@@ -15,7 +15,7 @@ from epas_megatron.parallel.cost_model import LayerCosts
 from epas_megatron.parallel.layout import VStageLayout
 from epas_megatron.parallel.layout_report import even_layout, format_layouts
 from epas_megatron.parallel.partition import best_split
-from epas_megatron.sharing.schedule import LayerMode, layer_modes
+from epas_megatron.sharing.shape import LayerMode, layer_modes
 
 # --------------------------------------------------------------------------------------------
 # Brute force: every V split, priced and ranked spelled out

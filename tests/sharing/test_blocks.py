@@ -8,7 +8,8 @@ import json
 import pytest
 
 from epas_megatron.errors import ConfigError
-from epas_megatron.sharing.schedule import LayerMode, SharingSchedule, layer_modes, region_layers
+from epas_megatron.sharing.schedule import SharingSchedule
+from epas_megatron.sharing.shape import LayerMode, layer_modes, region_layers
 
 C, SRC, SH = LayerMode.COMPUTE, LayerMode.SOURCE, LayerMode.SHARE
 
@@ -301,7 +302,7 @@ def test_region_layers_with_blocks():
 
 
 def test_region_order_by_hand():
-    from epas_megatron.sharing.schedule import region_order
+    from epas_megatron.sharing.shape import region_order
 
     # 12 layers, two spans 0-5 and 6-11: blocks at their deep ends, the deeper block first.
     assert region_order(12, 6, blocks=2) == (11, 5, 10, 4, 9, 3)

@@ -8,13 +8,8 @@ import json
 import pytest
 
 from epas_megatron.errors import ConfigError
-from epas_megatron.sharing.schedule import (
-    LayerMode,
-    SharingSchedule,
-    layer_modes,
-    region_layers,
-    resolve_target_layers,
-)
+from epas_megatron.sharing.schedule import SharingSchedule, resolve_target_layers
+from epas_megatron.sharing.shape import LayerMode, layer_modes, region_layers
 
 
 # ---------------------------------------------------------------------------- references

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from epas_megatron.metrics.flops import ModelShape
-from epas_megatron.sharing.schedule import LayerMode
+from epas_megatron.sharing.shape import LayerMode
 from epas_megatron.training.reporting import iteration_flops, peak_name, switch_line, switch_record
 
 # s = 4, h = 8, 2 heads of 4, 1 KV group (K/V width 4), F = 16, V = 32. A computing layer, Megatron's

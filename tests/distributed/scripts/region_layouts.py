@@ -50,7 +50,7 @@ def main():
     from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import build_model
     from epas_megatron.parallel.layout import StageLayout
-    from epas_megatron.sharing.schedule import region_layers
+    from epas_megatron.sharing.shape import region_layers
 
     only = sys.argv[1:] or list(LAYOUTS)
     arch = LlamaArchitecture(8, 64, 4, 2, 176, 256, SEQ, init_method_std=0.2)
