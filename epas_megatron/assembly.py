@@ -204,10 +204,10 @@ def optimizer_settings_for_run(run: ResolvedRun, lr_schedule_units=None) -> "Opt
 
 
 def checkpoint_meta_for_run(run: ResolvedRun, *, dims, plan: BuildPlan, consumed_samples: int,
-                            tokenizer_model: Optional[str], random_ltd_state: Optional[dict] = None) -> CheckpointMeta:
+                            tokenizer_model: Optional[str]) -> CheckpointMeta:
     """What a checkpoint of ``run`` records, for the world ``dims`` (a ``ParallelDims``) and the
-    current ``plan`` (its region and layout); ``random_ltd_state``: the Random-LTD schedule's
-    state at the iteration saved."""
+    current ``plan`` (its region and layout); the training features add their own records
+    (:meth:`~epas_megatron.training.features.TrainingFeatures.checkpoint_meta`)."""
     cfg = run.cfg
     return CheckpointMeta(
         model=model_record(cfg.model),
@@ -215,7 +215,6 @@ def checkpoint_meta_for_run(run: ResolvedRun, *, dims, plan: BuildPlan, consumed
                                use_distributed_optimizer=run.use_distributed_optimizer),
         precision=run.precision,
         epas_schedule=run.schedule.state_dict(),
-        random_ltd=random_ltd_state,
         epas_share=cfg.epas.epas_share,
         sharing_layers=plan.sharing_layers,
         tokenizer_model=tokenizer_model,

@@ -10,8 +10,10 @@ with its own defaults. Compatibility with older checkpoints lives in that one me
 * ``blocks`` absent likewise (before ``--epas-blocks``): the saved config's, else 1 (one block);
 * ``parallel`` / ``precision`` / ``backend`` / ``config`` absent (a Hugging Face import): None;
 * ``has_optimizer_state`` absent (before weights-only checkpoints): True.
-* ``epas_switch_rewarm`` absent (before ``--epas-switch-rewarm``): None, trained without it.
-* ``epas_switch_ramp`` absent (before ``--epas-switch-ramp``): None, trained without it.
+* ``features`` absent (before training features wrote their own records): the top-level
+  ``random_ltd``, ``epas_switch_rewarm`` and ``epas_switch_ramp`` entries of those checkpoints
+  (:data:`LEGACY_FEATURE_KEYS`) are read into it once, here; a feature absent from it was off
+  (also every checkpoint written before the feature existed).
 
 Unknown keys are kept in :attr:`CheckpointMeta.extra` and written back unchanged.
 :func:`~epas_megatron.checkpointing.checkpoint.save_checkpoint` adds ``iteration`` and
@@ -30,6 +32,9 @@ from epas_megatron.sharing.shape import RegionShape
 MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size",
                 "untie_embeddings_and_output_weights", "moc_topk", "moc_groups")
 """The ``ModelConfig`` fields a checkpoint records and a resume or ``--pretrained`` must match."""
+
+LEGACY_FEATURE_KEYS = ("random_ltd", "epas_switch_rewarm", "epas_switch_ramp")
+"""Training features whose records older checkpoints wrote at the top level of ``run_meta.json``."""
 
 MODEL_FIELD_DEFAULTS = {"moc_topk": 1.0, "moc_groups": 8}
 """What a checkpoint written before a field existed had (older checkpoints are dense MLPs)."""
@@ -93,16 +98,10 @@ class CheckpointMeta:
     epas_schedule: Optional[dict] = None
     """The sharing schedule's state (:meth:`~epas_megatron.sharing.schedule.SharingSchedule.state_dict`)."""
 
-    random_ltd: Optional[dict] = None
-    """The Random-LTD schedule's state (None: trained without --random-ltd)."""
-
-    epas_switch_rewarm: Optional[dict] = None
-    """The LR re-warm after switches, ``{"steps": N}`` (None: trained without --epas-switch-rewarm,
-    also every checkpoint written before it existed)."""
-
-    epas_switch_ramp: Optional[dict] = None
-    """The blended switch, ``{"steps": N}`` (None: trained without --epas-switch-ramp, also every
-    checkpoint written before it existed)."""
+    features: dict[str, dict] = field(default_factory=dict)
+    """Each training feature's own record, by the feature's name, written and read by the feature
+    (:class:`~epas_megatron.training.features.TrainingFeature`); a feature the run had off has
+    none. This module does not interpret them."""
 
     epas_share: str = "qk"
     """What the sharing layers reuse: 'qk' or 'kv'."""
@@ -125,7 +124,7 @@ class CheckpointMeta:
     @classmethod
     def from_dict(cls, record: dict[str, Any]) -> "CheckpointMeta":
         """Read a ``run_meta.json`` record (any version; see the module doc for the defaults)."""
-        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = ({f.name for f in dataclasses.fields(cls)} - {"extra"}) | set(LEGACY_FEATURE_KEYS)
         parallel = record.get("parallel")
         return cls(
             model=dict(record.get("model") or {}),
@@ -135,9 +134,8 @@ class CheckpointMeta:
             precision=record.get("precision"),
             backend=record.get("backend"),
             epas_schedule=record.get("epas_schedule"),
-            random_ltd=record.get("random_ltd"),
-            epas_switch_rewarm=record.get("epas_switch_rewarm"),
-            epas_switch_ramp=record.get("epas_switch_ramp"),
+            features={**{key: record[key] for key in LEGACY_FEATURE_KEYS if record.get(key) is not None},
+                      **(record.get("features") or {})},
             epas_share=record.get("epas_share") or "qk",
             sharing_layers=tuple(record.get("sharing_layers") or ()),
             tokenizer_model=record.get("tokenizer_model"),
@@ -157,17 +155,14 @@ class CheckpointMeta:
             "precision": self.precision,
             "backend": self.backend,
             "epas_schedule": self.epas_schedule,
-            "random_ltd": self.random_ltd,
-            "epas_switch_rewarm": self.epas_switch_rewarm,
-            "epas_switch_ramp": self.epas_switch_ramp,
+            "features": {name: state for name, state in self.features.items() if state is not None},
             "epas_share": self.epas_share,
             "sharing_layers": list(self.sharing_layers),
             "tokenizer_model": self.tokenizer_model,
             "consumed_samples": self.consumed_samples,
             "has_optimizer_state": self.has_optimizer_state,
         }
-        optional = ("config", "parallel", "precision", "backend", "epas_schedule", "random_ltd", "epas_switch_rewarm",
-                    "epas_switch_ramp")
+        optional = ("config", "parallel", "precision", "backend", "epas_schedule")
         record = {key: value for key, value in record.items() if not (key in optional and value is None)}
         return {**record, **self.extra}
 

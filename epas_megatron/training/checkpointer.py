@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import signal
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -48,8 +49,8 @@ class RunCheckpointer:
         """The ``run_meta.json`` record of ``trainer``'s current state."""
         meta = checkpoint_meta_for_run(self.run, dims=trainer.dims, plan=trainer.plan, consumed_samples=trainer.consumed_samples,
                                        tokenizer_model=trainer.data.tokenizer_path)
-        # Each feature kind writes its own entry, None when off (the file's keys are sorted).
-        return {**meta.to_dict(), **trainer.features.checkpoint_meta(trainer.iteration)}
+        # Each enabled feature writes its own record (the checkpoint's metadata does not interpret it).
+        return replace(meta, features=trainer.features.checkpoint_meta(trainer.iteration)).to_dict()
 
     def train_state(self, trainer, train_seconds: float) -> dict:
         """The common training state; the training time is the slowest rank's (one value for all)."""

@@ -19,9 +19,11 @@ How the hooks combine over several enabled features:
   at most one feature -- a feature that does not supply it returns None -- and the default of a
   plain run applies when none does; two suppliers are an error, since the trainer could not tell
   how their values should compose;
-* the checkpoint metadata has one entry per feature *kind*, None when that feature is off, so a
-  checkpoint always records whether it was trained with the feature, and a resume with a feature
-  switched off is refused as one with other settings is.
+* the checkpoint metadata holds one record per enabled feature, under its name, written by its
+  :meth:`~TrainingFeature.state_dict` and read back by :meth:`~TrainingFeature.saved_state`
+  (nothing in :mod:`epas_megatron.checkpointing` knows a feature's keys); a feature without a
+  record was off, and a resume with a feature switched off is refused as one with other
+  settings is.
 """
 
 from __future__ import annotations
@@ -54,8 +56,9 @@ class TrainingFeature:
 
     @classmethod
     def saved_state(cls, meta: CheckpointMeta) -> Optional[dict]:
-        """Its entry in a checkpoint's metadata (None: trained without it)."""
-        return None
+        """Its record in a checkpoint's metadata, written by :meth:`state_dict` (None: trained
+        without it)."""
+        return meta.features.get(cls.name)
 
     def check_resume(self, saved: Optional[dict], iteration: int) -> None:
         """Refuse (:class:`ConfigError`) a checkpoint whose entry ``saved`` (None: trained without
@@ -179,10 +182,7 @@ class TrainingFeatures:
         """``{name: record}`` of each enabled feature for the run's summary (none before a step)."""
         return {f.name: f.record(iteration) for f in self} if iteration else {}
 
-    def checkpoint_meta(self, iteration: int) -> dict[str, Optional[dict]]:
-        """One metadata entry per kind: its state, None when the run has it off."""
-        states = {}
-        for kind in self.kinds:
-            feature = self._enabled(kind)
-            states[kind.name] = feature.state_dict(iteration) if feature is not None else None
-        return states
+    def checkpoint_meta(self, iteration: int) -> dict[str, dict]:
+        """The checkpoint's feature records: each enabled feature's state, by its name."""
+        states = {feature.name: feature.state_dict(iteration) for feature in self.enabled}
+        return {name: state for name, state in states.items() if state is not None}

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Sequence
 
-from epas_megatron.checkpointing.metadata import CheckpointMeta
 from epas_megatron.sharing.ramp import SwitchRamp
 from epas_megatron.training.features import TrainingFeature
 from epas_megatron.validation import ResolvedRun
@@ -57,10 +56,6 @@ class SwitchRampFeature(TrainingFeature):
     def from_run(cls, run: ResolvedRun) -> Optional["SwitchRampFeature"]:
         ramp = SwitchRamp(run.schedule, run.cfg.epas.epas_switch_ramp)
         return cls(ramp, run.cfg.epas.epas_share) if ramp.enabled else None
-
-    @classmethod
-    def saved_state(cls, meta: CheckpointMeta) -> Optional[dict]:
-        return meta.epas_switch_ramp
 
     def check_resume(self, saved: Optional[dict], iteration: int) -> None:
         self.ramp.check_resume(saved, iteration)

@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Sequence
 
-from epas_megatron.checkpointing.metadata import CheckpointMeta
 from epas_megatron.random_ltd.model import set_kept_tokens
 from epas_megatron.random_ltd.schedule import RandomLTDSchedule
 from epas_megatron.training.features import TrainingFeature
@@ -40,10 +39,6 @@ class RandomLTDFeature(TrainingFeature):
         if run.random_ltd is None:
             return None
         return cls(run.random_ltd, layer_token_lr=run.cfg.random_ltd.random_ltd_layer_token_lr)
-
-    @classmethod
-    def saved_state(cls, meta: CheckpointMeta) -> Optional[dict]:
-        return meta.random_ltd
 
     def check_resume(self, saved: Optional[dict], iteration: int) -> None:
         self.schedule.check_resume(saved, iteration)

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
-from epas_megatron.checkpointing.metadata import CheckpointMeta
 from epas_megatron.sharing.rewarm import SwitchRewarm
 from epas_megatron.training.features import TrainingFeature
 from epas_megatron.validation import ResolvedRun
@@ -35,10 +34,6 @@ class SwitchRewarmFeature(TrainingFeature):
     def from_run(cls, run: ResolvedRun) -> Optional["SwitchRewarmFeature"]:
         rewarm = SwitchRewarm(run.schedule, run.cfg.epas.epas_switch_rewarm)
         return cls(rewarm) if rewarm.enabled else None
-
-    @classmethod
-    def saved_state(cls, meta: CheckpointMeta) -> Optional[dict]:
-        return meta.epas_switch_rewarm
 
     def check_resume(self, saved: Optional[dict], iteration: int) -> None:
         self.rewarm.check_resume(saved, iteration)

@@ -22,7 +22,7 @@ def test_the_406e8ca_checkpoint_reads_with_its_values_and_the_old_defaults():
     # That version wrote no exclude_last anywhere: its regions ended at the last layer.
     assert "exclude_last" not in raw["epas_schedule"] and meta.exclude_last == 0
     assert meta.run_config().model.num_layers == 4
-    assert meta.has_optimizer_state is True and meta.random_ltd is None and meta.extra == {}
+    assert meta.has_optimizer_state is True and meta.features == {} and meta.extra == {}
 
 
 def test_defaults_of_a_hugging_face_import_and_unknown_keys_kept():
@@ -48,9 +48,20 @@ def test_exclude_last_sources(schedule, config, expected):
 def test_a_full_record_reads_back_to_the_same_json():
     raw = json.loads(FIXTURE.read_text())
     raw["parallel"]["use_distributed_optimizer"] = True
-    raw["random_ltd"] = {"layers": [1, 2]}
+    raw["features"] = {"random_ltd": {"layers": [1, 2]}, "epas_switch_ramp": {"steps": 3}}
     raw["precision"] = "bf16"
     assert CheckpointMeta.from_dict(raw).to_dict() == raw
+
+
+def test_older_top_level_feature_records_are_read_into_features_once():
+    """Checkpoints before features kept their own records wrote them at the top level: they are
+    read into ``features`` (and written back there); a feature absent was off."""
+    raw = json.loads(FIXTURE.read_text())
+    raw["random_ltd"], raw["epas_switch_rewarm"] = {"layers": [1, 2]}, {"steps": 4}
+    meta = CheckpointMeta.from_dict(raw)
+    assert meta.features == {"random_ltd": {"layers": [1, 2]}, "epas_switch_rewarm": {"steps": 4}} and meta.extra == {}
+    written = meta.to_dict()
+    assert "random_ltd" not in written and written["features"] == meta.features
 
 
 def test_model_record_is_the_model_fields_of_a_config():
@@ -58,4 +69,5 @@ def test_model_record_is_the_model_fields_of_a_config():
     record = model_record(cfg.model)
     assert list(record) == list(MODEL_FIELDS)
     assert record == {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
-                      "ffn_hidden_size": 176, "vocab_size": 300, "untie_embeddings_and_output_weights": True}
+                      "ffn_hidden_size": 176, "vocab_size": 300, "untie_embeddings_and_output_weights": True,
+                      "moc_topk": 1.0, "moc_groups": 8}

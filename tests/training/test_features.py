@@ -76,11 +76,11 @@ def test_record_after_an_iteration():
     assert only(feature()).summary(0) == {}  # nothing trained yet
 
 
-def test_checkpoint_metadata_has_an_entry_on_or_off():
+def test_checkpoint_metadata_has_a_record_while_on():
     state = only(feature()).checkpoint_meta(3)["random_ltd"]
     assert state == SCHEDULE.state_dict(3)
     assert (state["consumed_layer_tokens"], state["current_steps"], state["current_value"]) == (1024, 2, 32)
-    assert only().checkpoint_meta(3) == {"random_ltd": None}
+    assert only().checkpoint_meta(3) == {}
 
 
 def test_describe():
@@ -90,7 +90,7 @@ def test_describe():
 
 
 def meta(iteration, random_ltd):
-    return CheckpointMeta(model={}, iteration=iteration, random_ltd=random_ltd)
+    return CheckpointMeta(model={}, iteration=iteration, features={} if random_ltd is None else {"random_ltd": random_ltd})
 
 
 def test_resume_checks():
@@ -113,7 +113,7 @@ def test_from_run(tmp_path):
     features = TrainingFeatures.for_run(run, (RandomLTDFeature,))
     assert list(features) == [RandomLTDFeature(run.random_ltd, layer_token_lr=False)]
     plain = TrainingFeatures.for_run(resolve_run(parse_config(base), world_size=1), (RandomLTDFeature,))
-    assert len(plain) == 0 and plain.checkpoint_meta(1) == {"random_ltd": None}
+    assert len(plain) == 0 and plain.checkpoint_meta(1) == {}
 
 
 class Doubler(TrainingFeature):
@@ -135,4 +135,4 @@ def test_single_values_come_from_at_most_one_feature():
     assert one.flop_tokens(3) == [64, 32, 32, 64]  # the Doubler supplies none
     with pytest.raises(ValueError, match=r"record: doubler supplies \['consumed_layer_tokens'\]"):
         one.record(3)
-    assert one.checkpoint_meta(3) == {"random_ltd": SCHEDULE.state_dict(3), "doubler": None}
+    assert one.checkpoint_meta(3) == {"random_ltd": SCHEDULE.state_dict(3)}  # the Doubler writes no record
