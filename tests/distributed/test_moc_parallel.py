@@ -51,3 +51,13 @@ def test_bad_groups_are_refused_before_any_work(tmp_path):
     run = run_trainer([*ARGS, "--moc-groups", "11", "--tp", "2"], tmp_path / "run", nproc=2, check=False)
     assert run.returncode != 0 and "--moc-groups 11 must be a multiple of --tp 2" in run.stdout + run.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("recompute", [["--recompute", "selective", "--recompute-modules", "core_attn", "mlp"],
+                                       ["--recompute", "full", "--recompute-num-layers", "1"]], ids=["selective_mlp", "full"])
+def test_recompute_replays_the_same_channels(reference, tmp_path, recompute):
+    """Recomputing a MoC MLP (its own checkpoint, or whole layers) runs the Top-K again on the same
+    gate values: the losses and gradient norms of the run without recompute."""
+    run = run_trainer([*ARGS, *recompute], tmp_path / "run")
+    assert_close(run.losses, reference.losses, 1e-6, "loss")
+    assert_close(run.grad_norms, reference.grad_norms, 1e-6, "grad norm")
