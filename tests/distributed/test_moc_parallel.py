@@ -61,3 +61,21 @@ def test_recompute_replays_the_same_channels(reference, tmp_path, recompute):
     run = run_trainer([*ARGS, *recompute], tmp_path / "run")
     assert_close(run.losses, reference.losses, 1e-6, "loss")
     assert_close(run.grad_norms, reference.grad_norms, 1e-6, "grad norm")
+
+
+def test_epas_eval_of_a_moc_checkpoint_equals_its_validation_in_training(tmp_path, capsys):
+    """epas-eval rebuilds the Mixture-of-Channels MLPs from the checkpoint's config: its loss at
+    the trained region equals the trainer's validation of the same weights (a dense MLP on them
+    gives other logits: tests/hf_export/test_moc_export.py)."""
+    import json
+
+    from epas_megatron.evaluate import main as epas_eval
+
+    args = [a for a in ARGS if a != "--no-save-final"]
+    run = run_trainer([*args, "--eval-interval", "6", "--eval-iters", "2"], tmp_path / "run")
+    in_training = [m["lm_loss"] for m in run.metrics if m.get("kind") == "valid" and m["iteration"] == 6 and m.get("in_training", True)]
+    code = epas_eval(["--load", str(tmp_path / "run" / "checkpoints"), "--regions", "max", "--eval-iters", "2"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    loss = json.loads([l for l in out.out.splitlines() if l.startswith("EVAL ")][-1][5:])["results"][0]["lm_loss"]
+    assert loss == pytest.approx(in_training[0], rel=1e-6)
