@@ -36,18 +36,12 @@ from epas_megatron.runtime.distributed import ParallelDims, destroy_distributed,
 from epas_megatron.runtime.garbage import freeze_long_lived, unfreeze_long_lived
 from epas_megatron.training.checkpointer import RunCheckpointer
 from epas_megatron.training.exit_signal import ExitSignal
-from epas_megatron.training.features import TrainingFeature, TrainingFeatures
-from epas_megatron.training.ramp import SwitchRampFeature
-from epas_megatron.training.random_ltd import RandomLTDFeature
 from epas_megatron.training.region_eval import evaluate_region
+from epas_megatron.training.registry import features_for_run
 from epas_megatron.training.reporting import Reporter, peak_name, throughput_line
-from epas_megatron.training.rewarm import SwitchRewarmFeature
 from epas_megatron.training.run_data import RunData
 from epas_megatron.training.switch import SwitchExecutor
 from epas_megatron.validation import ResolvedRun
-
-FEATURES: tuple[type[TrainingFeature], ...] = (RandomLTDFeature, SwitchRewarmFeature, SwitchRampFeature)
-"""The optional features a run may turn on (each has its checkpoint-metadata entry, on or off)."""
 
 
 class Trainer:
@@ -57,7 +51,7 @@ class Trainer:
         self.run = run
         self.cfg = run.cfg
         self.out = Path(self.cfg.logging.output_dir)
-        self.features = TrainingFeatures.for_run(run, FEATURES)
+        self.features = features_for_run(run)
         if run.load_meta is not None:  # every resume check, before any process group or data
             if run.load_meta.epas_schedule is not None:
                 run.schedule.check_resume(run.load_meta.epas_schedule, run.load_meta.iteration)
