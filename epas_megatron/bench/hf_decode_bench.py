@@ -83,17 +83,18 @@ def check_config(cfg: HfDecodeBenchConfig, num_layers: int) -> int:
 
 
 def build_model(cfg: HfDecodeBenchConfig, region: int):
-    """The EPAS model of ``cfg``'s preset with ``region`` exported sharing layers, random weights."""
-    from epas_megatron.config.presets import get_preset
+    """The EPAS model of ``cfg``'s preset with ``region`` exported sharing layers, random weights:
+    the preset's architecture as every benchmark builds it (:func:`~epas_megatron.assembly.plan_for_preset`),
+    in the export's config (:func:`~epas_megatron.convert.hf_llama.hf_config_kwargs`)."""
+    from epas_megatron.assembly import plan_for_preset
+    from epas_megatron.convert.hf_llama import hf_config_kwargs
     from epas_megatron.hf import EpasLlamaConfig, EpasLlamaForCausalLM
 
-    preset = get_preset(cfg.preset)
-    layers = preset.num_layers
+    arch = plan_for_preset(cfg.preset, seq_length=cfg.context + cfg.new_tokens, precision="fp32").arch
+    layers = arch.num_layers
     config = EpasLlamaConfig(
-        vocab_size=preset.vocab_size or preset.training_defaults.get("default_vocab_size", 32000),
-        hidden_size=preset.hidden_size, intermediate_size=preset.ffn_hidden_size, num_hidden_layers=layers,
-        num_attention_heads=preset.num_attention_heads, num_key_value_heads=preset.num_query_groups,
-        max_position_embeddings=cfg.context + cfg.new_tokens, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        **hf_config_kwargs(layers, arch.hidden_size, arch.num_attention_heads, arch.num_query_groups, arch.ffn_hidden_size,
+                           arch.vocab_size, arch.max_sequence_length, arch.rotary_base, arch.norm_epsilon, arch.tie_embeddings),
         epas_share=cfg.share, epas_sharing_layers=list(range(layers - region, layers)), epas_reuse_probs=cfg.reuse_probs,
         eos_token_id=None, bos_token_id=None, pad_token_id=None)
     torch.manual_seed(cfg.seed)
