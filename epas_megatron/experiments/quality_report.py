@@ -711,7 +711,8 @@ def moc_summary_text(summary: dict, topk: float) -> str:
                  f"{_percent(summary['baseline_seed_spread_perplexity'])}; EPAS {summary['epas_seed_spread']:.4f}): MoC's "
                  f"mean difference is {verdict('moc_minus_baseline')} it, EPAS + MoC's against EPAS "
                  f"{verdict('epas_moc_minus_epas')} it.")
-    text += (f" Timing (training steps only, from the same runs): MoC over the baseline {_num(summary['mean_moc_train_time_ratio'], '.3f')}x "
+    text += (" Timing (training steps only, from the same runs): MoC over the baseline "
+             f"{_num(summary['mean_moc_train_time_ratio'], '.3f')}x "
              f"the training time and {_num(summary['mean_moc_tokens_per_s_ratio'], '.3f')}x the tokens/s, EPAS + MoC over EPAS "
              f"{_num(summary['mean_epas_moc_train_time_ratio'], '.3f')}x and {_num(summary['mean_epas_moc_tokens_per_s_ratio'], '.3f')}x. "
              "MoC's GEMMs stay dense (as in the paper), and the Top-K selection and the scatter come on top, so no speed-up "

@@ -164,7 +164,8 @@ def test_moc_report_over_seeds_by_hand(numbers):
     assert ("MoC minus baseline: +0.0800 (seed 1234), +0.0700 (seed 1235), +0.0900 (seed 1236); mean +0.0800, perplexity "
             "+8.33%. The paper (C4 perplexity, dense to MoC at K = 20%): +1.39% at 60M, +1.35% at 130M, +1.00% at 350M; "
             "MoC's mean cost here is LARGER than the paper's largest.") in markdown
-    assert "EPAS + MoC minus EPAS: +0.0300 (seed 1234), +0.0600 (seed 1235), +0.0100 (seed 1236); mean +0.0333, perplexity +3.39%" in markdown
+    assert ("EPAS + MoC minus EPAS: +0.0300 (seed 1234), +0.0600 (seed 1235), +0.0100 (seed 1236); mean +0.0333, "
+            "perplexity +3.39%") in markdown
     assert "(EPAS + MoC minus the baseline: mean +0.1233, +13.13%)" in markdown
     assert ("The baseline's seed spread of the final loss is 0.0600 (perplexity +6.18%; EPAS 0.0400): MoC's mean difference "
             "is larger than it, EPAS + MoC's against EPAS within it.") in markdown
