@@ -78,8 +78,7 @@ def plan_for_run(run: ResolvedRun, sharing_layers: Sequence[int] = ()) -> BuildP
         core_attention=m.core_attention,
         share=e.epas_share,
         detach_shared=e.epas_detach_shared,
-        exclude_last=e.epas_exclude_last,
-        blocks=e.epas_blocks,
+        shape=run.schedule.shape,
         deterministic=cfg.training.deterministic,
         random_ltd=random_ltd_settings(run),
         v_stage_sizes=v_stage_sizes_for_run(run),
@@ -225,10 +224,14 @@ def checkpoint_meta_for_run(run: ResolvedRun, *, dims, plan: BuildPlan, consumed
 
 
 # ---------------------------------------------------------------------------- a checkpoint
-def checkpoint_meta_for_import(cfg, tokenizer_model: Optional[str], imported_from: str) -> CheckpointMeta:
-    """The metadata of a model imported from elsewhere (weights only, no region, no schedule)."""
+def checkpoint_meta_for_import(cfg, tokenizer_model: Optional[str], imported_from: str, sharing_layers: Sequence[int] = (),
+                               share: str = "qk") -> CheckpointMeta:
+    """The metadata of a model imported from elsewhere (weights only, no schedule) that was saved
+    with ``sharing_layers`` sharing ``share`` (an exported EPAS model; none for a plain LLaMA);
+    ``cfg``'s EPAS section holds its region shape (``--epas-exclude-last``, ``--epas-blocks``), so
+    :func:`plan_for_checkpoint` builds it, as any checkpoint."""
     return CheckpointMeta(model=model_record(cfg.model), config=to_dict(cfg), tokenizer_model=tokenizer_model,
-                          extra={"imported_from": imported_from})
+                          sharing_layers=tuple(sharing_layers), epas_share=share, extra={"imported_from": imported_from})
 
 
 def checkpoint_regions(meta: CheckpointMeta, text: str, allow_untrained: bool = False, flag: str = "--regions") -> list[int]:
@@ -257,8 +260,7 @@ def plan_for_checkpoint(meta: CheckpointMeta, region: Optional[int] = None, *, f
         precision=choose_precision(precision, cuda),
         backend=backend or choose_backend(cfg.model.transformer_impl, cuda),
         core_attention=cfg.model.core_attention,
-        exclude_last=meta.exclude_last,
-        blocks=meta.blocks,
+        shape=meta.shape,
     )
 
 

@@ -294,9 +294,10 @@ def build(arch, sharing=(), share="qk", seed=11, detach=False, core_attention="s
     of ``blocks`` blocks, the deepest ending ``exclude_last`` layers before the last."""
     from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import build_model
+    from epas_megatron.sharing.shape import RegionShape
 
     plan = BuildPlan.for_region(arch, sharing, precision=precision, share=share, detach_shared=detach,
-                                core_attention=core_attention, exclude_last=exclude_last, blocks=blocks)
+                                core_attention=core_attention, shape=RegionShape(arch.num_layers, exclude_last, blocks))
     return build_model(plan, seed=seed).chunks[0]
 
 

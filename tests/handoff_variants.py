@@ -180,9 +180,11 @@ def build_for_training(arch, sharing, share: str, precision: str, *, recompute=N
     from epas_megatron.model.builder import build_model
     from epas_megatron.model.fusions import KernelAvailability
     from epas_megatron.random_ltd.model import set_kept_tokens
+    from epas_megatron.sharing.shape import RegionShape
 
     ltd = RandomLTDSettings(tuple(range(arch.num_layers)), seed=LTD_SEED, kernels="torch") if random_ltd else None
-    plan = BuildPlan.for_region(arch, sharing, precision=precision, share=share, core_attention=core_attention, blocks=blocks,
+    plan = BuildPlan.for_region(arch, sharing, precision=precision, share=share, core_attention=core_attention,
+                                shape=RegionShape(arch.num_layers, blocks=blocks),
                                 recompute=recompute or RecomputeSettings(), random_ltd=ltd)
     # No DDP here, so no main_grad for apex's gradient-accumulation fusion to write into (where apex is installed).
     kernels = dataclasses.replace(KernelAvailability.detect(), apex_gradient_accumulation=False)

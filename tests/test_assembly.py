@@ -45,7 +45,7 @@ def test_plan_for_a_run_carries_every_flag(tmp_path):
     assert plan.modes == (LayerMode.SOURCE, LayerMode.SHARE, LayerMode.SHARE, LayerMode.COMPUTE)
     assert plan.precision == "fp32" and plan.backend == "local" and plan.core_attention == "unfused"
     assert plan.recompute == RecomputeSettings("selective") and plan.deterministic
-    assert (plan.share, plan.detach_shared, plan.exclude_last) == ("kv", True, 1)
+    assert (plan.share, plan.detach_shared, plan.shape.exclude_last) == ("kv", True, 1)
     assert plan.random_ltd == RandomLTDSettings((1, 2), seed=7, kernels="auto")
 
 

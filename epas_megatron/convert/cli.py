@@ -85,13 +85,11 @@ def hf_import(hf_dir: Path, output: Path) -> Path:
     from transformers import AutoConfig, LlamaForCausalLM
 
     import epas_megatron.hf  # noqa: F401  (registers model_type 'epas_llama' with AutoConfig)
-    from epas_megatron.assembly import checkpoint_meta_for_import
+    from epas_megatron.assembly import checkpoint_meta_for_import, plan_for_checkpoint
     from epas_megatron.checkpointing.checkpoint import save_checkpoint
     from epas_megatron.config.schema import RunConfig
     from epas_megatron.convert.hf_llama import from_epas_hf, hf_to_megatron
     from epas_megatron.hf import EpasLlamaForCausalLM
-    from epas_megatron.model.architecture import architecture_from_config
-    from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import build_model
     from epas_megatron.runtime.distributed import destroy_distributed, init_distributed
 
@@ -111,17 +109,17 @@ def hf_import(hf_dir: Path, output: Path) -> Path:
     cfg = replace(cfg, training=replace(cfg.training, seq_length=model_cfg.max_position_embeddings),
                   epas=replace(cfg.epas, epas_share=share, epas_exclude_last=exclude_last, epas_target_layers=str(len(sharing)),
                                epas_blocks=blocks))
+    meta = checkpoint_meta_for_import(cfg, str(output / "tokenizer.model") if tokenizer.is_file() else None, str(hf_dir),
+                                      sharing_layers=sharing, share=share)
     init_distributed(1, 1, None, seed=0)
     try:
-        arch = architecture_from_config(model_cfg)
-        # Built at the region it is saved with; the plain state dict loads into any region.
-        model = build_model(BuildPlan.for_region(arch, sharing, share=share, exclude_last=exclude_last, blocks=blocks)).chunks[0]
-        model.load_state_dict(hf_to_megatron(hf_state, _shape(model_cfg), arch.vocab_size), strict=False)
+        # fp32 local layers at the region it is saved with (the plain state dict loads into any region).
+        plan = plan_for_checkpoint(meta, precision="fp32", backend="local", cuda=False)
+        model = build_model(plan).chunks[0]
+        model.load_state_dict(hf_to_megatron(hf_state, _shape(model_cfg), plan.arch.vocab_size), strict=False)
         output.mkdir(parents=True, exist_ok=True)
         if tokenizer.is_file():
             shutil.copy(tokenizer, output / "tokenizer.model")
-        meta = checkpoint_meta_for_import(cfg, str(output / "tokenizer.model") if tokenizer.is_file() else None, str(hf_dir))
-        meta = replace(meta, sharing_layers=sharing, epas_share=share)
         return save_checkpoint(output, 0, [model], None, None, {"iteration": 0}, meta.to_dict())
     finally:
         destroy_distributed()

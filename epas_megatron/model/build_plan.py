@@ -9,7 +9,7 @@ trainer, the benchmarks, evaluation and conversion. It is frozen; a switch makes
 Normalised here, once:
 
 * the per-layer roles, as :class:`~epas_megatron.sharing.shape.LayerMode` (validated: one
-  contiguous region ending at layer ``num_layers - 1 - exclude_last``, a source before it);
+  contiguous region of the plan's :attr:`~BuildPlan.shape`, a source before it);
 * the virtual-pipeline size: ``None`` without interleaving (``--vpp 1`` and ``--vpp`` unset
   mean the same), otherwise the number of chunks per rank -- taken from the layout when there
   is one, as Megatron-Core does;
@@ -130,24 +130,24 @@ class BuildPlan:
     deterministic: bool = False
     """Megatron's deterministic mode (and deterministic kernels where they exist)."""
 
-    exclude_last: int = 0
-    """Deepest layers that never share (``--epas-exclude-last``): every region of this plan --
-    the one built and the ones a switch or an evaluation at another region size makes from it --
-    ends at layer ``num_layers - 1 - exclude_last``. Kept on the plan so that those regions are
-    derived and validated in one place (:meth:`region_layers`, :meth:`with_region`)."""
-
-    blocks: int = 1
-    """Sharing blocks (``--epas-blocks``): every region of this plan has that many blocks, each
-    with its own source (:func:`~epas_megatron.sharing.shape.region_layers`); kept on the plan
-    for the same reason as :attr:`exclude_last`."""
+    shape: Optional[RegionShape] = None
+    """Where every region of this plan lies (:class:`~epas_megatron.sharing.shape.RegionShape`:
+    ``--epas-exclude-last`` and ``--epas-blocks``): the region built and the ones a switch or an
+    evaluation at another size makes from it (:meth:`region_layers`, :meth:`with_region`) are
+    derived and validated from it. None: the paper's regions (one block ending at the last
+    layer)."""
 
     random_ltd: Optional[RandomLTDSettings] = None
     """Random-LTD layers (None: every layer sees every token)."""
 
     def __post_init__(self):
+        if self.shape is None:
+            object.__setattr__(self, "shape", RegionShape(self.arch.num_layers))
+        elif self.shape.num_layers != self.arch.num_layers:
+            raise ValueError(f"BuildPlan: a region shape of {self.shape.num_layers} layers for {self.arch.num_layers} layers")
         if len(self.modes) != self.arch.num_layers:
             raise ValueError(f"BuildPlan: {len(self.modes)} layer modes for {self.arch.num_layers} layers")
-        # The modes must be those of a region this plan's exclude_last and blocks allow
+        # The modes must be those of a region of this plan's shape
         # (RegionShape.modes raises a ConfigError otherwise).
         expected = self._modes(self.sharing_layers)
         if list(self.modes) != expected:
@@ -184,34 +184,28 @@ class BuildPlan:
         seq_length: Optional[int] = None,
         vpp: Optional[int] = None,
         layout: Optional["StageLayout"] = None,
-        exclude_last: int = 0,
-        blocks: int = 1,
+        shape: Optional[RegionShape] = None,
         **settings,
     ) -> BuildPlan:
-        """The plan for ``sharing_layers`` (validated against ``exclude_last`` and ``blocks``)
-        with ``vpp`` normalised; ``seq_length`` defaults to the architecture's longest sequence;
-        ``settings`` are the other fields."""
+        """The plan for ``sharing_layers`` (validated against ``shape``, default the paper's
+        regions) with ``vpp`` normalised; ``seq_length`` defaults to the architecture's longest
+        sequence; ``settings`` are the other fields."""
+        shape = RegionShape(arch.num_layers) if shape is None else shape
         return cls(
             arch=arch,
-            modes=tuple(RegionShape(arch.num_layers, exclude_last, blocks).modes(sharing_layers)),
+            modes=tuple(shape.modes(sharing_layers)),
             seq_length=arch.max_sequence_length if seq_length is None else seq_length,
             vpp=normalise_vpp(vpp, layout),
             layout=layout,
-            exclude_last=exclude_last,
-            blocks=blocks,
+            shape=shape,
             **settings,
         )
-
-    @property
-    def shape(self) -> RegionShape:
-        """Where this plan's regions lie (its :attr:`exclude_last` and :attr:`blocks`)."""
-        return RegionShape(self.arch.num_layers, self.exclude_last, self.blocks)
 
     def _modes(self, sharing_layers: Sequence[int]) -> list[LayerMode]:
         return self.shape.modes(sharing_layers)
 
     def with_region(self, sharing_layers: Sequence[int], layout: Optional["StageLayout"] = None) -> BuildPlan:
-        """The same plan (``exclude_last`` and ``blocks`` included) for another sharing region
+        """The same plan (its region shape included) for another sharing region
         (and pipeline layout), as at a switch."""
         return dataclasses.replace(
             self,
@@ -221,15 +215,13 @@ class BuildPlan:
         )
 
     def region_layers(self, size: int, flag: str = "--regions") -> tuple[int, ...]:
-        """The sharing layers of a region of ``size`` layers under this plan's ``exclude_last``
-        and ``blocks`` (what :meth:`with_region` takes); a ``ConfigError`` naming ``flag`` if it
-        cannot exist."""
+        """The sharing layers of a region of ``size`` layers of this plan's shape (what
+        :meth:`with_region` takes); a ``ConfigError`` naming ``flag`` if it cannot exist."""
         return self.shape.layers(size, flag=flag)
 
     @property
     def sharing_layers(self) -> tuple[int, ...]:
-        """The layers in sharing mode (``blocks`` blocks, the deepest ending ``exclude_last``
-        layers before the end)."""
+        """The layers in sharing mode (a region of :attr:`shape`)."""
         return tuple(i for i, mode in enumerate(self.modes) if mode == LayerMode.SHARE)
 
     @property

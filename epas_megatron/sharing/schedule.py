@@ -47,11 +47,11 @@ from fractions import Fraction
 from epas_megatron.errors import ConfigError
 from epas_megatron.sharing.shape import (
     LayerMode,
+    RegionShape,
     check_blocks,
     check_exclude_last,
     format_layers,
     is_int,
-    layer_modes,
     layer_runs,
     place_blocks,
     switching_order,
@@ -254,9 +254,15 @@ class SharingSchedule:
 
     # ------------------------------------------------------------------ the plan
     @property
+    def shape(self) -> RegionShape:
+        """Where this schedule's regions lie (:attr:`num_layers`, :attr:`exclude_last`,
+        :attr:`blocks`): what the build plan, the checkpoint metadata and the region grammar take."""
+        return RegionShape(self.num_layers, self.exclude_last, self.blocks)
+
+    @property
     def region_end(self) -> int:
         """The region's last (deepest) layer: ``num_layers - 1 - exclude_last``."""
-        return self.num_layers - 1 - self.exclude_last
+        return self.shape.end
 
     @property
     def block_ranges(self) -> tuple[tuple[int, int], ...]:
@@ -315,13 +321,7 @@ class SharingSchedule:
 
     def layer_modes(self, iteration: int) -> list[LayerMode]:
         """Per-layer mode in effect for the step of ``iteration``."""
-        return layer_modes(
-            self.num_layers,
-            self.sharing_layers(iteration),
-            exclude_last=self.exclude_last,
-            blocks=self.blocks,
-            target_layers=self.target_layers,
-        )
+        return self.shape.modes(self.sharing_layers(iteration), target_layers=self.target_layers)
 
     def switch_iterations(self) -> list[tuple[int, tuple[int, ...]]]:
         """Every switch as ``(iteration, layers that switch there, in switching order)``; one

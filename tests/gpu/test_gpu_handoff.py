@@ -48,9 +48,11 @@ TE_MISSING = pytest.mark.skipif(
 def _model(backend, sharing, share, core_attention="sdpa", seed=5, arch=None, blocks=1):
     from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import build_model
+    from epas_megatron.sharing.shape import RegionShape
 
-    plan = BuildPlan.for_region(arch or architecture(), sharing, precision="bf16", backend=backend, share=share,
-                                core_attention=core_attention, blocks=blocks)
+    arch = arch or architecture()
+    plan = BuildPlan.for_region(arch, sharing, precision="bf16", backend=backend, share=share,
+                                core_attention=core_attention, shape=RegionShape(arch.num_layers, blocks=blocks))
     return build_model(plan, seed=seed).chunks[0].eval()
 
 

@@ -15,7 +15,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from epas_megatron.errors import ConfigError
 from epas_megatron.model.attention import FrozenProjection, SharedAttention
 from epas_megatron.model.specs import LOCAL, TRANSFORMER_ENGINE, decoder_layer_specs, get_backend, layer_spec
-from epas_megatron.sharing.shape import layer_modes
+from epas_megatron.sharing.shape import RegionShape, layer_modes
 
 
 def test_roles():
@@ -194,20 +194,22 @@ def test_build_plan_keeps_exclude_last_and_places_the_hand_off():
     from epas_megatron.parallel.layout import StageLayout
 
     arch = LlamaArchitecture(8, 64, 4, 2, 176, 256, 32)
-    plan = BuildPlan.for_region(arch, (5,), seq_length=32, pp=2, exclude_last=2)
-    assert plan.exclude_last == 2 and plan.sharing_layers == (5,)
+    plan = BuildPlan.for_region(arch, (5,), seq_length=32, pp=2, shape=RegionShape(8, exclude_last=2))
+    assert plan.shape.exclude_last == 2 and plan.sharing_layers == (5,)
     assert plan.modes[4:] == ("source", "share", "compute", "compute")
     assert plan.region_layers(3) == (3, 4, 5) and plan.region_layers(0) == ()
     with pytest.raises(ConfigError, match="--regions 6"):
         plan.region_layers(6)
     grown = plan.with_region(plan.region_layers(3))
-    assert grown.exclude_last == 2 and grown.sharing_layers == (3, 4, 5)
+    assert grown.shape == RegionShape(8, exclude_last=2) and grown.sharing_layers == (3, 4, 5)
     with pytest.raises(ConfigError, match="--epas-exclude-last 2"):
         plan.with_region((6, 7))
     with pytest.raises(ConfigError, match="--epas-exclude-last"):
         BuildPlan.for_region(arch, (3, 4, 5))  # exclude_last 0: must end at the last layer
     with pytest.raises(ConfigError):
-        dataclasses.replace(grown, exclude_last=0)  # modes that are not the plan's region
+        dataclasses.replace(grown, shape=RegionShape(8))  # modes that are not the plan's region
+    with pytest.raises(ValueError, match="a region shape of 6 layers"):
+        dataclasses.replace(grown, shape=RegionShape(6))
 
     def placements(plan):
         config = make_transformer_config(plan)

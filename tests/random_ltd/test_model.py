@@ -10,6 +10,7 @@ from epas_megatron.model.build_plan import BuildPlan, RandomLTDSettings
 from epas_megatron.model.builder import build_model
 from epas_megatron.random_ltd.keyed_draw import kept_token_indices
 from epas_megatron.random_ltd.model import set_kept_tokens
+from epas_megatron.sharing.shape import RegionShape
 from epas_testing import per_token_loss, reference_weights
 
 pytestmark = pytest.mark.usefixtures("single_process")
@@ -20,7 +21,7 @@ SEQ, BATCH = 24, 3
 def build(arch, sharing=(), share="qk", ltd_layers=(0, 1, 2, 3), exclude_last=0, seed=7, recompute=None):
     from epas_megatron.model.build_plan import RecomputeSettings
 
-    plan = BuildPlan.for_region(arch, sharing, share=share, exclude_last=exclude_last,
+    plan = BuildPlan.for_region(arch, sharing, share=share, shape=RegionShape(arch.num_layers, exclude_last),
                                 recompute=recompute or RecomputeSettings(),
                                 random_ltd=RandomLTDSettings(tuple(ltd_layers), seed=seed, kernels="torch"))
     return build_model(plan, seed=11).chunks[0]

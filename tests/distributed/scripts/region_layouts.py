@@ -50,7 +50,7 @@ def main():
     from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import build_model
     from epas_megatron.parallel.layout import StageLayout
-    from epas_megatron.sharing.shape import region_layers
+    from epas_megatron.sharing.shape import RegionShape, region_layers
 
     only = sys.argv[1:] or list(LAYOUTS)
     arch = LlamaArchitecture(8, 64, 4, 2, 176, 256, SEQ, init_method_std=0.2)
@@ -70,7 +70,7 @@ def main():
             sharing = region_layers(8, region, exclude_last=exclude_last, blocks=blocks)
             layout = StageLayout.from_layout_string(spec["layout"], spec["pp"]) if "layout" in spec else None
             plan = BuildPlan.for_region(arch, sharing, seq_length=SEQ, pp=spec["pp"], vpp=spec.get("vpp"), layout=layout,
-                                        exclude_last=exclude_last, blocks=blocks)
+                                        shape=RegionShape(8, exclude_last, blocks))
             built = build_model(plan, seed=7)
             seq = built.schedule_seq_length
             model = wrap_ddp(built.chunks, built.config, settings)
