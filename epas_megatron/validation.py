@@ -395,11 +395,20 @@ def _resolve_training(cfg: RunConfig, m, dp: int):
     return replace(t, global_batch_size=gbs)
 
 
+def sharing_schedule(cfg: RunConfig) -> SharingSchedule:
+    """The progressive schedule a run of ``cfg`` trains with (its ``--epas-*`` flags and
+    ``--num-layers``); a ``ConfigError`` naming the flag if they do not make one. Whoever needs a
+    run's switches without resolving the run (a recipe's report, a sweep's submission check) takes
+    them from here, not from a schedule of its own."""
+    e = cfg.epas
+    return SharingSchedule.from_flags(cfg.model.num_layers, e.epas_interval, e.epas_growth, e.epas_target_layers, e.epas_first_switch,
+                                      exclude_last=e.epas_exclude_last, blocks=e.epas_blocks)
+
+
 def _resolve_epas(cfg: RunConfig, m, t) -> tuple[SharingSchedule, bool, list[str]]:
     """(sharing schedule, whether stages are rebalanced at switches, warnings)."""
     p, e = cfg.parallel, cfg.epas
-    schedule = SharingSchedule.from_flags(m.num_layers, e.epas_interval, e.epas_growth, e.epas_target_layers, e.epas_first_switch,
-                                          exclude_last=e.epas_exclude_last, blocks=e.epas_blocks)
+    schedule = sharing_schedule(cfg)
     warnings = schedule.check_against_training(t.train_iters) if schedule.enabled else []
     if e.epas_exclude_last and not schedule.enabled:
         warnings.append(f"--epas-exclude-last {e.epas_exclude_last} has no effect: EPAS is off (--epas-target-layers 0)")

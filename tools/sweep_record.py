@@ -60,20 +60,25 @@ def _model_config(preset: str, extra: list[str]):
 def region_layers(preset: str, region: str, extra: Optional[list[str]] = None) -> tuple[int, int]:
     """(sharing layers, num_layers) for a region given as a count or a fraction; checked against
     the trainer flags in ``extra`` (e.g. ``--epas-exclude-last``) before anything is submitted."""
-    from epas_megatron.sharing.schedule import SharingSchedule, resolve_target_layers
+    from epas_megatron.sharing.schedule import resolve_target_layers
+    from epas_megatron.validation import sharing_schedule
 
-    cfg = _model_config(preset, extra or [])
-    num_layers = cfg.model.num_layers
+    num_layers = _model_config(preset, extra or []).model.num_layers
     layers = resolve_target_layers(region, num_layers)
-    # The region as region_flags sets it up (one switch of all its layers) must fit before the
-    # layers --epas-exclude-last keeps computing; the schedule says so with the flags' names.
-    SharingSchedule(num_layers, 1, max(layers, 1), layers, FIRST_SWITCH, exclude_last=cfg.epas.epas_exclude_last)
+    # The region as region_flags sets it up (one switch of all its layers) must be one the
+    # trainer accepts with the other flags (--epas-exclude-last, --epas-blocks): its resolver's
+    # schedule says so with the flags' names.
+    sharing_schedule(_model_config(preset, [*(extra or []), *_flags_for(layers)]))
     return layers, num_layers
 
 
 def region_flags(preset: str, region: str, extra: Optional[list[str]] = None) -> list[str]:
     """Trainer flags that put the whole region in place before iteration 1."""
     layers, _ = region_layers(preset, region, extra)
+    return _flags_for(layers)
+
+
+def _flags_for(layers: int) -> list[str]:
     if layers == 0:
         return ["--epas-target-layers", "0"]
     return ["--epas-target-layers", str(layers), "--epas-first-switch", str(FIRST_SWITCH), "--epas-interval", "1",

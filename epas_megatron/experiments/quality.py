@@ -631,13 +631,13 @@ class QualityRecipe:
         return [(seed, "" if number == 0 else f"_seed{seed}") for number, seed in enumerate(self.scale.seeds)]
 
     def _full_region_iteration(self) -> int:
-        """First iteration trained with the full from-scratch region."""
-        from epas_megatron.config.presets import get_preset
-        from epas_megatron.sharing.schedule import SharingSchedule
+        """First iteration trained with the full from-scratch region: the schedule the trainer
+        resolves from the plain EPAS arm's flags (:func:`~epas_megatron.validation.sharing_schedule`)."""
+        from epas_megatron.config.cli import parse_config
+        from epas_megatron.validation import sharing_schedule
 
-        scale = self.scale
-        schedule = SharingSchedule.from_flags(get_preset(scale.preset).num_layers, scale.epas_interval, 1, scale.target_layers)
-        return schedule.final_iteration
+        epas_arm = next(arm for arm in self.arms() if arm.name == "scratch_epas")
+        return sharing_schedule(parse_config(epas_arm.train_args)).final_iteration
 
 
 def _read_metrics(run_dir: Path) -> list[dict]:

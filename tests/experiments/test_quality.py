@@ -91,6 +91,15 @@ def test_a_third_seed_adds_its_arms_and_keeps_the_others(tmp_path):
     assert proc.returncode == 0 and sorted(line.split(":")[0] for line in proc.stdout.splitlines()) == sorted(three)
 
 
+def test_the_full_region_iteration_is_the_epas_arms_own_schedule(tmp_path):
+    # By hand: the cpu scale's EPAS arm shares half of the small preset's 8 layers, one layer per
+    # switch every 50 iterations from iteration 50: the fourth switch, at 50 + 3 * 50.
+    assert SCALES["cpu"].epas_interval == 50 and SCALES["cpu"].target_layer_count() == 4
+    assert QualityRecipe("cpu", tmp_path)._full_region_iteration() == 200
+    # smoke: 4 layers of the tiny preset, target 2 of them, interval 2: switches at 2 and 4.
+    assert QualityRecipe("smoke", tmp_path)._full_region_iteration() == 4
+
+
 def test_arms_of_the_random_ltd_part(tmp_path):
     arms = {a.name: a for a in plan_arms(SCALES["cpu"], tmp_path, parts=("random_ltd",))}
     assert list(arms) == ["scratch_baseline", "scratch_epas", "scratch_random_ltd", "scratch_epas_random_ltd"]

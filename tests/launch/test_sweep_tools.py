@@ -60,6 +60,18 @@ def test_region_flags_reject_a_region_without_source_layer():
     assert "at least one layer must keep computing" in proc.stderr
 
 
+def test_region_flags_check_the_region_with_the_trainers_other_flags():
+    from epas_megatron.errors import ConfigError
+
+    # 3 of tiny's 4 layers in 2 blocks: the trainer refuses it (--epas-blocks must divide the
+    # target), so the sweep refuses it before anything is submitted, naming the flag.
+    with pytest.raises(ConfigError, match="--epas-blocks 2 does not divide"):
+        record.region_flags("tiny", "3", ["--epas-blocks", "2"])
+    with pytest.raises(ConfigError, match="--epas-exclude-last 1"):
+        record.region_flags("tiny", "3", ["--epas-exclude-last", "1"])
+    assert record.region_flags("tiny", "2", ["--epas-exclude-last", "1"])[:2] == ["--epas-target-layers", "2"]
+
+
 # ------------------------------------------------------------------------- throughput
 def write_metrics(path: Path, times: list[float], sharing: int = 2, tokens_per_iteration: int = 128) -> None:
     lines = [json.dumps({"kind": "switch", "iteration": 2, "sharing_layers": list(range(sharing))})]
