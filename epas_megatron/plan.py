@@ -406,6 +406,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     quiet_library_noise()
     from epas_megatron.config.cli import parse_config
     from epas_megatron.runtime.distributed import world_size_from_env
+    from epas_megatron.training.registry import features_for_run
     from epas_megatron.validation import resolve_run
 
     ours, rest = _split_argv(sys.argv[1:] if argv is None else argv)
@@ -416,6 +417,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if ours.gpu_memory_gb is not None and not ours.gpu_memory_gb > 0:
             raise ConfigError(f"--gpu-memory-gb must be > 0, got {ours.gpu_memory_gb}")
         run = resolve_run(parse_config(rest), world_size=world, cuda=ours.gpu_memory_gb is not None or None, planning_only=True)
+        features_for_run(run)  # the training features' own refusals, as epas-train makes them
         if run.cfg.parallel.recompute == "full":
             print("note: --recompute full is not in the memory model; activations are shown as without recompute", flush=True)
         lines, fits = report(run, ours.gpu_memory_gb)

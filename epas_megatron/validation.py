@@ -7,7 +7,7 @@ and exit with status 2, leaving nothing written).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -27,9 +27,7 @@ from epas_megatron.model.build_plan import RECOMPUTE_MODULES, normalise_vpp
 from epas_megatron.model.fusions import BackendChoice, choose_layers, choose_precision
 from epas_megatron.model.moc import check_moc_config
 from epas_megatron.parallel.pipeline_schedule import SPLIT_BACKWARD, V_SCHEDULES, check_schedule_config
-from epas_megatron.sharing.ramp import SwitchRamp
 from epas_megatron.sharing.regions import RegionSpec
-from epas_megatron.sharing.rewarm import SwitchRewarm
 from epas_megatron.sharing.schedule import SharingSchedule
 from epas_megatron.sharing.shape import RegionShape
 
@@ -414,17 +412,7 @@ def _resolve_epas(cfg: RunConfig, m, t) -> tuple[SharingSchedule, bool, list[str
         warnings.append(f"--epas-exclude-last {e.epas_exclude_last} has no effect: EPAS is off (--epas-target-layers 0)")
     if e.epas_blocks != 1 and not schedule.enabled:
         warnings.append(f"--epas-blocks {e.epas_blocks} has no effect: EPAS is off (--epas-target-layers 0)")
-    SwitchRewarm(schedule, e.epas_switch_rewarm)  # --epas-switch-rewarm: >= 0 and < --epas-interval
-    if e.epas_switch_rewarm and not schedule.enabled:
-        warnings.append(f"--epas-switch-rewarm {e.epas_switch_rewarm} has no effect: EPAS is off (--epas-target-layers 0)")
-    SwitchRamp(schedule, e.epas_switch_ramp)  # --epas-switch-ramp: >= 0, < --epas-interval and < --epas-first-switch
-    if e.epas_switch_ramp and not schedule.enabled:
-        warnings.append(f"--epas-switch-ramp {e.epas_switch_ramp} has no effect: EPAS is off (--epas-target-layers 0)")
-    elif e.epas_switch_ramp and p.pp > 1:
-        raise ConfigError(f"--epas-switch-ramp {e.epas_switch_ramp} needs --pp 1 (a ramp's hand-off would cross pipeline "
-                          f"stages that the region does not cross yet); use --pp 1 or drop --epas-switch-ramp")
-    elif e.epas_switch_ramp and cfg.random_ltd.random_ltd:
-        raise ConfigError(f"--epas-switch-ramp {e.epas_switch_ramp} is not supported with --random-ltd yet; drop one of them")
+    # --epas-switch-rewarm and --epas-switch-ramp: their features check them (TrainingFeature.check_config)
     rebalance = {"on": True, "off": False, "auto": p.pp > 1 and p.pipeline_layout is None}[e.epas_rebalance]
     if rebalance and p.pipeline_layout is not None:
         raise ConfigError("--epas-rebalance on conflicts with a fixed --pipeline-layout; drop one of them")
@@ -443,12 +431,8 @@ def _resolve_random_ltd(cfg: RunConfig, m, t, warnings: list, cuda: bool) -> Opt
     """The Random-LTD schedule of the --random-ltd-* flags (None when off)."""
     from epas_megatron.random_ltd.schedule import RandomLTDSchedule
 
-    r, p = cfg.random_ltd, cfg.parallel
-    if not r.random_ltd:
-        given = [flag_name(f.name) for f in fields(r) if f.name not in ("random_ltd", "random_ltd_layer_token_lr", "random_ltd_kernels")
-                 and getattr(r, f.name) is not None]
-        if given:
-            warnings.append(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect without --random-ltd")
+    r = cfg.random_ltd
+    if not r.random_ltd:  # its flags' other checks: the feature's (training.random_ltd)
         return None
     if r.random_ltd_kernels == "deepspeed":
         from epas_megatron.random_ltd.tokens import deepspeed_kernels_load
@@ -457,9 +441,6 @@ def _resolve_random_ltd(cfg: RunConfig, m, t, warnings: list, cuda: bool) -> Opt
         if problem is not None:
             raise ConfigError(f"--random-ltd-kernels deepspeed: DeepSpeed's Random-LTD kernels do not load ({problem}); "
                               "use --random-ltd-kernels torch or auto")
-    if p.sequence_parallel:
-        raise ConfigError("--random-ltd does not support --sequence-parallel (kept tokens are gathered from the whole "
-                          "sequence, which sequence parallelism splits over TP ranks); drop one of them")
     return RandomLTDSchedule.from_flags(
         m.num_layers, t.seq_length, t.global_batch_size, t.train_iters, layers=r.random_ltd_layers,
         min_value=r.random_ltd_min_value, max_value=r.random_ltd_max_value, require_steps=r.random_ltd_require_steps,

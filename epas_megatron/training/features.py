@@ -4,13 +4,18 @@ after EPAS switches, :class:`epas_megatron.training.rewarm.SwitchRewarmFeature`)
 
 The trainer never branches on a feature. It holds a :class:`TrainingFeatures` -- every feature
 *kind* it knows, and the enabled instances of them (none without the feature's flag) -- and calls
-each hook at its point of the run: checking a resume, the start-up banner,
+each hook at its point of the run: checking the feature's own flags (every kind, on or off,
+before anything is built), checking a resume, the start-up banner,
 before every step, the LR schedule, the FLOPs of an iteration, the metrics records and the
 checkpoint's metadata. A :class:`TrainingFeature` has no-op defaults, so a feature implements only
 the hooks it needs.
 
 How the hooks combine over several enabled features:
 
+* a feature checks its own flags and how they combine with the rest of the run
+  (:meth:`~TrainingFeature.check_config`: a :class:`ConfigError` naming the flag, or warnings for
+  the start-up report); the resolver (:mod:`epas_megatron.validation`) checks only what every run
+  has;
 * records (:meth:`~TrainingFeature.record`) are merged; two
   features supplying the same key is an error;
 * a single value the trainer needs (:meth:`~TrainingFeature.lr_increment`,
@@ -50,8 +55,15 @@ class TrainingFeature:
     run without it ("" : the ``flag`` and its ``-*`` flags)."""
 
     @classmethod
+    def check_config(cls, run: ResolvedRun) -> list[str]:
+        """Check the feature's own flags in ``run``, on or off, before anything is built or read:
+        a :class:`ConfigError` naming the flag to change, or warnings for the start-up report (a
+        flag without effect)."""
+        return []
+
+    @classmethod
     def from_run(cls, run: ResolvedRun) -> Optional["TrainingFeature"]:
-        """The feature of a run (None: the run has it off)."""
+        """The feature of a run (None: the run has it off); its flags passed :meth:`check_config`."""
         return None
 
     @classmethod
@@ -127,10 +139,15 @@ class TrainingFeatures:
     enabled: tuple[TrainingFeature, ...] = ()
     """The features this run has on, in the order of ``kinds``."""
 
+    warnings: tuple[str, ...] = ()
+    """What the kinds' :meth:`~TrainingFeature.check_config` had to say about the run's flags."""
+
     @classmethod
     def for_run(cls, run: ResolvedRun, kinds: Sequence[type[TrainingFeature]]) -> "TrainingFeatures":
+        """Every kind's flags checked (refusals raise), then the enabled features of ``run``."""
+        warnings = tuple(warning for kind in kinds for warning in kind.check_config(run))
         features = (kind.from_run(run) for kind in kinds)
-        return cls(tuple(kinds), tuple(feature for feature in features if feature is not None))
+        return cls(tuple(kinds), tuple(feature for feature in features if feature is not None), warnings)
 
     def __iter__(self) -> Iterator[TrainingFeature]:
         return iter(self.enabled)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Sequence
 
+from epas_megatron.errors import ConfigError
 from epas_megatron.sharing.ramp import SwitchRamp
 from epas_megatron.training.features import TrainingFeature
 from epas_megatron.validation import ResolvedRun
@@ -51,6 +52,19 @@ class SwitchRampFeature(TrainingFeature):
 
     share: str
     """What sharing layers reuse ('qk' or 'kv')."""
+
+    @classmethod
+    def check_config(cls, run: ResolvedRun) -> list[str]:
+        steps = run.cfg.epas.epas_switch_ramp
+        SwitchRamp(run.schedule, steps)  # --epas-switch-ramp: >= 0, < --epas-interval and < --epas-first-switch
+        if steps and not run.schedule.enabled:
+            return [f"--epas-switch-ramp {steps} has no effect: EPAS is off (--epas-target-layers 0)"]
+        if steps and run.cfg.parallel.pp > 1:
+            raise ConfigError(f"--epas-switch-ramp {steps} needs --pp 1 (a ramp's hand-off would cross pipeline "
+                              f"stages that the region does not cross yet); use --pp 1 or drop --epas-switch-ramp")
+        if steps and run.cfg.random_ltd.random_ltd:
+            raise ConfigError(f"--epas-switch-ramp {steps} is not supported with --random-ltd yet; drop one of them")
+        return []
 
     @classmethod
     def from_run(cls, run: ResolvedRun) -> Optional["SwitchRampFeature"]:

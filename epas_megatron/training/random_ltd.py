@@ -12,9 +12,11 @@ scheduler state, which a resume checks against the config.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Optional, Sequence
 
+from epas_megatron.config.cli import flag_name
+from epas_megatron.errors import ConfigError
 from epas_megatron.random_ltd.model import set_kept_tokens
 from epas_megatron.random_ltd.schedule import RandomLTDSchedule
 from epas_megatron.training.features import TrainingFeature
@@ -33,6 +35,18 @@ class RandomLTDFeature(TrainingFeature):
 
     layer_token_lr: bool = False
     """The LR schedule advances by each step's layer tokens (``--random-ltd-layer-token-lr``)."""
+
+    @classmethod
+    def check_config(cls, run: ResolvedRun) -> list[str]:
+        r = run.cfg.random_ltd
+        if not r.random_ltd:
+            given = [flag_name(f.name) for f in fields(r) if f.name not in ("random_ltd", "random_ltd_layer_token_lr", "random_ltd_kernels")
+                     and getattr(r, f.name) is not None]
+            return [f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect without --random-ltd"] if given else []
+        if run.cfg.parallel.sequence_parallel:
+            raise ConfigError("--random-ltd does not support --sequence-parallel (kept tokens are gathered from the whole "
+                              "sequence, which sequence parallelism splits over TP ranks); drop one of them")
+        return []
 
     @classmethod
     def from_run(cls, run: ResolvedRun) -> Optional["RandomLTDFeature"]:

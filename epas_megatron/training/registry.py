@@ -1,7 +1,8 @@
 """The training features a run may turn on: the one list the trainer reads
 (:class:`~epas_megatron.training.features.TrainingFeatures`). A new feature is its own module of
-hooks (a :class:`~epas_megatron.training.features.TrainingFeature`), its config section, its line
-here, and the assembly if it changes what is built."""
+hooks (a :class:`~epas_megatron.training.features.TrainingFeature`, whose ``check_config``
+checks its own flags), its config section, its line here, and the assembly if it changes what is
+built."""
 
 from __future__ import annotations
 

@@ -31,6 +31,14 @@ class SwitchRewarmFeature(TrainingFeature):
     """The re-warm windows of the run's schedule."""
 
     @classmethod
+    def check_config(cls, run: ResolvedRun) -> list[str]:
+        steps = run.cfg.epas.epas_switch_rewarm
+        SwitchRewarm(run.schedule, steps)  # --epas-switch-rewarm: >= 0 and < --epas-interval
+        if steps and not run.schedule.enabled:
+            return [f"--epas-switch-rewarm {steps} has no effect: EPAS is off (--epas-target-layers 0)"]
+        return []
+
+    @classmethod
     def from_run(cls, run: ResolvedRun) -> Optional["SwitchRewarmFeature"]:
         rewarm = SwitchRewarm(run.schedule, run.cfg.epas.epas_switch_rewarm)
         return cls(rewarm) if rewarm.enabled else None

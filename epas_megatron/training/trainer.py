@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -48,10 +49,11 @@ class Trainer:
     """Owns process groups, data iterators, model chunks, optimizer and metrics of one run."""
 
     def __init__(self, run: ResolvedRun, exit_signal: Optional[ExitSignal] = None):
+        self.features = features_for_run(run)  # each feature checks its own flags (refusals raise here)
+        run = replace(run, warnings=run.warnings + self.features.warnings)
         self.run = run
         self.cfg = run.cfg
         self.out = Path(self.cfg.logging.output_dir)
-        self.features = features_for_run(run)
         if run.load_meta is not None:  # every resume check, before any process group or data
             if run.load_meta.epas_schedule is not None:
                 run.schedule.check_resume(run.load_meta.epas_schedule, run.load_meta.iteration)

@@ -274,3 +274,14 @@ def test_split_backward_schedules_need_the_local_layers(name, tmp_path):
     assert _resolve_pipeline_schedule(cfg, cfg.model, None, 4, "local") == name
     v_1f1b = parse_config(["--preset", "tiny", "--pp", "2", "--pipeline-schedule", "v-1f1b", "--output-dir", str(tmp_path)])
     assert _resolve_pipeline_schedule(v_1f1b, v_1f1b.model, None, 4, "transformer_engine") == "v-1f1b"
+
+
+def test_epas_plan_makes_the_features_refusals_too(capsys):
+    """A training feature checks its own flags (TrainingFeature.check_config); epas-plan, which
+    builds no trainer, asks the features as epas-train does."""
+    from epas_megatron.plan import main as plan_main
+
+    code = plan_main(["--world-size", "2", *TINY, "--epas-target-layers", "2", "--epas-interval", "4",
+                      "--epas-switch-ramp", "2", "--pp", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "error: --epas-switch-ramp 2 needs --pp 1" in err, err

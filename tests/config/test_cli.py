@@ -72,6 +72,7 @@ def test_epas_exclude_last_resolves_into_the_schedule(tmp_path):
 
 
 def test_random_ltd_resolves_into_its_schedule(tmp_path):
+    from epas_megatron.training.registry import features_for_run
     from epas_megatron.validation import resolve_run
 
     base = ["--preset", "tiny", "--output-dir", str(tmp_path / "out"), "--train-iters", "100"]
@@ -80,7 +81,9 @@ def test_random_ltd_resolves_into_its_schedule(tmp_path):
     assert (ltd.layers, ltd.min_value, ltd.max_value, ltd.require_steps, ltd.seq_per_step) == ((1, 2), 8, 64, 70, 4)
     assert run.warnings == ()
     off = resolve_run(parse_config([*base, "--random-ltd-min-value", "8"]), world_size=1)
-    assert off.random_ltd is None and off.warnings == ("--random-ltd-min-value has no effect without --random-ltd",)
+    # The feature checks its own flags (the resolver does not); the trainer prints its warnings.
+    assert off.random_ltd is None and off.warnings == ()
+    assert features_for_run(off).warnings == ("--random-ltd-min-value has no effect without --random-ltd",)
     # YAML section of its own, like the flags
     assert "random_ltd" in to_dict(parse_config([*base, "--random-ltd"]))
 
@@ -97,3 +100,18 @@ def test_no_save_final_negates_save_final_and_old_configs_read_the_same():
     del old["checkpoint"]["save_final"]
     old["checkpoint"]["no_save_final"] = True
     assert from_dict(old).checkpoint.save_final is False
+
+
+def test_the_trainer_reports_what_the_features_say_about_their_flags(tmp_path):
+    from epas_megatron.training.trainer import Trainer
+    from epas_megatron.validation import resolve_run
+
+    run = resolve_run(parse_config(["--preset", "tiny", "--output-dir", str(tmp_path / "out"), "--epas-target-layers", "0",
+                                    "--epas-switch-rewarm", "2"]), world_size=1)
+    assert run.warnings == ()
+    trainer = Trainer(run)
+    try:
+        assert trainer.run.warnings == ("--epas-switch-rewarm 2 has no effect: EPAS is off (--epas-target-layers 0)",)
+    finally:
+        trainer.close()
+    assert not (tmp_path / "out").exists()
