@@ -119,6 +119,10 @@ class ResolvedRun:
     v_layout: Optional["VStageLayout"] = None
     """Under a V schedule, ``--pipeline-layout V:...`` parsed (None: the even V split, or not V)."""
 
+    cuda: bool = False
+    """Whether the run's processes use CUDA devices (``resolve_run``'s ``cuda``: this node's, unless
+    given)."""
+
     backend_reason: str = ""
     """Why that backend (:class:`~epas_megatron.model.fusions.BackendChoice`): printed at start-up."""
 
@@ -219,7 +223,7 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
         raise ConfigError(f"--epas-memory-budget-gb: stage rebalancing under --pipeline-schedule {pipeline_schedule} does not "
                           "price memory yet (V placement's in-flight micro-batches per rank); drop the budget, or use "
                           "--epas-rebalance off")
-    random_ltd = _resolve_random_ltd(cfg, m, t, warnings, cuda)
+    random_ltd = _resolve_random_ltd(cfg, m, t)
     eval_regions = _resolve_eval_regions(t, schedule)
     _check_data(cfg)
     if not planning_only:
@@ -238,6 +242,7 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
         layout=layout,
         backend=layers.backend,
         backend_reason=layers.reason,
+        cuda=cuda,
         precision=precision,
         use_distributed_optimizer=use_dist_opt,
         schedule=schedule,
@@ -427,20 +432,14 @@ def _resolve_epas(cfg: RunConfig, m, t) -> tuple[SharingSchedule, bool, list[str
     return schedule, rebalance and p.pp >= 2, list(warnings)
 
 
-def _resolve_random_ltd(cfg: RunConfig, m, t, warnings: list, cuda: bool) -> Optional["RandomLTDSchedule"]:
-    """The Random-LTD schedule of the --random-ltd-* flags (None when off)."""
+def _resolve_random_ltd(cfg: RunConfig, m, t) -> Optional["RandomLTDSchedule"]:
+    """The Random-LTD schedule of the --random-ltd-* flags (None when off; the flags' other
+    checks are the feature's, :mod:`epas_megatron.training.random_ltd`)."""
     from epas_megatron.random_ltd.schedule import RandomLTDSchedule
 
     r = cfg.random_ltd
-    if not r.random_ltd:  # its flags' other checks: the feature's (training.random_ltd)
+    if not r.random_ltd:
         return None
-    if r.random_ltd_kernels == "deepspeed":
-        from epas_megatron.random_ltd.tokens import deepspeed_kernels_load
-
-        problem = deepspeed_kernels_load() if cuda else "no CUDA device"
-        if problem is not None:
-            raise ConfigError(f"--random-ltd-kernels deepspeed: DeepSpeed's Random-LTD kernels do not load ({problem}); "
-                              "use --random-ltd-kernels torch or auto")
     return RandomLTDSchedule.from_flags(
         m.num_layers, t.seq_length, t.global_batch_size, t.train_iters, layers=r.random_ltd_layers,
         min_value=r.random_ltd_min_value, max_value=r.random_ltd_max_value, require_steps=r.random_ltd_require_steps,

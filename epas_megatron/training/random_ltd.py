@@ -19,6 +19,7 @@ from epas_megatron.config.cli import flag_name
 from epas_megatron.errors import ConfigError
 from epas_megatron.random_ltd.model import set_kept_tokens
 from epas_megatron.random_ltd.schedule import RandomLTDSchedule
+from epas_megatron.random_ltd.tokens import deepspeed_kernels_load
 from epas_megatron.training.features import TrainingFeature
 from epas_megatron.validation import ResolvedRun
 
@@ -46,6 +47,11 @@ class RandomLTDFeature(TrainingFeature):
         if run.cfg.parallel.sequence_parallel:
             raise ConfigError("--random-ltd does not support --sequence-parallel (kept tokens are gathered from the whole "
                               "sequence, which sequence parallelism splits over TP ranks); drop one of them")
+        if r.random_ltd_kernels == "deepspeed":
+            problem = deepspeed_kernels_load() if run.cuda else "no CUDA device"
+            if problem is not None:
+                raise ConfigError(f"--random-ltd-kernels deepspeed: DeepSpeed's Random-LTD kernels do not load ({problem}); "
+                                  "use --random-ltd-kernels torch or auto")
         return []
 
     @classmethod
