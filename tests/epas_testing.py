@@ -78,9 +78,20 @@ in it (an in-process run or fixture): a child must not inherit them (it would jo
 bind, this process's rendezvous port)."""
 
 
+P2P_RULES = "nccl"
+"""``EPAS_P2P_RULES`` of every child process unless this process's environment sets it (an empty
+value runs plain gloo): every multi-process run the tests start moves its tensors under NCCL's
+point-to-point rules (epas_megatron/compat/nccl_rules.py) -- a send completes only once its
+receive runs, in order per channel, tags ignored -- so what passes here would not hang a cluster.
+On a GPU node the process group is NCCL itself and the transport stays out."""
+
+
 def child_environ() -> dict:
-    """This process's environment for a child process, without :data:`RENDEZVOUS_VARIABLES`."""
-    return {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARIABLES}
+    """This process's environment for a child process, without :data:`RENDEZVOUS_VARIABLES`, with
+    :data:`P2P_RULES` unless set."""
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARIABLES}
+    env.setdefault("EPAS_P2P_RULES", P2P_RULES)
+    return env
 
 
 FORKED = os.environ.get("EPAS_TEST_TORCHRUN") != "1"

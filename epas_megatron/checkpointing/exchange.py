@@ -177,12 +177,15 @@ class ExchangeStats:
 
 
 def send_and_receive(ops: list) -> None:
-    """Post ``ops`` (``dist.P2POp``) as one round and wait for all of them."""
+    """Post ``ops`` (``dist.P2POp``) as one ``batch_isend_irecv`` and wait for all of them -- on
+    every backend alike (what CI runs on gloo is what runs on NCCL).
+
+    Why this cannot hang on NCCL: each rank posts all of its sends and receives of the round as
+    one batch, whose ops start together; a send completes once the peer's receive has started,
+    and that receive is in the peer's one batch, which starts as soon as the peer posts it. Every
+    rank reaches this call (each after the same collectives). The multi-process switch tests run
+    it under the NCCL-rules transport (epas_megatron/compat/nccl_rules.py)."""
     if not ops:
         return
-    if dist.get_backend() == "nccl":
-        works = dist.batch_isend_irecv(ops)
-    else:  # gloo: plain non-blocking pairs, matched in the order both sides posted them
-        works = [dist.isend(op.tensor, op.peer) if op.op is dist.isend else dist.irecv(op.tensor, op.peer) for op in ops]
-    for work in works:
+    for work in dist.batch_isend_irecv(ops):
         work.wait()

@@ -9,14 +9,17 @@ blocks pack into the p2p tensor. So the lists run here on the project's own piec
 * each forward and backward is Megatron-Core's own ``schedules.forward_step`` /
   ``backward_step`` -- the same loss function and per-token loss accounting, loss scaling
   (``config.grad_scale_func``), ``set_input_tensor`` and ``retain_grad`` as its 1F1B;
-* a tensor between ranks goes point to point on the pipeline group: ``isend`` after the pass
-  that made it; receives are posted in the order the peer sends (so an in-order transport, as
-  NCCL is, matches them even where the schedule consumes them in another order, as v-1f1b
-  does), at the latest right before the pass that takes the message, with a tag per message
-  (which gloo matches as well); the activation p2p tensor
-  is ``[rows, b, h]`` with the hand-off rows the blocks pack (``schedule_seq_length``), exactly
-  what Megatron's schedules exchange; a stage boundary inside a rank (V placement's turn) hands
-  the output on without a copy, as a new leaf;
+* a tensor between ranks goes point to point on the pipeline group, as
+  :mod:`epas_megatron.parallel.pipeline_p2p` plans it: between two passes, the sends of the pass
+  before and the receives of the pass after (in the order each peer sends) go out as one
+  ``batch_isend_irecv``; the rank waits for it when it receives, or when it would leave more than
+  one send pending, and drops a send's ``Work`` (which holds the sent tensor) once it has
+  completed. The order is the same on every backend and is checked under NCCL's rules (by the
+  pure check, and in processes by :mod:`epas_megatron.compat.nccl_rules`); each message also
+  carries a tag of its own, which gloo pairs by and NCCL ignores. The activation p2p tensor is
+  ``[rows, b, h]`` with the hand-off rows the blocks pack (``schedule_seq_length``), exactly what
+  Megatron's schedules exchange; a stage boundary inside a rank (V placement's turn) hands the
+  output on without a copy, as a new leaf;
 * gradient reduction: Megatron DDP's ``no_sync`` for the whole iteration, then
   ``config.finalize_model_grads_func`` with the iteration's token count (the data-parallel
   all-reduce, the embedding group's, the per-token division) -- what Megatron's schedules end
@@ -43,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
@@ -54,10 +56,8 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules as megatron_schedules
 
 from epas_megatron.model.weight_grad import WEIGHT_GRAD_STORE
+from epas_megatron.parallel.pipeline_p2p import Exchange, communication_plan
 from epas_megatron.parallel.pipeline_schedule import Action, PipelineSchedule
-
-COMPUTE_KINDS = ("F", "B", "W", "BW")
-"""The actions that compute (the rest send or receive)."""
 
 
 @dataclass
@@ -173,9 +173,24 @@ class _Recorder:
         return self.timeline
 
 
-def _message_tag(schedule: PipelineSchedule, kind: str, stage: int, microbatch: int) -> int:
-    """A tag per message of the iteration: activations and gradients apart, stage, micro-batch."""
-    return ((0 if kind == "F" else 1) * schedule.stages + stage) * schedule.microbatches + microbatch
+def _message_tag(schedule: PipelineSchedule, action: Action) -> int:
+    """A tag per message of the iteration (activations and gradients apart, stage, micro-batch):
+    gloo pairs by it; NCCL ignores it -- the plan posts in the senders' order, which pairs the
+    same messages (the NCCL-rules transport checks the tags of the pairs it makes agree)."""
+    kind = action.kind[-1]
+    return ((0 if kind == "F" else 1) * schedule.stages + action.stage) * schedule.microbatches + action.microbatch
+
+
+def _drop_completed(works: list) -> list:
+    """The works still running; a completed one is waited for (raising what it failed with) and
+    dropped, and with it the tensor it sent."""
+    running = []
+    for work in works:
+        if work.is_completed():
+            work.wait()
+        else:
+            running.append(work)
+    return running
 
 
 def run_pipeline_schedule(schedule: PipelineSchedule, model_chunks: Sequence, data_iterators: Sequence[Iterator], *,
@@ -197,19 +212,13 @@ def run_pipeline_schedule(schedule: PipelineSchedule, model_chunks: Sequence, da
     device = next(model_chunks[0].parameters()).device
     dtype = config.pipeline_dtype
     last = schedule.stages - 1
-    lists = [[a for a in actions if not (forward_only and a.kind not in ("F", "RECV_F", "SEND_F"))] for actions in schedule.p2p_lists]
-    actions = lists[rank]
-    # What each peer sends this rank, in the order it sends: receives are posted in that order
-    # (an in-order transport, NCCL's, matches them so; a schedule may consume out of it, v-1f1b does).
-    incoming = {src: deque((a.kind[-1], a.stage, a.microbatch) for a in lists[src] if a.kind.startswith("SEND") and a.peer == rank)
-                for src in range(schedule.pp)}
-    posted: dict[tuple[str, int, int], tuple] = {}  # message -> (work, buffer) of a receive posted early
+    plan = communication_plan(schedule, forward_only)[rank]
 
     inputs: dict[tuple[int, int], torch.Tensor] = {}   # (stage, microbatch) -> the forward's input
     outputs: dict[tuple[int, int], torch.Tensor] = {}  # -> its output (a loss on the last stage)
     received: dict[tuple[str, int, int], torch.Tensor] = {}  # what a receive brought, for its pass
     local_grads: dict[tuple[int, int], torch.Tensor] = {}    # a gradient handed back inside this rank
-    sends = []
+    pending: list = []  # works of exchanges not waited for yet (they hold the tensors they send)
     forward_data_store: list = []
     total_tokens = torch.zeros([], dtype=torch.int, device=device)
 
@@ -222,42 +231,55 @@ def run_pipeline_schedule(schedule: PipelineSchedule, model_chunks: Sequence, da
     def peer(action: Action) -> int:
         return dist.get_global_rank(group, action.peer)
 
+    def exchange(step: Exchange) -> None:
+        """Post the step's sends and receives as one batch; wait for it (and every earlier one) if
+        it receives or would leave too many sends pending (pipeline_p2p's plan)."""
+        nonlocal pending
+        ops, buffers = [], []
+        for action in step.sends:
+            key = (action.stage, action.microbatch)
+            if action.kind == "SEND_F":
+                tensor = outputs.pop(key) if forward_only else outputs[key]
+            else:
+                tensor = inputs.pop(key).grad
+            payload = tensor.detach().contiguous()
+            ops.append(dist.P2POp(dist.isend, payload, peer(action), group, _message_tag(schedule, action)))
+            if recorder is not None:
+                recorder.sent(payload)
+            if action.kind == "SEND_F":  # as Megatron's schedules: only its grad_fn is needed now (the send holds the data)
+                megatron_schedules.deallocate_output_tensor(tensor, config.deallocate_pipeline_outputs)
+        for action in step.receives:
+            buffer = torch.empty(shape, dtype=dtype, device=device)
+            ops.append(dist.P2POp(dist.irecv, buffer, peer(action), group, _message_tag(schedule, action)))
+            buffers.append(((action.kind[-1], action.stage, action.microbatch), buffer))
+            if recorder is not None:
+                recorder.received(buffer)
+        works = dist.batch_isend_irecv(ops)
+        del ops  # the works alone hold what is sent: dropping them frees it
+        if not step.waits:
+            pending += works
+            return
+        for work in pending + works:
+            work.wait()
+        pending = []
+        for message, buffer in buffers:
+            received[message] = buffer.requires_grad_() if message[0] == "F" else buffer
+
     recorder = _Recorder(schedule, rank, device) if _RECORDING is not None else None
-    split = not forward_only and any(a.kind == "W" for a in actions)
+    split = not forward_only and schedule.split_backward
     if split:  # the local linears defer their weight-gradient GEMMs to the W passes
         no_sync.enter_context(WEIGHT_GRAD_STORE.arming())
     with no_sync:
-        for action in actions:
+        for action in plan:
+            if isinstance(action, Exchange):
+                exchange(action)
+                continue
+            pending = _drop_completed(pending)
             key = (action.stage, action.microbatch)
             chunk = schedule.chunk_of(action.stage)
-            timed = recorder is not None and action.kind in COMPUTE_KINDS
-            if timed:
+            if recorder is not None:
                 recorder.begin(action)
-            if action.kind in ("RECV_F", "RECV_B"):
-                message = (action.kind[-1], action.stage, action.microbatch)
-                while message not in posted:  # post the peer's earlier messages first, in its order
-                    early = incoming[action.peer].popleft()
-                    buffer = torch.empty(shape, dtype=dtype, device=device)
-                    posted[early] = (dist.irecv(buffer, src=peer(action), group=group, tag=_message_tag(schedule, *early)), buffer)
-                    if recorder is not None:
-                        recorder.received(buffer)
-                work, tensor = posted.pop(message)
-                work.wait()
-                received[message] = tensor.requires_grad_() if message[0] == "F" else tensor
-            elif action.kind in ("SEND_F", "SEND_B"):
-                kind = action.kind[-1]
-                if kind == "F":
-                    tensor = outputs.pop(key) if forward_only else outputs[key]
-                else:
-                    tensor = inputs.pop(key).grad
-                payload = tensor.detach().contiguous()
-                sends.append(dist.isend(payload, dst=peer(action), group=group,
-                                        tag=_message_tag(schedule, kind, action.stage, action.microbatch)))
-                if recorder is not None:
-                    recorder.sent(payload)
-                if kind == "F":  # as Megatron's schedules: only its grad_fn is needed now (the send holds the data)
-                    megatron_schedules.deallocate_output_tensor(tensor, config.deallocate_pipeline_outputs)
-            elif action.kind == "F":
+            if action.kind == "F":
                 if action.stage == 0:
                     input_tensor = None
                 elif schedule.rank_of(action.stage - 1) == rank:  # V placement's turn: no send
@@ -292,10 +314,11 @@ def run_pipeline_schedule(schedule: PipelineSchedule, model_chunks: Sequence, da
                 WEIGHT_GRAD_STORE.run(key)
             else:
                 raise ValueError(f"{schedule.name}: the executor does not run {action.kind}")
-            if timed:
+            if recorder is not None:
                 recorder.end()
-        for work in sends:
+        for work in pending:
             work.wait()
+        pending = []
     if recorder is not None:
         _RECORDING.append(recorder.finish())
 

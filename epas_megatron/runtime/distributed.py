@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from epas_megatron.compat import cpu_compat, megatron_fixes
+from epas_megatron.compat import cpu_compat, megatron_fixes, nccl_rules
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,7 @@ def init_distributed(tp: int, pp: int, vpp: Optional[int], seed: int, timeout_mi
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    nccl_rules.install_from_env()  # EPAS_P2P_RULES=nccl: point-to-point under NCCL's rules (a check on CPU)
 
     from megatron.core import parallel_state
 

@@ -11,6 +11,10 @@ the world made at the first poll under NCCL) and returns the outcome of the one 
 poll started, which has long completed by then. Every rank polls at the same iterations, so all
 stop at the same one: the iteration after the signal's (Slurm's pre-timeout signal leaves
 minutes). :meth:`agreed` is the blocking form (one all-reduce, answered now).
+
+Why it cannot hang on NCCL: every rank makes the same all-reduces in the same order (no branch
+depends on the rank or on the signal), on a gloo group of its own under NCCL, so it never queues
+behind the pipeline's point-to-point on a shared stream.
 """
 
 from __future__ import annotations
