@@ -11,15 +11,22 @@
 - :mod:`.cache_epas`: ``EpasCache``, a ``transformers`` cache that stores K+V for computing
   layers, V for qk-sharing layers and nothing for kv-sharing layers;
 - :mod:`.tokenization_epas`: ``EpasTokenizer``, the project's SentencePiece tokenizer (ids as
-  ``epas_megatron.data.tokenizer`` gives them: no BOS, lossless text) for ``AutoTokenizer``.
+  ``epas_megatron.data.tokenizer`` gives them: no BOS, lossless text) for ``AutoTokenizer``;
+- :mod:`.moc_topk`: ``topk_channels``, the Mixture-of-Channels Top-K with its tie rule (largest
+  values, equal values to the lower channel index), written once for the export, training
+  (:mod:`epas_megatron.model.moc`) and the sparse decode (:mod:`epas_megatron.inference.moc_decode`).
 
-These four files are copied into every exported directory (``auto_map`` names them), so they
-import only torch, transformers (and its ``huggingface_hub``) and each other: the directory loads offline with
+These five files are copied into every exported directory (``auto_map`` names the first ones,
+``modeling_epas_llama`` imports ``moc_topk``), so they import only torch, transformers (and its
+``huggingface_hub``) and each other: the directory loads offline with
 ``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`` where this package is not
 installed. Importing this package registers the classes with ``AutoConfig``,
 ``AutoModelForCausalLM`` and ``AutoTokenizer`` for users who have it.
 
-Layering: imports nothing from the project (layer 0); :mod:`epas_megatron.convert` uses it.
+Layering: imports nothing from the project (layer 0); :mod:`epas_megatron.convert` uses it, and
+:mod:`epas_megatron.model.moc` and :mod:`epas_megatron.inference.moc_decode` take
+:func:`.moc_topk.topk_channels` from it (importing any module of this package imports
+transformers).
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ from epas_megatron.hf.configuration_epas_llama import EpasLlamaConfig
 from epas_megatron.hf.modeling_epas_llama import EpasLlamaForCausalLM, EpasLlamaModel, EpasMoCMLP
 from epas_megatron.hf.tokenization_epas import EpasTokenizer
 
-SHIPPED_FILES = ("configuration_epas_llama.py", "modeling_epas_llama.py", "cache_epas.py", "tokenization_epas.py")
+SHIPPED_FILES = ("configuration_epas_llama.py", "modeling_epas_llama.py", "cache_epas.py", "tokenization_epas.py",
+                 "moc_topk.py")
 """The files an export copies next to its weights (``auto_map`` points into them)."""
 
 SOURCE_DIR = Path(__file__).resolve().parent

@@ -32,6 +32,9 @@ MLP of a Mixture-of-Channels model:
   :class:`EpasMoCMLP`, LLaMA's SwiGLU that keeps per token the Top-K gate channels within each
   of ``moc_groups`` groups -- the model it was trained as (a dense ``LlamaMLP`` on the same
   weights is another model). ``moc_topk`` 1.0 (and configurations without it): ``LlamaMLP``.
+  The channels are chosen by :func:`~.moc_topk.topk_channels` (largest values, ties to the lower
+  channel index), the function training and the sparse decode call: the export keeps training's
+  channels exactly, ties included.
 
 This file ships inside every exported model directory: it imports only torch, transformers and
 its sibling files.
@@ -64,6 +67,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .cache_epas import EpasCache, layer_cache_kinds
 from .configuration_epas_llama import EpasLlamaConfig
+from .moc_topk import topk_channels
 
 OWN_PART = {"qk": "v", "kv": "q"}
 """The projection a sharing layer computes itself, per share kind (the other two are frozen)."""
@@ -176,9 +180,10 @@ class EpasLlamaAttention(nn.Module):
 class EpasMoCMLP(nn.Module):
     """LLaMA's SwiGLU MLP with Mixture-of-Channels activations: with ``G = gate_proj(x)`` and
     ``U = up_proj(x)``, per token and within each of ``moc_groups`` equal runs of channels the
-    mask ``M`` keeps the ``moc_kept_channels`` largest values of ``G`` (``torch.topk`` on values,
-    not magnitudes); ``down_proj(act(G) * U * M)``. The mask is a constant for autograd (as in
-    training). Same parameter names as ``LlamaMLP``."""
+    mask ``M`` keeps the ``moc_kept_channels`` largest values of ``G`` (values, not magnitudes;
+    equal values: the lower channel index first -- :func:`~.moc_topk.topk_channels`, training's
+    rule); ``down_proj(act(G) * U * M)``. The mask is a constant for autograd (as in training).
+    Same parameter names as ``LlamaMLP``."""
 
     def __init__(self, config: EpasLlamaConfig):
         super().__init__()
@@ -193,7 +198,7 @@ class EpasMoCMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)  # [b, s, f] each
         grouped = gate.unflatten(-1, (self.groups, -1))  # [b, s, f] -> [b, s, groups, f / groups]
-        index = grouped.topk(self.kept, dim=-1, sorted=False).indices  # [b, s, groups, k]
+        index = topk_channels(grouped, self.kept)  # [b, s, groups, k]
         mask = torch.zeros_like(grouped).scatter_(-1, index, 1.0).flatten(-2)  # [b, s, f], no gradient
         return self.down_proj(self.act_fn(gate) * up * mask)
 

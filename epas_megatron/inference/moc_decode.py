@@ -33,10 +33,13 @@ engine is built needs a new engine.
 ``moc_decode='sparse'`` uses it for every forward of one token per sequence (the decode steps,
 eager or fixed-shape / CUDA graph, and the prefill of one-token prompts); a prefill of several
 tokens runs the MLP's own forward (there the dense GEMM reads ``W_down`` once for many tokens).
-The channels are those of the MLP's forward (``torch.topk`` of the same ``G``, ``sorted=False``),
-so the result is the dense-masked one up to summation order. It needs the local layers at TP = 1
-(the engine runs only TP = 1; Mixture-of-Channels is built only for the local layers); a model
-without Mixture-of-Channels MLPs is refused by name, never run dense silently.
+The channels are exactly those of the MLP's forward, ties included: both call
+:func:`epas_megatron.hf.moc_topk.topk_channels` (the ``k`` largest values of ``G``, equal values
+to the lower channel index) on the same ``G``, and its choice does not depend on the leading
+shape (``[t, groups, c]`` here, ``[s, b, groups, c]`` there); so the result is the dense-masked
+one up to summation order. It needs the local layers at TP = 1 (the engine runs only TP = 1;
+Mixture-of-Channels is built only for the local layers); a model without Mixture-of-Channels MLPs
+is refused by name, never run dense silently.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from epas_megatron.errors import ConfigError
-from epas_megatron.model.moc import MoCMLP, kept_channels
+from epas_megatron.model.moc import MoCMLP, kept_channels, select_channels
 
 MOC_DECODE_CHOICES = ("masked", "sparse")
 """``masked``: the MLP's own forward (dense GEMM over the masked ``Z``); ``sparse``: decode
@@ -81,7 +84,7 @@ class MoCRowReader:
         # [n, b, f] -> [t, groups, f / groups]
         gate = gate.reshape(tokens, self.groups, self.per_group)
         up = up.reshape(tokens, self.groups, self.per_group)
-        index = gate.topk(self.kept, dim=-1, sorted=False).indices  # [t, groups, k], as MoCMLP picks them
+        index = select_channels(gate, self.kept)  # [t, groups, k], as MoCMLP picks them (ties included)
         z = F.silu(gate.gather(-1, index)) * up.gather(-1, index)  # [t, groups, k]
         channels = (index + self.offsets).reshape(tokens, -1)  # [t, K] channel ids in [0, f)
         rows = F.embedding(channels, self.rows)  # [t, K, h]: each token's K rows of W_down^T

@@ -10,12 +10,21 @@ holds a group) and the ``k``-wide values of ``G`` and ``U``; ``Z`` -- the input 
 would keep dense -- is rebuilt from them in backward. The GEMMs stay dense in training (a
 scatter makes ``Z``), as in the paper; ``linear_fc1`` keeps its input as usual.
 
+``TopK`` is :func:`epas_megatron.hf.moc_topk.topk_channels`: the ``k`` largest values, equal
+values to the lower channel index. A rule, not ``torch.topk(sorted=False)``'s tie-breaking: bf16
+gates tie at the boundary in 4-17 % of (token, group) pairs, and ``topk`` may break a tie
+differently with the tensor's shape or device. The same function chooses the channels in the
+recompute (the forward runs again), in the sparse-read decode
+(:mod:`epas_megatron.inference.moc_decode`) and in the Hugging Face export, which ships it.
+
 Groups: ``groups`` equal runs of the ``ffn_hidden_size`` gate channels; the count must be a
 multiple of the tensor-parallel size, so that no group straddles a shard and TP=2 is the same
 model as TP=1 (Megatron's column-parallel ``linear_fc1`` gives each rank a contiguous slice of
-``G`` and the matching slice of ``U``). ``topk`` is the kept fraction: ``k = round(topk *
-channels per group)``, at least 1; where ``k`` is the whole group the function computes
-Megatron's SwiGLU operation for operation (same bits; it keeps ``G`` and ``U`` and rebuilds ``Z``).
+``G`` and the matching slice of ``U``; a group's choice depends on its own values only, so each
+rank keeps exactly TP=1's channels, ties included). ``topk`` is the kept fraction: ``k =
+round(topk * channels per group)``, at least 1; where ``k`` is the whole group the function
+computes Megatron's SwiGLU operation for operation (same bits; it keeps ``G`` and ``U`` and
+rebuilds ``Z``).
 The builder uses Megatron's own ``MLP`` for ``--moc-topk 1``.
 
 :class:`MoCMLP` is Megatron-Core's ``MLP`` with the activation and ``linear_fc2``'s GEMM done by
@@ -63,6 +72,15 @@ def index_dtype(per_group: int) -> torch.dtype:
     return {1: torch.uint8, 2: torch.int16, 4: torch.int32}[index_bytes(per_group)]
 
 
+def select_channels(gate, k: int):
+    """The ``k`` channels each group keeps: :func:`epas_megatron.hf.moc_topk.topk_channels` (the
+    rule of the module notes). Imported at first use: any module of ``epas_megatron.hf`` imports
+    transformers (about 2 s), which a run without Mixture-of-Channels layers does not need."""
+    from epas_megatron.hf.moc_topk import topk_channels  # heavy package (transformers), MoC runs only
+
+    return topk_channels(gate, k)
+
+
 class _MoCSwiGLUDown(torch.autograd.Function):
     """``(SiLU(G) * U * TopK(G)) @ W_down^T`` of one TP rank, keeping the sparse form for backward."""
 
@@ -79,7 +97,7 @@ class _MoCSwiGLUDown(torch.autograd.Function):
             return torch.matmul(z, weight.t())
         gate_g = gate.reshape(s, b, groups, per_group)
         up_g = up.reshape(s, b, groups, per_group)
-        index = gate_g.topk(k, dim=-1, sorted=False).indices  # [s, b, groups, k]
+        index = select_channels(gate_g, k)  # [s, b, groups, k], ranked; ties to the lower channel
         gate_k, up_k = gate_g.gather(-1, index), up_g.gather(-1, index)
         z = torch.zeros_like(gate_g).scatter_(-1, index, F.silu(gate_k) * up_k).reshape(s, b, f)
         output = torch.matmul(z, weight.t())  # [s, b, h] (partial sum over TP)

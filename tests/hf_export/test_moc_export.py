@@ -4,7 +4,9 @@ and no network, equal this framework's model on the same checkpoint at region 0 
 trained region; the same weights through transformers' dense ``LlamaMLP`` give other logits (the
 control); the export without ``--region`` is the EPAS modeling code at region 0; ``hf-import``
 reads the Top-K back; ``epas-generate``'s greedy tokens equal a greedy decode by full forwards
-of the exported model (no cache)."""
+of the exported model (no cache); on planted ties at the Top-K boundary (tests/moc_reference.py)
+the exported MLP -- the shipped ``moc_topk.py``, loaded as remote code -- keeps the channels of
+this framework's MLP and of the reference rule."""
 
 import contextlib
 import io
@@ -16,6 +18,7 @@ import torch
 from epas_megatron.convert.cli import main as convert
 from epas_megatron.generate import main as generate
 from epas_testing import TINY, run_trainer
+from moc_reference import assert_close_to_reference, higher_index_channels, masked_swiglu, planted_inputs, planted_weights
 
 TOPK, GROUPS, KEPT = 0.25, 4, 11  # tiny: ffn 176 -> 4 groups of 44, 11 kept per token and group
 TRAINED = (2, 3)
@@ -76,6 +79,43 @@ def test_logits_equal_the_framework_and_a_dense_mlp_gives_others(region, moc_che
         logits, dense_logits = hf(tokens).logits, dense(tokens).logits
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
     assert (dense_logits - expected).abs().max() > 1e-2
+
+
+def test_on_planted_ties_the_export_keeps_the_channels_of_training(moc_checkpoint, moc_exported, world, framework_model):
+    """Exact small-integer gate values, ties at the boundary in most groups (one token ties three
+    channels for the last two places), in both MLPs of layer 0: the output of the export's MLP
+    ([b, s, h]) and of this framework's MoCMLP ([s, b, h]) equal the masked SwiGLU of the reference
+    rule (ties to the lower index); the control rule's mask gives another output."""
+    import sys
+
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    from epas_megatron.hf import SOURCE_DIR
+
+    assert (moc_exported / "moc_topk.py").read_text() == (SOURCE_DIR / "moc_topk.py").read_text()
+    # The directory's own code (from_pretrained takes this package's registered classes where it is
+    # imported): the shipped modeling file, which imports the shipped moc_topk.py
+    remote = get_class_from_dynamic_module("modeling_epas_llama.EpasLlamaForCausalLM", moc_exported)
+    assert remote.__module__.startswith("transformers_modules.")
+    assert sys.modules[remote.__module__].topk_channels.__module__.startswith("transformers_modules.")
+    exported = remote.from_pretrained(moc_exported, dtype=torch.float32).model.layers[0].mlp
+    assert type(exported).__module__ == remote.__module__
+    ours = framework_model(moc_checkpoint, 0).decoder.layers[0].mlp
+    hidden, ffn = ours.linear_fc2.weight.shape
+    fc1, fc2 = (w.float() for w in planted_weights(hidden, ffn, GROUPS, KEPT))
+    with torch.no_grad():
+        ours.linear_fc1.weight.copy_(fc1)
+        ours.linear_fc2.weight.copy_(fc2)
+        exported.gate_proj.weight.copy_(fc1[:ffn])
+        exported.up_proj.weight.copy_(fc1[ffn:])
+        exported.down_proj.weight.copy_(fc2)
+        x = planted_inputs((5, 2), hidden).float()  # [s, b, h]
+        training, export = ours(x)[0], exported(x.transpose(0, 1)).transpose(0, 1)
+    reference = masked_swiglu(x, fc1, fc2, GROUPS, KEPT)
+    assert_close_to_reference(training, reference, torch.float32)
+    assert_close_to_reference(export, reference, torch.float32)
+    control = masked_swiglu(x, fc1, fc2, GROUPS, KEPT, rule=higher_index_channels)
+    assert (control - reference).abs().max() > 0.2 * reference.abs().max()
 
 
 @pytest.fixture(scope="module")

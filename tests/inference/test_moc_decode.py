@@ -1,7 +1,9 @@
 """Decode steps of a Mixture-of-Channels model that read only the kept rows of ``W_down``
 (inference/moc_decode.py) against a plain-PyTorch masked SwiGLU (mask from a descending sort of
 the gate pre-activation, fp64) and against the MLP's own dense-masked forward; the engine's
-greedy tokens against full forwards of the model (no cache); the bytes by hand; refusals."""
+greedy tokens against full forwards of the model (no cache); on planted ties at the Top-K boundary
+(tests/moc_reference.py) the decode reads exactly the channels of the reference rule (the lower
+index wins a tie), as the masked forward keeps them; the bytes by hand; refusals."""
 
 from dataclasses import replace
 
@@ -15,6 +17,16 @@ from epas_megatron.inference.engine import DecodeEngine
 from epas_megatron.inference.moc_decode import MoCRowReader, down_bytes_per_step
 from epas_megatron.model.moc import MoCMLP
 from epas_testing import build
+from moc_reference import (
+    assert_close_to_reference,
+    boundary_ties,
+    gate_groups,
+    higher_index_channels,
+    masked_swiglu,
+    planted_inputs,
+    planted_weights,
+    reference_channels,
+)
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -71,6 +83,38 @@ def test_bf16_row_read_is_close_to_the_dense_masked_mlp(moc_arch):
         assert sparse.dtype == torch.bfloat16
         # same channels (the same topk of the same bf16 G); only the summation differs
         torch.testing.assert_close(sparse.float(), masked.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_on_planted_ties_the_row_read_keeps_the_reference_channels(moc_arch, precision):
+    """Exact small-integer gate values (ties at the boundary in most groups; token 0 ties three
+    channels for the last two places): every row the reference rule does not keep is NaN, so a
+    read of any other channel would show; the result equals the masked forward and the masked
+    SwiGLU of the reference's mask; the control mask (ties to the higher index) gives another."""
+    from epas_megatron.runtime.wrapping import unwrap_model
+
+    mlp = unwrap_model(build(moc_arch, precision=precision)).eval().decoder.layers[0].mlp
+    dtype = mlp.linear_fc1.weight.dtype
+    fc1, fc2 = planted_weights(moc_arch.hidden_size, moc_arch.ffn_hidden_size, GROUPS, KEPT)
+    with torch.no_grad():
+        mlp.linear_fc1.weight.copy_(fc1)
+        mlp.linear_fc2.weight.copy_(fc2)
+    fc1, fc2 = mlp.linear_fc1.weight.detach(), mlp.linear_fc2.weight.detach()  # as rounded to the model's dtype
+    x = planted_inputs((1, 6), moc_arch.hidden_size)  # one decode step of 6 sequences, [1, 6, h]
+    gate = gate_groups(x, fc1, GROUPS)  # [1, 6, GROUPS, 44]
+    assert boundary_ties(gate, KEPT) > 0.3
+    reader = MoCRowReader(mlp)
+    kept = (reference_channels(gate, KEPT) + torch.arange(0, moc_arch.ffn_hidden_size, 44)[:, None]).flatten()
+    unread = torch.ones(moc_arch.ffn_hidden_size, dtype=torch.bool)
+    unread[kept] = False
+    reader.rows[unread] = float("nan")
+    with torch.no_grad():
+        sparse, masked = reader(x.to(dtype)), mlp(x.to(dtype))[0]
+    reference = masked_swiglu(x, fc1, fc2, GROUPS, KEPT)
+    assert_close_to_reference(sparse, reference, dtype)
+    assert_close_to_reference(sparse, masked, dtype)
+    control = masked_swiglu(x, fc1, fc2, GROUPS, KEPT, rule=higher_index_channels)
+    assert (control - reference).abs().max() > 0.2 * reference.abs().max()
 
 
 def greedy(engine, prompts, new_tokens, static=False):
