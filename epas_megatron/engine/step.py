@@ -35,6 +35,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from epas_megatron.errors import NonFiniteError
@@ -78,7 +79,8 @@ class StepResult:
     """Per-token mean loss of the global batch."""
 
     tokens: int
-    """Loss tokens in the global batch."""
+    """Loss tokens in the global batch (the loss mask's ones, each counted once whatever the
+    tensor-parallel size)."""
 
     grad_norm: Optional[float] = None
     """Global gradient norm before clipping (training steps)."""
@@ -94,17 +96,24 @@ def _loss_totals(losses: Sequence[dict]) -> torch.Tensor:
     """``[loss sum, tokens]`` (fp64) of this rank's micro-batches, summed where they are (on the
     GPU: no host copy per micro-batch), then over all ranks.
 
-    Only last-stage ranks hold losses; TP replicas hold copies, which scales sum and count alike,
-    so the ratio is exact on every rank.
+    Only the ranks of the stage with the loss hold losses, and every tensor-parallel rank of it
+    holds the same copy (the vocab-parallel loss is whole on each): only the first TP rank's
+    count, so each token counts once and the sum is the global batch's. (Summing every TP rank's
+    copy scaled the sum and the count alike: the ratio was right, the count ``tp`` times too big.)
     """
     from epas_megatron.runtime.distributed import all_reduce_tensor, collective_device
 
-    if losses:
+    if losses and _first_tensor_parallel_rank():
         # [m, 2] -> [2]
         total = torch.stack([entry["lm loss"].detach() for entry in losses]).to(collective_device(), torch.float64).sum(0)
     else:
         total = torch.zeros(2, dtype=torch.float64, device=collective_device())
     return all_reduce_tensor(total)
+
+
+def _first_tensor_parallel_rank() -> bool:
+    """Whether this rank is its tensor-parallel group's first (True without Megatron's groups)."""
+    return not parallel_state.model_parallel_is_initialized() or parallel_state.get_tensor_model_parallel_rank() == 0
 
 
 def _host_values(*tensors: torch.Tensor) -> list[float]:

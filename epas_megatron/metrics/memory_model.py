@@ -240,22 +240,27 @@ def weight_grad_terms(shape: LayerShape, role: Role, share: str = "qk", element_
     and its output gradient (:mod:`epas_megatron.model.weight_grad`); everything else the layer
     saved is released at the end of ``B``.
 
-    ==================  ===========================  ==========================================
-    linear              input (also a forward term)  output gradient
-    ==================  ===========================  ==========================================
-    QKV (computing)     ``norm1_output``: sn·b·h     s·b·(a + 2g)·d
-    V (``qk`` sharing)  ``norm1_output``: sn·b·h     s·b·g·d
-    Q (``kv`` sharing)  ``norm1_output``: sn·b·h     s·b·a·d
-    output projection   ``attention_output``: s·b·a·d  sn·b·h
-    fc1                 ``norm2_output``: sn·b·h     s·b·2F
-    fc2                 SwiGLU's product: s·b·F      sn·b·h
-    ==================  ===========================  ==========================================
+    ==================  =============================  ==========================================
+    linear              input (also a forward term)    output gradient
+    ==================  =============================  ==========================================
+    QKV (computing)     ``norm1_output``: sn·b·h       s·b·(a + 2g)·d
+    V (``qk`` sharing)  ``norm1_output``: sn·b·h       s·b·g·d
+    Q (``kv`` sharing)  ``norm1_output``: sn·b·h       s·b·a·d
+    output projection   ``attention_output``: s·b·a·d  s·b·h
+    fc1                 ``norm2_output``: sn·b·h       s·b·2F
+    fc2                 SwiGLU's product: s·b·F        s·b·h
+    ==================  =============================  ==========================================
 
-    (``a``, ``g``, ``F`` divided by TP; ``sn`` = ``s / t`` with sequence parallelism: a
-    row-parallel GEMM's output, a column-parallel GEMM's kept input.) In the activation dtype.
-    Recompute does not change them: a recomputed MLP's fc2 input is made again in ``B`` and kept
-    to ``W`` like the original. A Mixture-of-Channels MLP (``moc``) keeps fc2's input in its
-    sparse form (``moc_sparse``)."""
+    (``a``, ``g``, ``F`` divided by TP; ``sn`` = ``s / t`` with sequence parallelism.) A
+    column-parallel GEMM (QKV, V, Q, fc1) keeps its input as it came, the sequence shard under
+    sequence parallelism, and gathers it again in ``W``. A row-parallel GEMM (the output
+    projection, fc2) keeps the *whole* sequence's output gradient in every case: its output is
+    reduce-scattered to the sequence shard outside the linear, so the gradient it receives in
+    ``B`` is already all-gathered (measured at TP = 2 + SP, two ranks:
+    ``tests/metrics/test_activation_memory.py``). In the activation dtype. Recompute does not
+    change them: a recomputed MLP's fc2 input is made again in ``B`` and kept to ``W`` like the
+    original. A Mixture-of-Channels MLP (``moc``) keeps fc2's input in its sparse form
+    (``moc_sparse``) and, like the dense fc2, the whole sequence's output gradient."""
     if share not in ("qk", "kv"):
         raise ValueError(f"share must be 'qk' or 'kv', got {share!r}")
     s, b, h = shape.seq_length, shape.micro_batch_size, shape.hidden_size
@@ -263,12 +268,14 @@ def weight_grad_terms(shape: LayerShape, role: Role, share: str = "qk", element_
     sn = s // tp if sequence_parallel else s
     e = element_bytes
     own = {"compute": a + 2 * g, "share": g if share == "qk" else a}[role]
+    # Column-parallel inputs: the sequence shard under SP; row-parallel output gradients: the whole
+    # sequence (the reduce-scatter's backward all-gathers it before the linear sees it).
     return {"qkv_input": sn * b * h * e, "qkv_grad_output": s * b * own * d * e,
-            "proj_input": s * b * a * d * e, "proj_grad_output": sn * b * h * e,
+            "proj_input": s * b * a * d * e, "proj_grad_output": s * b * h * e,
             "fc1_input": sn * b * h * e, "fc1_grad_output": s * b * 2 * f * e,
             "fc2_input": (s * b * moc_saved_bytes_per_token(f, moc[1] // tp, moc[0], e) if moc is not None and moc[0] < 1.0
                           else s * b * f * e),
-            "fc2_grad_output": sn * b * h * e}
+            "fc2_grad_output": s * b * h * e}
 
 
 def weight_grad_bytes(shape: LayerShape, role: Role, share: str = "qk", element_bytes: int = 4, **parallel) -> int:
@@ -299,7 +306,8 @@ def head_activation_bytes(shape: LayerShape, vocab_size: int, element_bytes: int
 def head_weight_grad_bytes(shape: LayerShape, vocab_size: int, element_bytes: int = 4, *, tp: int = 1,
                            sequence_parallel: bool = False) -> int:
     """What the LM head's deferred weight-gradient GEMM keeps from ``B`` to ``W`` (split
-    backward): its input (the final norm's output) and the logits' gradient, per micro-batch."""
+    backward): its input (the final norm's output; a column-parallel GEMM, so the sequence shard
+    under sequence parallelism) and the logits' gradient (the whole sequence), per micro-batch."""
     s, b = shape.seq_length, shape.micro_batch_size
     sn = s // tp if sequence_parallel else s
     return (sn * b * shape.hidden_size + s * b * (vocab_size // tp)) * element_bytes
@@ -396,7 +404,8 @@ class RankMemorySettings:
     """Adam state and fp32 main weights divided over DP."""
 
     sequence_parallel: bool = False
-    """Norm activations divided over TP."""
+    """Norm activations, and the column-parallel GEMM inputs they feed, divided over TP (a
+    row-parallel GEMM's deferred output gradient stays whole: :func:`weight_grad_terms`)."""
 
     recompute: str = "none"
     """'none' or 'selective'."""

@@ -1,6 +1,9 @@
 """Activation bytes kept for backward: measured with saved-tensor hooks, predicted term by term by
 the memory model; equal byte for byte for computing and sharing layers (qk and kv sharing, fp32
-and bf16), and the model's computing-minus-sharing difference equals the hand formula."""
+and bf16), and the model's computing-minus-sharing difference equals the hand formula. Under
+TP=2 (+/- sequence parallelism) one launch also measures what a split backward's deferred
+weight-gradient GEMMs hold from B to W against the model's weight-gradient terms (and, as the
+suite's TP=2 world of one tiny model, a step's token count against a hand count)."""
 
 import json
 import os
@@ -14,10 +17,13 @@ from epas_megatron.metrics.memory_model import (
     LayerShape,
     embedding_activation_bytes,
     head_activation_bytes,
+    head_weight_grad_bytes,
     layer_activation_bytes,
     layer_activation_tensors,
     layer_activation_terms,
     region_saving_bytes,
+    weight_grad_bytes,
+    weight_grad_terms,
 )
 
 pytestmark = pytest.mark.usefixtures("single_process")
@@ -102,12 +108,20 @@ def test_selective_recompute_drops_only_the_log_sum_exp(share):
     assert layer_activation_bytes(SHAPE, "compute", share) - compute == B * 8 * S * 4 - 4
 
 
-@pytest.mark.distributed
-def test_tensor_and_sequence_parallel_bytes_per_rank_equal_the_model():
-    from epas_testing import REPO, json_lines, run_script
+@pytest.fixture(scope="module")
+def tp2_launch():
+    """The stdout of ``scripts/activation_bytes.py`` on two ranks (TP=2): one launch for the
+    activation bytes and the deferred weight-gradient bytes."""
+    from epas_testing import REPO, run_script
 
-    proc = run_script(REPO / "tests" / "distributed" / "scripts" / "activation_bytes.py", nproc=2)
-    results = json_lines(proc.stdout, "RESULT")
+    return run_script(REPO / "tests" / "distributed" / "scripts" / "activation_bytes.py", nproc=2).stdout
+
+
+@pytest.mark.distributed
+def test_tensor_and_sequence_parallel_bytes_per_rank_equal_the_model(tp2_launch):
+    from epas_testing import json_lines
+
+    results = json_lines(tp2_launch, "RESULT")
     assert len(results) == 4
     for result in results:
         kw = dict(tp=2, sequence_parallel=result["sequence_parallel"])
@@ -119,6 +133,64 @@ def test_tensor_and_sequence_parallel_bytes_per_rank_equal_the_model():
     plain = layer_activation_bytes(SHAPE, "compute", tp=2)
     sp = layer_activation_bytes(SHAPE, "compute", tp=2, sequence_parallel=True)
     assert plain - sp == 2 * (3 * S * B * 128 * 4 + S * B * 4) // 2
+
+
+def _bytes_per_gemm(terms: dict[str, int]) -> list[int]:
+    """The model's weight-gradient terms of one layer, summed per linear (input + output gradient)."""
+    per_linear: dict[str, int] = {}
+    for name, value in terms.items():
+        linear = name.removesuffix("_grad_output").removesuffix("_input")
+        per_linear[linear] = per_linear.get(linear, 0) + value
+    return list(per_linear.values())
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("moc", [None, (0.25, 4)], ids=["dense", "moc"])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
+def test_what_a_split_backward_keeps_until_w_per_tensor_parallel_rank(tp2_launch, sequence_parallel, moc):
+    """The qk model (layers 0-1 computing, 2-3 sharing, the LM head) on two ranks, its store armed:
+    after B each rank holds exactly the deferred GEMMs' bytes -- the model's weight_grad_bytes
+    per layer role plus head_weight_grad_bytes, byte for byte, and GEMM by GEMM. Under sequence
+    parallelism a column-parallel GEMM (QKV or own V, fc1, the head) keeps its input's sequence
+    shard (W gathers it again), but a row-parallel one (the output projection, fc2; MoC's fc2
+    too) keeps the whole sequence's output gradient: its reduce-scatter is outside the linear,
+    and its backward all-gathers."""
+    from epas_testing import json_lines
+
+    case = [r for r in json_lines(tp2_launch, "DEFERRED")
+            if r["sequence_parallel"] == sequence_parallel and (tuple(r["moc"]) if r["moc"] else None) == moc]
+    assert len(case) == 1, case
+    kw = dict(tp=2, sequence_parallel=sequence_parallel, moc=moc)
+    roles = ("compute", "compute", "share", "share")
+    head = head_weight_grad_bytes(SHAPE, 512, 4, tp=2, sequence_parallel=sequence_parallel)
+    modelled = sum(weight_grad_bytes(SHAPE, role, "qk", 4, **kw) for role in roles) + head
+    per_gemm = sorted([head] + [b for role in roles for b in _bytes_per_gemm(weight_grad_terms(SHAPE, role, "qk", 4, **kw))])
+    for held, gemms in zip(case[0]["held_per_rank"], case[0]["gemms_per_rank"], strict=True):
+        assert len(gemms) == 2 * 4 + 2 * 4 + 1  # QKV (own V), proj, fc1, fc2 per layer; the head
+        assert held == modelled, (held, modelled)
+        assert sorted(map(sum, gemms)) == per_gemm, (gemms, per_gemm)
+        # By hand: every row-parallel GEMM's output gradient is the whole sequence's [s, b, h] (fp32).
+        full_hidden = [g for g in gemms if S * B * 128 * 4 in g]
+        assert len(full_hidden) == 2 * 4 + (0 if sequence_parallel else 2 * 4 + 1), gemms
+
+
+@pytest.mark.distributed
+def test_a_step_counts_each_token_once_under_tensor_parallelism(tp2_launch):
+    """``StepResult.tokens`` (what epas-eval prints) on both TP=2 ranks, of an evaluation and of a
+    training step: the loss-mask ones of the batch counted by hand -- 2 micro-batches x 2
+    sequences x (48 - 5) unmasked positions -- once, not once per tensor-parallel rank; the loss
+    is the masked mean of the model's per-token losses. (Here because this launch is the suite's
+    TP=2 world of one tiny model: no launch of its own.)"""
+    from epas_testing import json_lines
+
+    (case,) = json_lines(tp2_launch, "TOKENS")
+    assert (case["microbatches"], case["masked"]) == (2, 5)
+    by_hand = 2 * B * (S - 5)
+    assert len(case["per_rank"]) == 2
+    for rank in case["per_rank"]:
+        assert rank["eval_tokens"] == rank["train_tokens"] == by_hand, rank
+        assert rank["eval_loss"] == pytest.approx(rank["reference_loss"], rel=1e-6), rank
+        assert rank["train_loss"] == pytest.approx(rank["reference_loss"], rel=1e-6), rank
 
 
 @pytest.mark.distributed
