@@ -107,6 +107,7 @@ from typing import Collection, Iterable, Literal, Optional, Sequence
 
 from epas_megatron.model.moc_sizes import index_bytes, moc_saved_bytes_per_token
 from epas_megatron.model.v_placement import v_stage
+from epas_megatron.parallel.pipeline_p2p import sends_in_flight
 from epas_megatron.parallel.pipeline_schedule import V_SCHEDULES, build_schedule, peak_in_flight, rank_peak_bytes
 
 Role = Literal["compute", "share"]
@@ -460,9 +461,38 @@ def layer_memory(shape: LayerShape, role: Role, settings: RankMemorySettings) ->
     return static, activations
 
 
+def p2p_message_bytes(shape: LayerShape, settings: RankMemorySettings, handoff_crosses: bool) -> int:
+    """One pipeline message: ``[rows, b, h]`` in the activation dtype, ``rows`` the sequence (its
+    shard under sequence parallelism) plus the hand-off's rows while the sharing region crosses a
+    stage boundary (every message of a pipeline has that one shape:
+    :func:`epas_megatron.model.builder.pipeline_handoff_rows`)."""
+    s, b, h, e = shape.seq_length, shape.micro_batch_size, shape.hidden_size, settings.element_bytes
+    rows = s // settings.tp if settings.sequence_parallel else s
+    if handoff_crosses:
+        from epas_megatron.sharing.handoff import extra_p2p_rows  # imports Megatron-Core, which epas-plan does not otherwise need
+
+        heads = (shape.num_attention_heads + shape.num_query_groups if settings.share == "qk" else 2 * shape.num_query_groups)
+        rows += extra_p2p_rows(heads // settings.tp * shape.head_dim, s, h)
+    return rows * b * h * e
+
+
+def sent_messages_held(schedule: Optional[str], pp_rank: int, pp: int, num_microbatches: int) -> int:
+    """The most sent pipeline messages ``pp_rank`` holds at once beyond its activations: a sent
+    stage output is freed when its send's ``Work`` is dropped. The project's executor (V
+    schedules) drops a send once a later exchange it waits for has completed:
+    :func:`epas_megatron.parallel.pipeline_p2p.sends_in_flight` counts them along the plan (at most
+    two). Megatron-Core's schedules wait for each send before the next pass: one, while it is
+    sent. Zero on a single stage."""
+    if pp == 1:
+        return 0
+    if schedule in V_SCHEDULES:
+        return sends_in_flight(build_schedule(schedule, pp, num_microbatches))[pp_rank]
+    return 1
+
+
 def rank_memory_bytes(shape: LayerShape, roles_by_chunk: list[list[Role]], pp_rank: int, pp: int, vpp: int,
                       settings: RankMemorySettings, *, in_flight: Optional[float] = None, head_rank: Optional[int] = None,
-                      ) -> dict[str, float]:
+                      handoff_crosses: Optional[bool] = None) -> dict[str, float]:
     """Peak bytes of one pipeline rank, by kind: ``parameters`` (weights, gradients, optimizer
     state of its layers, the embedding on rank 0, the LM head and final norm on ``head_rank``,
     default the last rank -- rank 0 under a V schedule) and ``activations``: each chunk's bytes
@@ -473,7 +503,10 @@ def rank_memory_bytes(shape: LayerShape, roles_by_chunk: list[list[Role]], pp_ra
     peak of :func:`schedule_activation_peak`, each chunk weighed by its own bytes, those of a
     split backward's ``B``-to-``W`` phase (:func:`weight_grad_bytes`,
     :func:`head_weight_grad_bytes`) included, and ``in_flight`` is that peak over one
-    micro-batch's bytes. Also ``deferred``: per chunk, what a pass keeps from ``B`` to ``W``."""
+    micro-batch's bytes. Also ``deferred``: per chunk, what a pass keeps from ``B`` to ``W``; and
+    ``messages``: the sent pipeline messages it holds at most (:func:`sent_messages_held` x
+    :func:`p2p_message_bytes`; ``handoff_crosses``: whether the messages carry the hand-off,
+    default whether a chunk of this rank receives it), counted in ``total``."""
     schedule = settings.pipeline_schedule
     v_placed = schedule in V_SCHEDULES
     if head_rank is None:
@@ -510,7 +543,11 @@ def rank_memory_bytes(shape: LayerShape, roles_by_chunk: list[list[Role]], pp_ra
     else:
         in_flight = in_flight_microbatches(pp_rank, pp, vpp, settings.num_microbatches, schedule)
         peak = activation * in_flight
-    return {"parameters": static, "activations": peak, "in_flight": in_flight, "total": static + peak, "deferred": deferred}
+    if handoff_crosses is None:
+        handoff_crosses = any(roles and roles[0] == "share" for roles in roles_by_chunk)
+    messages = sent_messages_held(schedule, pp_rank, pp, settings.num_microbatches) * p2p_message_bytes(shape, settings, handoff_crosses)
+    return {"parameters": static, "activations": peak, "in_flight": in_flight, "messages": messages,
+            "total": static + peak + messages, "deferred": deferred}
 
 
 # ---------------------------------------------------------------- the in-memory switch's transient

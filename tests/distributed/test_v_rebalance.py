@@ -51,3 +51,24 @@ def test_v_rebalanced_run_matches_one_process(tmp_path):
     valid = lambda run: {(m["iteration"], m["region"]): m["lm_loss"] for m in run.metrics if m.get("kind") == "valid"}
     assert sorted(valid(single)) == [(2, 0), (2, 1), (4, 0), (4, 3)]
     assert_close(valid(v), valid(single), 1e-5, "validation per region")
+
+
+SHAPE_12 = [arg if arg != "6" else "12" for arg in SHAPE]
+ARGS_12 = [*ARGS[:ARGS.index("--num-layers")], *SHAPE_12, *ARGS[ARGS.index("--num-layers") + len(SHAPE):]]
+
+
+@pytest.mark.parametrize("schedule", ["v-min", "v-1f1b"])
+def test_four_rank_v_runs_with_switches_match_one_process(schedule, tmp_path):
+    """p = 4 (eight V stages of a 12-layer model): three switches rebalance the stages and move
+    layers between ranks, the hand-off rows cross every boundary, the forward-only validation runs
+    at region 0; every iteration equals the single-process run. Like every multi-process test it
+    runs under NCCL's point-to-point rules (tests/epas_testing.py: child_environ)."""
+    single = run_trainer(ARGS_12, tmp_path / "pp1")
+    v = run_trainer([*ARGS_12, "--pp", "4", "--pipeline-schedule", schedule, "--epas-rebalance", "on"], tmp_path / "v", nproc=4)
+    assert [s["sharing_layers"] for s in v.switches] == [[11], [10, 11], [9, 10, 11]]
+    assert any(s["layout"] != s["previous_layout"] and s["switch_bytes_between_ranks"] > 0 for s in v.switches)
+    assert_close(v.losses, single.losses, 1e-5, "loss")
+    assert_close(v.grad_norms, single.grad_norms, 1e-5, "grad norm")
+    valid = lambda run: {(m["iteration"], m["region"]): m["lm_loss"] for m in run.metrics if m.get("kind") == "valid"}
+    assert sorted(valid(single)) == [(2, 0), (2, 1), (4, 0), (4, 3)]
+    assert_close(valid(v), valid(single), 1e-5, "validation per region")

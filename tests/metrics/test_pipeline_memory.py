@@ -9,7 +9,8 @@ plus the weight-gradient terms of weight_grad_terms (the deferred GEMMs' operand
 
 import pytest
 
-from epas_megatron.metrics.memory_model import LayerShape, RankMemorySettings, rank_memory_bytes
+from epas_megatron.metrics.memory_model import LayerShape, RankMemorySettings, rank_memory_bytes, sent_messages_held
+from epas_megatron.parallel.pipeline_p2p import sends_in_flight
 from epas_megatron.parallel.pipeline_schedule import build_schedule, paper_peak, simulate
 from epas_testing import REPO, json_lines, run_script
 
@@ -57,6 +58,25 @@ def test_measured_peaks_equal_the_model_within_5_percent(measured, schedule):
         # 16 bytes by which a token batch's storage -- a view of s + 1 tokens -- exceeds s tokens)
         assert row["peak_per_rank"][1:] == [round(v) for v in predicted[1:-1]] + [round(predicted[-1]) + 4]
         assert row["peak_per_rank"][0] == round(predicted[0]) + 16 * 4
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("schedule", ["1f1b", "v-1f1b", "v-half", "v-min"])
+def test_sent_messages_are_held_no_longer_than_the_plan_names(measured, schedule):
+    """p = 4, m = 4p: a sent stage output lives until the executor drops its send's ``Work``.
+    Each rank holds at most the messages its communication plan names (``sends_in_flight``: two
+    at most; for the V schedules what the memory model counts, ``sent_messages_held``), and its
+    saved and sent bytes together stay within the model's activations plus those messages. (The
+    executor before the plan kept every send to the iteration's end: 2m messages on rank 0 here.)"""
+    row = measured[schedule]
+    p, m, message = row["pp"], row["microbatches"], row["message_bytes"]
+    assert m == 4 * p
+    named = sends_in_flight(build_schedule(schedule, p, m))
+    if schedule != "1f1b":  # the trainer's 1f1b is Megatron-Core's own schedule, the model's too
+        assert list(named) == [sent_messages_held(schedule, rank, p, m) for rank in range(p)]
+    for rank, (sent, both, activations) in enumerate(zip(row["sent_peak_per_rank"], row["both_peak_per_rank"], modelled(row))):
+        assert message <= sent <= named[rank] * message, (schedule, rank, sent, named[rank])
+        assert both <= 1.05 * activations + named[rank] * message, (schedule, rank, both, activations)
 
 
 @pytest.mark.distributed

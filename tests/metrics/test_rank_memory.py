@@ -135,3 +135,25 @@ def test_parameter_state_bytes_match_a_trained_model(precision, tmp_path):
     frozen = layer_parameters(shape, "share")[1]
     model = parameter_state_bytes(trainable, frozen, precision)
     assert abs((weights + grads + optim) - model) <= 0.01 * model, (weights, grads, optim, model)
+
+
+def test_pipeline_messages_by_hand():
+    """One message is ``[rows, b, h]``: 64 x 2 x 64 fp32 = 32 KiB; the sequence shard under
+    SP at TP = 2; with the qk hand-off (a + g = 6 heads of 16) 6 x 16 x 64 / 64 = 96 rows more (48
+    per TP rank under SP). A rank holds the sent messages its plan names: V-Min at p = 4, m = 16
+    two on rank 0, one elsewhere; Megatron's own schedules one; a single stage none -- all in
+    ``total``."""
+    from epas_megatron.metrics.memory_model import p2p_message_bytes, sent_messages_held
+
+    fp32, sp = RankMemorySettings(vocab_size=256), RankMemorySettings(vocab_size=256, tp=2, sequence_parallel=True)
+    assert p2p_message_bytes(SHAPE, fp32, False) == 64 * 2 * 64 * 4
+    assert p2p_message_bytes(SHAPE, sp, False) == 32 * 2 * 64 * 4
+    assert p2p_message_bytes(SHAPE, fp32, True) == (64 + 96) * 2 * 64 * 4
+    assert p2p_message_bytes(SHAPE, sp, True) == (32 + 48) * 2 * 64 * 4
+    assert [sent_messages_held("v-min", r, 4, 16) for r in range(4)] == [2, 1, 1, 1]
+    assert sent_messages_held("1f1b", 0, 4, 16) == sent_messages_held(None, 0, 4, 16) == 1
+    assert sent_messages_held("v-min", 0, 1, 16) == 0
+    settings = RankMemorySettings(vocab_size=256, num_microbatches=16, pipeline_schedule="v-min")
+    got = rank_memory_bytes(SHAPE, [["compute"], ["share"]], 0, 4, 2, settings)
+    assert got["messages"] == 2 * (64 + 96) * 2 * 64 * 4  # chunk 1 receives the hand-off: the messages carry it
+    assert got["total"] == got["parameters"] + got["activations"] + got["messages"]
