@@ -64,6 +64,53 @@ def test_v_schedules_over_nccl_equal_megatrons_1f1b(schedule, tmp_path):
     assert_close(run.grad_norms, reference.grad_norms, 1e-5, f"{schedule} grad norm")
 
 
+REAL_SIZE = ["--num-layers", "4", "--hidden-size", "2048", "--num-attention-heads", "16", "--num-query-groups", "16",
+             "--ffn-hidden-size", "5632", "--seq-length", "2048", "--micro-batch-size", "1", "--precision", "bf16",
+             "--core-attention", "sdpa"]
+"""A pipeline message of ``[2048, 1, 2048]`` bf16: 8 MiB, beyond NCCL's buffers (4 MiB by default), so a
+send waits for its receive -- the ``tiny`` preset's 16 KiB messages fit the buffers and hide an order
+NCCL would hang on."""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the V schedules over NCCL at a real message size need 2 GPUs")
+@pytest.mark.parametrize("schedule", ["v-1f1b", "v-half", "v-min"])
+def test_v_schedules_over_nccl_at_a_real_message_size(schedule, tmp_path):
+    """Two GPUs, 8 MiB messages (seq 2048, hidden 2048, bf16), with switches: the run finishes
+    (the executor's batched exchanges; the order before them hung here in the pure model and under
+    the NCCL-rules transport) and its losses follow Megatron-Core's 1F1B on the same GPUs within
+    bf16's accumulation-order noise."""
+    args = [*(a for a in ARGS if a not in ("--precision", "fp32", "--core-attention", "unfused")), *REAL_SIZE,
+            "--train-iters", "4"]
+    reference = run_trainer(args, tmp_path / "1f1b", nproc=2, timeout=900)
+    run = run_trainer([*args, "--pipeline-schedule", schedule], tmp_path / schedule, nproc=2, timeout=900)
+    assert "CUDA" in run.stdout.splitlines()[0]
+    assert [s["sharing_layers"] for s in run.switches] == [[3]]
+    assert_close(run.losses, reference.losses, 2e-2, f"{schedule} loss")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a point-to-point crossing over NCCL needs 2 GPUs")
+def test_unbatched_sends_that_cross_hang_on_nccl_and_batched_ones_run(tmp_path):
+    """The hazard itself, at 64 MiB: two ranks each isend to the other before their irecv hang on
+    NCCL (the watchdog reports it after 60 s); the same ops in one batch_isend_irecv finish. On
+    gloo the crossing runs (tests/distributed/test_nccl_rules.py), and the NCCL-rules transport
+    stops it with the pure model's report."""
+    import json
+
+    from epas_testing import REPO, json_lines, run_script
+    from p2p_orders import crossing_programs
+
+    results = {}
+    for batched in (False, True):
+        path = tmp_path / f"crossing_{batched}.json"
+        path.write_text(json.dumps(crossing_programs(batched)))
+        proc = run_script(REPO / "tests" / "distributed" / "scripts" / "p2p_programs.py",
+                          [str(path), "--bytes", str(64 << 20), "--hang-after", "60"], nproc=2, timeout=300)
+        results[batched] = json_lines(proc.stdout, "RESULT")
+    assert all(row["backend"] == "nccl" for rows in results.values() for row in rows)
+    assert [row.get("hung") for row in results[False]] == [True, True]
+    assert [row.get("ok") for row in results[True]] == [True, True]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="the schedule benchmark at p = 4 needs 4 GPUs")
 def test_schedule_benchmark_on_four_gpus():
     """What only GPUs show: seconds per iteration and the executed bubble of each schedule with
