@@ -119,7 +119,6 @@ class _Transport:
 
     # ------------------------------------------------------------------ posting
     def post(self, call: Call, tensors: list[torch.Tensor], group) -> "_Work":
-        self.refresh()  # the peers' earlier posts first: a mismatch is then found at this post
         try:
             index = self.progress.post(self.rank, call)
         except MessageMismatch as error:
@@ -152,7 +151,6 @@ class _Transport:
 
     # ------------------------------------------------------------------ waiting
     def completed(self, index: int) -> bool:
-        self._check_failed()
         self.refresh()
         self.progress.settle()
         return self.progress.completed(self.rank, index)
@@ -160,13 +158,23 @@ class _Transport:
     def wait_for(self, index: int) -> None:
         if self.completed(index):
             return
-        self.store.set(f"state/{self.rank}", f"wait {index}")
-        deadline, pause = time.monotonic() + self.timeout, 1e-4
+        start = time.monotonic()
+        deadline, pause, announced = start + self.timeout, 1e-4, False
         try:
             while True:
+                if self.completed(index):
+                    return
+                if time.monotonic() - start < 0.05:  # most waits end here, with no more store traffic
+                    time.sleep(pause)
+                    pause = min(2 * pause, 0.01)
+                    continue
+                if not announced:  # a wait that lasts: say so, and look for a deadlock
+                    self.store.set(f"state/{self.rank}", f"wait {index}")
+                    announced = True
                 states = [self.store.get(f"state/{r}").decode() for r in range(self.world)]
                 if self.completed(index):
                     return
+                self._check_failed()
                 waiting = {r: int(s.split()[1]) for r, s in enumerate(states) if s.startswith("wait")}
                 if len(waiting) == self.world and not any(self.progress.completed(r, i) for r, i in waiting.items()):
                     self._fail(WouldDeadlock(self.progress.deadlock_report(waiting)))
@@ -177,7 +185,8 @@ class _Transport:
                 time.sleep(pause)
                 pause = min(2 * pause, 0.01)
         finally:
-            self.store.set(f"state/{self.rank}", "run")
+            if announced:
+                self.store.set(f"state/{self.rank}", "run")
 
     def drain(self, group) -> None:
         """Wait for this rank's batched calls on ``group`` (a collective runs after them on NCCL)."""
