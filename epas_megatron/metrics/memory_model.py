@@ -247,21 +247,21 @@ def weight_grad_terms(shape: LayerShape, role: Role, share: str = "qk", element_
     QKV (computing)     ``norm1_output``: sn·b·h       s·b·(a + 2g)·d
     V (``qk`` sharing)  ``norm1_output``: sn·b·h       s·b·g·d
     Q (``kv`` sharing)  ``norm1_output``: sn·b·h       s·b·a·d
-    output projection   ``attention_output``: s·b·a·d  s·b·h
+    output projection   ``attention_output``: s·b·a·d  sn·b·h
     fc1                 ``norm2_output``: sn·b·h       s·b·2F
-    fc2                 SwiGLU's product: s·b·F        s·b·h
+    fc2                 SwiGLU's product: s·b·F        sn·b·h
     ==================  =============================  ==========================================
 
-    (``a``, ``g``, ``F`` divided by TP; ``sn`` = ``s / t`` with sequence parallelism.) A
-    column-parallel GEMM (QKV, V, Q, fc1) keeps its input as it came, the sequence shard under
-    sequence parallelism, and gathers it again in ``W``. A row-parallel GEMM (the output
-    projection, fc2) keeps the *whole* sequence's output gradient in every case: its output is
-    reduce-scattered to the sequence shard outside the linear, so the gradient it receives in
-    ``B`` is already all-gathered (measured at TP = 2 + SP, two ranks:
-    ``tests/metrics/test_activation_memory.py``). In the activation dtype. Recompute does not
-    change them: a recomputed MLP's fc2 input is made again in ``B`` and kept to ``W`` like the
-    original. A Mixture-of-Channels MLP (``moc``) keeps fc2's input in its sparse form
-    (``moc_sparse``) and, like the dense fc2, the whole sequence's output gradient."""
+    (``a``, ``g``, ``F`` divided by TP; ``sn`` = ``s / t`` with sequence parallelism.) Under
+    sequence parallelism both kinds keep the sequence shard of their full-sequence operand and
+    all-gather it again over the tensor-parallel group in ``W``: a column-parallel GEMM (QKV, V,
+    Q, fc1) its input, which arrives as the shard; a row-parallel GEMM (the output projection,
+    fc2) its output gradient, which arrives all-gathered (the output is reduce-scattered outside
+    the linear), so ``B`` copies this rank's shard out and frees the whole (measured at TP = 2 +
+    SP, two ranks: ``tests/metrics/test_activation_memory.py``). In the activation dtype.
+    Recompute does not change them: a recomputed MLP's fc2 input is made again in ``B`` and kept
+    to ``W`` like the original. A Mixture-of-Channels MLP (``moc``) keeps fc2's input in its
+    sparse form (``moc_sparse``) and, like the dense fc2, the output gradient's shard."""
     if share not in ("qk", "kv"):
         raise ValueError(f"share must be 'qk' or 'kv', got {share!r}")
     s, b, h = shape.seq_length, shape.micro_batch_size, shape.hidden_size
@@ -269,14 +269,14 @@ def weight_grad_terms(shape: LayerShape, role: Role, share: str = "qk", element_
     sn = s // tp if sequence_parallel else s
     e = element_bytes
     own = {"compute": a + 2 * g, "share": g if share == "qk" else a}[role]
-    # Column-parallel inputs: the sequence shard under SP; row-parallel output gradients: the whole
-    # sequence (the reduce-scatter's backward all-gathers it before the linear sees it).
+    # Under SP column-parallel inputs and row-parallel output gradients are kept as the sequence shard
+    # (model/weight_grad.py gathers them again in W).
     return {"qkv_input": sn * b * h * e, "qkv_grad_output": s * b * own * d * e,
-            "proj_input": s * b * a * d * e, "proj_grad_output": s * b * h * e,
+            "proj_input": s * b * a * d * e, "proj_grad_output": sn * b * h * e,
             "fc1_input": sn * b * h * e, "fc1_grad_output": s * b * 2 * f * e,
             "fc2_input": (s * b * moc_saved_bytes_per_token(f, moc[1] // tp, moc[0], e) if moc is not None and moc[0] < 1.0
                           else s * b * f * e),
-            "fc2_grad_output": s * b * h * e}
+            "fc2_grad_output": sn * b * h * e}
 
 
 def weight_grad_bytes(shape: LayerShape, role: Role, share: str = "qk", element_bytes: int = 4, **parallel) -> int:

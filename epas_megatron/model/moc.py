@@ -47,7 +47,7 @@ from megatron.core.transformer.mlp import MLP
 
 from epas_megatron.errors import ConfigError
 from epas_megatron.model.moc_sizes import index_bytes, kept_channels, moc_saved_bytes_per_token  # noqa: F401 -- re-exported
-from epas_megatron.model.weight_grad import WEIGHT_GRAD_STORE
+from epas_megatron.model.weight_grad import WEIGHT_GRAD_STORE, gather_sequence, sequence_shard
 from epas_megatron.model.weight_grad import _accumulate as accumulate_weight_grad
 
 
@@ -82,14 +82,17 @@ def select_channels(gate, k: int):
 
 
 class _MoCSwiGLUDown(torch.autograd.Function):
-    """``(SiLU(G) * U * TopK(G)) @ W_down^T`` of one TP rank, keeping the sparse form for backward."""
+    """``(SiLU(G) * U * TopK(G)) @ W_down^T`` of one TP rank, keeping the sparse form for backward.
+    ``scatter_group``: the tensor-parallel group when the caller reduce-scatters the output to the
+    sequence shard (sequence parallelism), else None."""
 
     @staticmethod
-    def forward(ctx, fc1_out, weight, groups: int, k: int):
+    def forward(ctx, fc1_out, weight, groups: int, k: int, scatter_group=None):
         gate, up = torch.chunk(fc1_out, 2, dim=-1)  # [s, b, f/tp] each
         s, b, f = gate.shape
         per_group = f // groups
         ctx.weight = weight  # where a deferred gradient goes
+        ctx.scatter_group = scatter_group
         ctx.dense = k == per_group
         if ctx.dense:  # every channel kept: Megatron's SwiGLU, operation for operation (same bits)
             z = F.silu(gate) * (up + 0.0)
@@ -120,12 +123,12 @@ class _MoCSwiGLUDown(torch.autograd.Function):
         grad_fc1 = torch.cat([torch.zeros_like(grad_z).scatter_(-1, index, grad_gate_k).reshape(s, b, -1),
                               torch.zeros_like(grad_z).scatter_(-1, index, grad_up_k).reshape(s, b, -1)], dim=-1)
 
-        def weight_grad():  # (a deferred one holds the narrow indices, not the int64 copy)
+        def weight_grad(total_grad_output):  # (a deferred one holds the narrow indices, not the int64 copy)
             z = torch.zeros(shape, dtype=gate_k.dtype, device=gate_k.device).scatter_(-1, narrow_index.long(),
                                                                                       F.silu(gate_k) * up_k)
-            return grad_output.reshape(s * b, -1).t().matmul(z.reshape(s * b, -1))  # [h, f/tp], as Megatron's
+            return total_grad_output.reshape(s * b, -1).t().matmul(z.reshape(s * b, -1))  # [h, f/tp], as Megatron's
 
-        return _MoCSwiGLUDown._finish(ctx, grad_fc1, weight_grad, (narrow_index, gate_k, up_k, grad_output))
+        return _MoCSwiGLUDown._finish(ctx, grad_fc1, weight_grad, grad_output, (narrow_index, gate_k, up_k))
 
     @staticmethod
     def _dense_backward(ctx, grad_output):
@@ -136,21 +139,32 @@ class _MoCSwiGLUDown(torch.autograd.Function):
         grad_z = grad_output.matmul(weight)
         grad_fc1 = torch.cat([torch.ops.aten.silu_backward(grad_z * up_offset, gate), grad_z * act], dim=-1)
 
-        def weight_grad():
+        def weight_grad(total_grad_output):
             z = (F.silu(gate) * (up + 0.0)).reshape(-1, gate.shape[-1])
-            return grad_output.reshape(-1, grad_output.shape[-1]).t().matmul(z)
+            return total_grad_output.reshape(-1, total_grad_output.shape[-1]).t().matmul(z)
 
-        return _MoCSwiGLUDown._finish(ctx, grad_fc1, weight_grad, (fc1_out, grad_output))
+        return _MoCSwiGLUDown._finish(ctx, grad_fc1, weight_grad, grad_output, (fc1_out,))
 
     @staticmethod
-    def _finish(ctx, grad_fc1, weight_grad, holds):
-        """The gradients to return; ``linear_fc2``'s weight gradient deferred to the W pass while
-        the weight-gradient store collects (:mod:`epas_megatron.model.weight_grad`)."""
+    def _finish(ctx, grad_fc1, weight_grad, grad_output, holds):
+        """The gradients to return; ``linear_fc2``'s weight gradient (``weight_grad`` of the whole
+        sequence's output gradient) deferred to the W pass while the weight-gradient store collects
+        (:mod:`epas_megatron.model.weight_grad`), keeping ``holds`` and the output gradient."""
         if WEIGHT_GRAD_STORE.defers():
-            param = ctx.weight
-            WEIGHT_GRAD_STORE.put(lambda: accumulate_weight_grad(param, weight_grad()), holds=holds)
-            return grad_fc1, None, None, None
-        return grad_fc1, weight_grad(), None, None
+            param, group = ctx.weight, ctx.scatter_group
+            # Under sequence parallelism the output is reduce-scattered outside this function, so its
+            # gradient arrives all-gathered: keep this rank's sequence shard, [s, b, h] -> [s / tp, b, h],
+            # and gather it again in W. Every TP rank defers the same layers' fc2 in the same order (the
+            # branch depends on the configuration only, never on the rank), so the all-gathers match.
+            kept_grad_output = sequence_shard(grad_output, group) if group is not None else grad_output
+
+            def deferred():
+                total_grad_output = gather_sequence(kept_grad_output, group) if group is not None else kept_grad_output
+                accumulate_weight_grad(param, weight_grad(total_grad_output))
+
+            WEIGHT_GRAD_STORE.put(deferred, holds=(*holds, kept_grad_output))
+            return grad_fc1, None, None, None, None
+        return grad_fc1, weight_grad(grad_output), None, None, None
 
 
 class MoCMLP(MLP):
@@ -179,7 +193,8 @@ class MoCMLP(MLP):
         if per_token_scale is not None:
             raise ValueError("Mixture-of-Channels MLP is not an expert: no per-token scale")
         intermediate, _ = self.linear_fc1(hidden_states)  # [s, b, 2 f/tp]
-        partial = _MoCSwiGLUDown.apply(intermediate, self.linear_fc2.weight, self.groups_local, self.kept)
+        scatter_group = self.tp_group if self.config.sequence_parallel else None
+        partial = _MoCSwiGLUDown.apply(intermediate, self.linear_fc2.weight, self.groups_local, self.kept, scatter_group)
         if self.config.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(partial, group=self.tp_group), None
         return reduce_from_tensor_model_parallel_region(partial, group=self.tp_group), None

@@ -10,17 +10,26 @@ schedule with a split backward runs), a trainable weight's GEMM goes through
 :class:`_LinearWithDelayedWgrad`, whose backward returns the input gradient (all-reduced or
 reduce-scattered over tensor parallelism as Megatron's does) and, while the store *collects* for
 a pass, leaves the weight (and bias) gradient as a closure in the store under that pass's key.
-``W`` of that pass runs the closures: the same GEMM as Megatron's (``grad_output^T @ input``,
-with the sequence-parallel input gathered again), added to ``main_grad`` as Megatron DDP's hook
-adds ``param.grad`` (or to ``.grad`` without DDP). Outside a collecting pass the node computes the
-weight gradient at once and returns it, like Megatron's. Disarmed -- every other schedule -- the
-layers are Megatron's, node for node.
+``W`` of that pass runs the closures: the same GEMM as Megatron's (``grad_output^T @ input``),
+added to ``main_grad`` as Megatron DDP's hook adds ``param.grad`` (or to ``.grad`` without DDP).
+Outside a collecting pass the node computes the weight gradient at once and returns it, like
+Megatron's. Disarmed -- every other schedule -- the layers are Megatron's, node for node.
 
 What stays in ``B``: the parameters that are not linear weights (norms, the embedding, and a
 row-parallel bias, which Megatron adds after the reduction, outside the GEMM), whose gradients
 are cheap; frozen Q/K rows (:class:`~epas_megatron.model.attention.FrozenProjection`)
 have no weight gradient. What a deferred closure holds until ``W`` (the layer's input and the
 output gradient) is what the schedules' memory accounting keeps from ``F`` to the end of ``W``.
+
+Under sequence parallelism a closure keeps only this rank's sequence shard of the full-sequence
+operand and ``W`` all-gathers it again over the tensor-parallel group: a column-parallel linear's
+input (which arrives as the shard), and a row-parallel linear's output gradient (the layer
+reduce-scatters its output to the shard outside the linear, so the gradient arrives all-gathered:
+``B`` copies this rank's shard out, :func:`sequence_shard`, and the full tensor is freed when ``B``
+ends). Mixture-of-Channels' fc2 (:mod:`epas_megatron.model.moc`) does the same. A column-parallel
+GEMM's gather is Megatron's own (its backward gathers the input again too); a row-parallel one
+pays one all-gather of ``[s, b, h]`` in ``W`` and a shard-sized copy in ``B``. The gathered
+tensors are the ones Megatron's backward uses, bit for bit, so the weight gradients are unchanged.
 """
 
 from __future__ import annotations
@@ -116,25 +125,44 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad += grad
 
 
-def _gather_sequence(input_: torch.Tensor, tp_group) -> torch.Tensor:
-    """The full sequence of a sequence-parallel input (a new tensor)."""
-    total = torch.empty((input_.shape[0] * tp_group.size(), *input_.shape[1:]), dtype=input_.dtype, device=input_.device)
-    torch.distributed.all_gather_into_tensor(total, input_.contiguous(), group=tp_group)
+def gather_sequence(shard: torch.Tensor, tp_group) -> torch.Tensor:
+    """The full sequence of a sequence shard, in tensor-parallel rank order (a new tensor).
+
+    A collective: in ``W`` every tensor-parallel rank runs the same deferred GEMMs in the same
+    order (the ranks of a TP group run the same pipeline actions on the same layers), so the
+    all-gathers match; whether a closure gathers must depend only on the layer and the run's
+    configuration (never on a rank-specific branch), or the group would hang."""
+    total = torch.empty((shard.shape[0] * tp_group.size(), *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
+    torch.distributed.all_gather_into_tensor(total, shard.contiguous(), group=tp_group)
     return total
+
+
+def sequence_shard(full: torch.Tensor, tp_group) -> torch.Tensor:
+    """This rank's sequence shard of a full-sequence tensor, copied out (``[s, ...] -> [s / tp, ...]``):
+    a view would keep the whole tensor's storage alive. :func:`gather_sequence` of the shards
+    gives back ``full``, bit for bit, where ``full`` is the same on every rank (an all-gather's
+    output)."""
+    length = full.shape[0] // tp_group.size()
+    return full.narrow(0, tp_group.rank() * length, length).clone(memory_format=torch.contiguous_format)
 
 
 class _LinearWithDelayedWgrad(torch.autograd.Function):
     """``input @ weight^T + bias`` of a tensor-parallel linear whose weight gradient may be
-    deferred (see the module docstring); the input gradient is Megatron's."""
+    deferred (see the module docstring); the input gradient is Megatron's.
+
+    ``sequence_parallel``: the input is the sequence shard (a column-parallel linear under
+    sequence parallelism); ``output_scattered``: the caller reduce-scatters the output to the
+    sequence shard (a row-parallel one), so the output gradient arrives whole."""
 
     @staticmethod
-    def forward(ctx, input_, weight, bias, allreduce_dgrad, sequence_parallel, tp_group):
+    def forward(ctx, input_, weight, bias, allreduce_dgrad, sequence_parallel, tp_group, output_scattered=False):
         ctx.save_for_backward(input_, weight)
         ctx.params = (weight, bias)  # where a deferred gradient goes
         ctx.allreduce_dgrad = allreduce_dgrad
         ctx.sequence_parallel = sequence_parallel
+        ctx.output_scattered = output_scattered
         ctx.tp_group = tp_group
-        total_input = _gather_sequence(input_, tp_group) if sequence_parallel else input_  # [s, b, h_in]
+        total_input = gather_sequence(input_, tp_group) if sequence_parallel else input_  # [s, b, h_in]
         output = torch.matmul(total_input, weight.t())  # [s, b, h_out / tp]
         if bias is not None:
             output = output + bias
@@ -154,28 +182,39 @@ class _LinearWithDelayedWgrad(torch.autograd.Function):
             torch.distributed.reduce_scatter_tensor(sub_grad_input, grad_input.contiguous(), group=tp_group)
             grad_input = sub_grad_input
 
-        def weight_grads():
-            total_input = _gather_sequence(input_, tp_group) if sequence_parallel else input_
-            grad_out_2d, total_input_2d = prepare_input_tensors_for_wgrad_compute(grad_output, total_input)
+        def weight_grads(total_grad_output):  # [s, b, h_out / tp]
+            total_input = gather_sequence(input_, tp_group) if sequence_parallel else input_  # [s, b, h_in]
+            grad_out_2d, total_input_2d = prepare_input_tensors_for_wgrad_compute(total_grad_output, total_input)
             grad_weight = grad_out_2d.t().matmul(total_input_2d)  # [h_out / tp, h_in], as Megatron's
             return grad_weight, (grad_out_2d.sum(dim=0) if use_bias else None)
 
         store = WEIGHT_GRAD_STORE
         if store.defers():
+            # A row-parallel linear under sequence parallelism keeps its output gradient's sequence
+            # shard, [s, b, h] -> [s / tp, b, h], and gathers it again in W (gather_sequence: every TP
+            # rank takes this branch for the same layers, so the all-gathers match).
+            output_scattered = ctx.output_scattered
+            kept_grad_output = sequence_shard(grad_output, tp_group) if output_scattered else grad_output
+
             def deferred():
-                grad_weight, grad_bias = weight_grads()
+                total_grad_output = gather_sequence(kept_grad_output, tp_group) if output_scattered else kept_grad_output
+                grad_weight, grad_bias = weight_grads(total_grad_output)
                 _accumulate(weight_param, grad_weight)
                 if grad_bias is not None:
                     _accumulate(bias, grad_bias)
 
-            store.put(deferred, holds=(input_, grad_output))
-            return grad_input, None, None, None, None, None
-        grad_weight, grad_bias = weight_grads()
-        return grad_input, grad_weight, grad_bias, None, None, None
+            store.put(deferred, holds=(input_, kept_grad_output))
+            return grad_input, None, None, None, None, None, None
+        grad_weight, grad_bias = weight_grads(grad_output)
+        return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
 class _DelayedWgrad:
     """The ``_forward_impl`` of both delayed-wgrad linears (see the module docstring)."""
+
+    def _output_scattered(self) -> bool:
+        """Whether the layer reduce-scatters the linear's output to the sequence shard itself."""
+        return False
 
     def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 -- Megatron's keyword
         if not (WEIGHT_GRAD_STORE.armed and weight.requires_grad):
@@ -183,7 +222,7 @@ class _DelayedWgrad:
         # (gradient-accumulation fusion is not needed: a deferred GEMM adds to main_grad itself)
         tp_group = kwargs.get("tp_group") or self.tp_group
         return _LinearWithDelayedWgrad.apply(input, weight, kwargs.get("bias"), kwargs.get("allreduce_dgrad", False),
-                                             kwargs.get("sequence_parallel", False), tp_group)
+                                             kwargs.get("sequence_parallel", False), tp_group, self._output_scattered())
 
 
 class DelayedWgradColumnParallelLinear(_DelayedWgrad, ColumnParallelLinear):
@@ -194,3 +233,8 @@ class DelayedWgradColumnParallelLinear(_DelayedWgrad, ColumnParallelLinear):
 class DelayedWgradRowParallelLinear(_DelayedWgrad, RowParallelLinear):
     """Megatron-Core's ``RowParallelLinear`` whose weight gradient the split-backward schedules
     defer (:data:`WEIGHT_GRAD_STORE`); otherwise the same layer."""
+
+    def _output_scattered(self) -> bool:
+        # RowParallelLinear.forward: the linear runs with sequence_parallel=False, then the output is
+        # reduce-scattered to the sequence shard (unless experts communicate it themselves).
+        return bool(self.sequence_parallel and not self.explicit_expert_comm)

@@ -151,10 +151,11 @@ def test_what_a_split_backward_keeps_until_w_per_tensor_parallel_rank(tp2_launch
     """The qk model (layers 0-1 computing, 2-3 sharing, the LM head) on two ranks, its store armed:
     after B each rank holds exactly the deferred GEMMs' bytes -- the model's weight_grad_bytes
     per layer role plus head_weight_grad_bytes, byte for byte, and GEMM by GEMM. Under sequence
-    parallelism a column-parallel GEMM (QKV or own V, fc1, the head) keeps its input's sequence
-    shard (W gathers it again), but a row-parallel one (the output projection, fc2; MoC's fc2
-    too) keeps the whole sequence's output gradient: its reduce-scatter is outside the linear,
-    and its backward all-gathers."""
+    parallelism every GEMM keeps the sequence shard of its full-sequence operand and W gathers it
+    again: a column-parallel one (QKV or own V, fc1, the head) its input, a row-parallel one (the
+    output projection, fc2; MoC's fc2 too) its output gradient, which arrives all-gathered (its
+    reduce-scatter is outside the linear) and is copied to the shard [s/2, b, h] in B. The
+    gradients after W are those of the same nodes computed at once, bit for bit."""
     from epas_testing import json_lines
 
     case = [r for r in json_lines(tp2_launch, "DEFERRED")
@@ -165,13 +166,19 @@ def test_what_a_split_backward_keeps_until_w_per_tensor_parallel_rank(tp2_launch
     head = head_weight_grad_bytes(SHAPE, 512, 4, tp=2, sequence_parallel=sequence_parallel)
     modelled = sum(weight_grad_bytes(SHAPE, role, "qk", 4, **kw) for role in roles) + head
     per_gemm = sorted([head] + [b for role in roles for b in _bytes_per_gemm(weight_grad_terms(SHAPE, role, "qk", 4, **kw))])
-    for held, gemms in zip(case[0]["held_per_rank"], case[0]["gemms_per_rank"], strict=True):
+    for held, gemms, grad_outputs in zip(case[0]["held_per_rank"], case[0]["gemms_per_rank"],
+                                         case[0]["grad_output_shapes_per_rank"], strict=True):
         assert len(gemms) == 2 * 4 + 2 * 4 + 1  # QKV (own V), proj, fc1, fc2 per layer; the head
         assert held == modelled, (held, modelled)
         assert sorted(map(sum, gemms)) == per_gemm, (gemms, per_gemm)
-        # By hand: every row-parallel GEMM's output gradient is the whole sequence's [s, b, h] (fp32).
+        # By hand: the row-parallel GEMMs (output gradient [., b, h = 128]: proj and fc2 of 4 layers)
+        # keep the sequence shard [s/2, b, h] under SP, the whole [s, b, h] without; and under SP no
+        # GEMM keeps a whole-sequence [s, b, h] tensor (fp32).
+        rows = S // 2 if sequence_parallel else S
+        assert sorted(tuple(g) for g in grad_outputs if g[-1] == 128) == [(rows, B, 128)] * (2 * 4), grad_outputs
         full_hidden = [g for g in gemms if S * B * 128 * 4 in g]
-        assert len(full_hidden) == 2 * 4 + (0 if sequence_parallel else 2 * 4 + 1), gemms
+        assert len(full_hidden) == (0 if sequence_parallel else 2 * 4 + 2 * 4 + 1), gemms
+    assert case[0]["grads_differ_per_rank"] == [[], []], case[0]["grads_differ_per_rank"]
 
 
 @pytest.mark.distributed

@@ -2,11 +2,14 @@
 and with sequence parallelism -- the activation bytes its forward keeps per layer (qk and kv
 sharing; one RESULT line per case) and what a split backward's deferred weight-gradient GEMMs
 hold from the input-gradient backward ``B`` to ``W`` (dense and Mixture-of-Channels MLPs; one
-DEFERRED line per case: the live bytes after ``B`` and the storages each GEMM holds). The same
+DEFERRED line per case: the live bytes after ``B``, the storages each GEMM holds, the shape of
+the output gradient it keeps, which every deferred GEMM puts last in its holds, and the parameters
+whose gradient after ``W`` differs in any bit from the same node's gradient computed at once). The same
 launch (a TP=2 world is what it needs) runs an evaluation and a training step on a batch with
 masked positions: one TOKENS line with each rank's ``StepResult`` tokens and loss, and the
 masked mean of the per-token losses the model returns. Rank 0 prints."""
 
+import contextlib
 import json
 
 import torch
@@ -34,15 +37,17 @@ def everyone(value):
 
 
 def deferred_bytes(model, tokens):
-    """(live bytes right after a split ``B``, the storage bytes each deferred GEMM holds) of one
-    micro-batch, the weight-gradient store armed as a split-backward schedule arms it."""
+    """(live bytes right after a split ``B``, the storage bytes each deferred GEMM holds, the shape
+    of each one's kept output gradient) of one micro-batch, the weight-gradient store armed as a
+    split-backward schedule arms it."""
     tracker = LiveSavedBytes(model.parameters())
-    held_by_gemm = []
+    held_by_gemm, grad_output_shapes = [], []
     with tracker.tracking(), WEIGHT_GRAD_STORE.arming():
         hold_all = WEIGHT_GRAD_STORE.on_put
 
         def recording(holds):  # what each GEMM keeps, by storage, beside the tracker's count
             held_by_gemm.append(sorted(t.untyped_storage().nbytes() for t in holds if t is not None))
+            grad_output_shapes.append(list(holds[-1].shape))
             return hold_all(holds)
 
         WEIGHT_GRAD_STORE.on_put = recording
@@ -53,7 +58,30 @@ def deferred_bytes(model, tokens):
         ran = WEIGHT_GRAD_STORE.run("pass")
         if tracker.current != 0 or ran != len(held_by_gemm):
             raise AssertionError(f"W left {tracker.current} bytes, ran {ran} of {len(held_by_gemm)} GEMMs")
-    return held, held_by_gemm
+    return held, held_by_gemm, grad_output_shapes
+
+
+def gradients(model, tokens, deferred: bool) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient of one micro-batch, the store armed: the weight-gradient GEMMs
+    deferred to ``W`` (a collecting pass) or computed at once by the same nodes."""
+    model.zero_grad(set_to_none=True)
+    with WEIGHT_GRAD_STORE.arming():
+        loss = model(tokens, torch.arange(S).expand(B, S), None, labels=tokens)
+        with WEIGHT_GRAD_STORE.collecting("pass") if deferred else contextlib.nullcontext():
+            loss.float().sum().backward()
+        WEIGHT_GRAD_STORE.run("pass")
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def deferred_grads_differ(model, tokens) -> list[str]:
+    """The parameters whose deferred gradient (gathered again in ``W`` under sequence parallelism)
+    is not bit for bit the gradient computed at once."""
+    deferred, at_once = gradients(model, tokens, True), gradients(model, tokens, False)
+    if deferred.keys() != at_once.keys():
+        return sorted(deferred.keys() ^ at_once.keys())
+    return [name for name in at_once if not torch.equal(deferred[name], at_once[name])]
 
 
 def step_batches():
@@ -111,11 +139,13 @@ def main():
                 if moc is not None:
                     plan = BuildPlan.for_region(moc_arch, (2, 3), seq_length=S, tp=2, sequence_parallel=sequence_parallel)
                     model = build_model(plan, seed=1).chunks[0]
-                held, by_gemm = deferred_bytes(model, tokens)
-                held, by_gemm = everyone(held), everyone(by_gemm)
+                held, by_gemm, grad_outputs = (everyone(value) for value in deferred_bytes(model, tokens))
+                differ = everyone(deferred_grads_differ(model, tokens))
                 if dist.get_rank() == 0:
                     print("DEFERRED " + json.dumps({"sequence_parallel": sequence_parallel, "share": share, "moc": moc,
-                                                    "held_per_rank": held, "gemms_per_rank": by_gemm}), flush=True)
+                                                    "held_per_rank": held, "gemms_per_rank": by_gemm,
+                                                    "grad_output_shapes_per_rank": grad_outputs,
+                                                    "grads_differ_per_rank": differ}), flush=True)
     steps = everyone(step_tokens(arch))
     if dist.get_rank() == 0:
         print("TOKENS " + json.dumps({"per_rank": steps, "microbatches": MICROBATCHES, "masked": MASKED}), flush=True)
