@@ -18,7 +18,6 @@ import json
 import sys
 
 import torch
-
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
@@ -29,10 +28,10 @@ from epas_megatron.engine.optimizer import OptimizerSettings
 from epas_megatron.engine.state import build_training_state
 from epas_megatron.engine.step import train_step
 from epas_megatron.metrics.activation_memory import LiveSavedBytes
-from epas_megatron.model.weight_grad import WEIGHT_GRAD_STORE
 from epas_megatron.model.architecture import LlamaArchitecture
 from epas_megatron.model.build_plan import BuildPlan
 from epas_megatron.model.v_placement import even_v_stage_sizes
+from epas_megatron.model.weight_grad import WEIGHT_GRAD_STORE
 from epas_megatron.parallel.pipeline_schedule import V_SCHEDULES, build_schedule
 from epas_megatron.runtime.distributed import init_distributed
 
