@@ -57,13 +57,18 @@ SHAPE_12 = [arg if arg != "6" else "12" for arg in SHAPE]
 ARGS_12 = [*ARGS[:ARGS.index("--num-layers")], *SHAPE_12, *ARGS[ARGS.index("--num-layers") + len(SHAPE):]]
 
 
+@pytest.fixture(scope="module")
+def single_12(tmp_path_factory):
+    return run_trainer(ARGS_12, tmp_path_factory.mktemp("pp1_12") / "run")
+
+
 @pytest.mark.parametrize("schedule", ["v-min", "v-1f1b"])
-def test_four_rank_v_runs_with_switches_match_one_process(schedule, tmp_path):
+def test_four_rank_v_runs_with_switches_match_one_process(schedule, single_12, tmp_path):
     """p = 4 (eight V stages of a 12-layer model): three switches rebalance the stages and move
     layers between ranks, the hand-off rows cross every boundary, the forward-only validation runs
     at region 0; every iteration equals the single-process run. Like every multi-process test it
     runs under NCCL's point-to-point rules (tests/epas_testing.py: child_environ)."""
-    single = run_trainer(ARGS_12, tmp_path / "pp1")
+    single = single_12
     v = run_trainer([*ARGS_12, "--pp", "4", "--pipeline-schedule", schedule, "--epas-rebalance", "on"], tmp_path / "v", nproc=4)
     assert [s["sharing_layers"] for s in v.switches] == [[11], [10, 11], [9, 10, 11]]
     assert any(s["layout"] != s["previous_layout"] and s["switch_bytes_between_ranks"] > 0 for s in v.switches)
