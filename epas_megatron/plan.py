@@ -26,6 +26,7 @@ which the budget's 10% reserve stands for). Exit 0 when every rank fits, 3 when 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
@@ -50,7 +51,8 @@ RESERVE = 0.9
 
 def _split_argv(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="epas-plan", description=__doc__.split("\n\n")[0], add_help=True)
-    parser.add_argument("--world-size", type=int, default=None, help="processes of the run (default: $WORLD_SIZE, else 1)")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="processes of the run (default: $WORLD_SIZE, else --tp x --pp: one data-parallel replica)")
     parser.add_argument("--gpu-memory-gb", type=float, default=None,
                         help="memory per GPU in GiB (e.g. 80); the budget is 90%% of it unless --epas-memory-budget-gb says")
     return parser.parse_known_args(argv)
@@ -405,18 +407,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     quiet_library_noise()
     from epas_megatron.config.cli import parse_config
-    from epas_megatron.runtime.distributed import world_size_from_env
     from epas_megatron.training.registry import features_for_run
     from epas_megatron.validation import resolve_run
 
     ours, rest = _split_argv(sys.argv[1:] if argv is None else argv)
     try:
-        world = world_size_from_env() if ours.world_size is None else ours.world_size
+        cfg = parse_config(rest)
+        world = ours.world_size
+        if world is None:  # a planner runs no processes: the world is the one it plans for
+            world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else cfg.parallel.tp * cfg.parallel.pp
         if world < 1:
             raise ConfigError(f"--world-size must be >= 1, got {world}")
+        if world % (cfg.parallel.tp * cfg.parallel.pp):
+            raise ConfigError(f"--world-size {world} is not a multiple of --tp {cfg.parallel.tp} x --pp {cfg.parallel.pp}: "
+                              "set --world-size to the processes the run will have")
         if ours.gpu_memory_gb is not None and not ours.gpu_memory_gb > 0:
             raise ConfigError(f"--gpu-memory-gb must be > 0, got {ours.gpu_memory_gb}")
-        run = resolve_run(parse_config(rest), world_size=world, cuda=ours.gpu_memory_gb is not None or None, planning_only=True)
+        run = resolve_run(cfg, world_size=world, cuda=ours.gpu_memory_gb is not None or None, planning_only=True)
         features_for_run(run)  # the training features' own refusals, as epas-train makes them
         if run.cfg.parallel.recompute == "full":
             print("note: --recompute full is not in the memory model; activations are shown as without recompute", flush=True)

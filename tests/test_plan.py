@@ -29,7 +29,7 @@ def plan(*args):
     (["--world-size", "0"], "error: --world-size must be >= 1, got 0"),
     (["--world-size", "-2"], "error: --world-size must be >= 1, got -2"),
     (["--gpu-memory-gb", "0"], "error: --gpu-memory-gb must be > 0, got 0.0"),
-    (["--world-size", "2", "--pp", "4"], "error: --tp 1 x --pp 4 = 4 does not divide the 2 processes"),
+    (["--world-size", "2", "--pp", "4"], "error: --world-size 2 is not a multiple of --tp 1 x --pp 4: set --world-size"),
     (["--epas-target-layers", "4"], "error: --epas-target-layers"),
 ])
 def test_refusals(argv, message, tmp_path, monkeypatch):
@@ -38,6 +38,15 @@ def test_refusals(argv, message, tmp_path, monkeypatch):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1 and errors[0].startswith(message), proc.stderr
     assert not proc.stdout and not (tmp_path / "r").exists()
+
+
+def test_the_world_defaults_to_tp_times_pp(tmp_path, monkeypatch):
+    """A planner runs no processes: without --world-size (or $WORLD_SIZE) it plans one
+    data-parallel replica of --tp x --pp."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    proc = plan("--preset", "tiny", "--tp", "2", "--pp", "2", "--output-dir", str(tmp_path / "r"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "world 4 = TP 2 x PP 2 x DP 1" in proc.stdout
 
 
 def test_7b_on_one_node_of_80gb_gpus_fits(tmp_path):
