@@ -14,6 +14,15 @@
 #
 #   tools/gpu_wheels.sh ../gpu_wheels      # then copy epas-megatron/ and gpu_wheels/ to the node
 #
+# With Transformer Engine: a TE wheelhouse (tools/te_wheels.py build ../te_wheels --node node.txt,
+# on any Linux x86-64 machine with PyPI access) holds TE built for the node's torch and GPU and
+# everything else the check needs there. Found as ../te_wheels (or WHEELS=/path/to/it), it is
+# installed like the folder above, and the check then runs the TE layers: the node's torch and GPU
+# architecture must be the ones it was built for, TE must load (and run a bf16 te.Linear on the
+# GPU) or the check stops with one line naming what is missing -- never falling back to local
+# layers --, and the suite's TE tests and the benchmark use --transformer-impl transformer_engine
+# (the suite's TE tests ask for it; the benchmark's 'auto' takes TE where it loads, as the row shows).
+#
 # Modes:
 #   tools/gpu_check.sh --dry-run        print the plan (checks, installs, commands); exit 0; any machine
 #   tools/gpu_check.sh --setup-only     check torch, install what is missing, import-check; no GPU needed
@@ -23,10 +32,15 @@
 # Environment:
 #   PYTHON        the node's python, with its CUDA torch (default: the first of python3.12, python3,
 #                 python that imports torch)
-#   WHEELS        folder made by tools/gpu_wheels.sh (default: ../gpu_wheels beside the checkout, where
-#                 it exists). Only its wheels are installed (pip --no-index --no-deps), and only those
-#                 that fill a gap: each requirement is checked against what the node has. A node with
-#                 network access makes the folder itself: tools/gpu_wheels.sh ../gpu_wheels
+#   WHEELS        folder made by tools/gpu_wheels.sh or tools/te_wheels.py (default: ../te_wheels beside
+#                 the checkout, else ../gpu_wheels, where one exists). Only its wheels are installed (pip
+#                 --no-index --no-deps), and only those that fill a gap: each requirement is checked
+#                 against what the node has. A node with network access makes the folder itself:
+#                 tools/gpu_wheels.sh ../gpu_wheels. A folder from tools/te_wheels.py (its MANIFEST.txt
+#                 names the torch, GPU architecture and TE version it was built for) adds
+#                 transformer-engine[pytorch] to what is installed, and TE is pointed at the node's
+#                 cuDNN, NVRTC and cuRAND (CUDNN_PATH, NVRTC_PATH, CURAND_PATH) and NVIDIA libraries
+#                 (LD_LIBRARY_PATH), all from the nvidia/ packages beside PYTHON's torch
 #   VENV          where missing packages go (default: .venv-gpu): a virtual environment that sees
 #                 PYTHON's packages (torch, Triton, CUDA libraries are used as they are, also when PYTHON
 #                 is itself a venv). Made without pip where PYTHON has one (PYTHON's pip serves it), so a
@@ -35,7 +49,9 @@
 #                 venv at all), with pip --break-system-packages where that environment is externally
 #                 managed (PEP 668).
 #   OUT           report directory (default: gpu_check_out): environment.json, gpu_suite.xml and .log,
-#                 bench.log, stopped.txt (why the check stopped early), ledger_row.md, gpu_check.json
+#                 bench.log, stopped.txt (why the check stopped early), ledger_row.md, gpu_check.json,
+#                 te_load.log (where TE did not load), node.txt (this node's Python, torch, GPU architecture
+#                 and packages: what tools/te_wheels.py build --node reads to make a TE wheelhouse for it)
 #   TIME_LIMIT    seconds for the whole check, worst case included (default 570; the GPU lender's hard
 #                 limit is 600 per call): every step runs under timeout within it, kill-after grace
 #                 included, and 20 s are kept for the report. The suite gets what set-up and the
@@ -47,7 +63,8 @@
 # Exit status: 0 when nothing failed (skips are reported with their reasons); 1 when a test or the
 # benchmark failed or ran out of time (set-up included); 2 when this node cannot run the check (no
 # CUDA torch, torch outside the supported range, no usable GPU, packages missing and no wheel folder,
-# an install or import that fails). Once PYTHON and its GPU are known, every exit writes the ledger
+# an install or import that fails, a TE wheelhouse built for another torch or GPU, a TE that does not
+# load). Once PYTHON and its GPU are known, every exit writes the ledger
 # row (OUT/ledger_row.md, printed), a stop with its reason: 'check stopped: import check failed: ...'.
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -341,6 +358,10 @@ env = {"date": datetime.date.today().isoformat(), "torch": facts.torch_version, 
        "driver": facts.driver_version or "unknown", "python": platform.python_version()}
 if facts.cuda_available:
     env.update(device=torch.cuda.get_device_name(), device_count=torch.cuda.device_count())
+    try:  # the GPU architecture a TE wheelhouse must have been trimmed to
+        env["arch"] = "sm_%d%d" % torch.cuda.get_device_capability()
+    except Exception:
+        pass
 print(json.dumps(env))
 PYEOF
 }
@@ -362,9 +383,14 @@ fi
 PY=$PYTHON
 if [[ $DRY_RUN == 0 && $MODE == run ]]; then
     mkdir -p "$OUT"
-    rm -f "$OUT"/environment.json "$OUT"/stopped.txt "$OUT"/gpu_suite.* "$OUT"/bench.* "$OUT"/ledger_row.md "$OUT"/gpu_check.json
+    rm -f "$OUT"/environment.json "$OUT"/stopped.txt "$OUT"/gpu_suite.* "$OUT"/bench.* "$OUT"/ledger_row.md "$OUT"/gpu_check.json \
+          "$OUT"/te_load.log "$OUT"/node.txt
     printf '%s\n' "$NODE_FACTS" >"$OUT/environment.json"
     LEDGER=1
+    # The node, as tools/te_wheels.py build --node reads it (the one-line command in its --help, with
+    # PYTHON): bring it back to make a TE wheelhouse that carries only what this node lacks.
+    bounded "$PYTHON" -c "import torch, platform, importlib.metadata as m; print('node: python', platform.python_version(), 'torch', torch.__version__, 'arch', 'sm_%d%d' % torch.cuda.get_device_capability()); [print(f'{d.name}=={d.version}') for d in m.distributions()]" \
+        >"$OUT/node.txt" 2>/dev/null || rm -f "$OUT/node.txt"
 fi
 
 # ---- 2. what the node lacks, installed from the wheel folder only (torch is never touched)
@@ -457,11 +483,44 @@ link_node_packages() {  # VENV sees PYTHON's packages. A .pth file, not --system
 }
 
 STAGE="the install"
-if [[ -z "${WHEELS:-}" && -d "$REPO/../gpu_wheels" ]]; then WHEELS=$(cd "$REPO/../gpu_wheels" && pwd); fi
-if [[ -n "${WHEELS:-}" && ! -d "$WHEELS" ]]; then
-    stop "WHEELS=$WHEELS is not a directory: set WHEELS to the folder tools/gpu_wheels.sh made"
+if [[ -z "${WHEELS:-}" ]]; then  # a TE wheelhouse first: carried beside the checkout, it is meant to be used
+    for candidate in te_wheels gpu_wheels; do
+        if [[ -d "$REPO/../$candidate" ]]; then WHEELS=$(cd "$REPO/../$candidate" && pwd); break; fi
+    done
 fi
-say "wheels: ${WHEELS:-none (no WHEELS, no ../gpu_wheels beside the checkout)}"
+if [[ -n "${WHEELS:-}" && ! -d "$WHEELS" ]]; then
+    stop "WHEELS=$WHEELS is not a directory: set WHEELS to the folder tools/gpu_wheels.sh or tools/te_wheels.py made"
+fi
+say "wheels: ${WHEELS:-none (no WHEELS, no ../te_wheels or ../gpu_wheels beside the checkout)}"
+
+# ---- 2a. Transformer Engine, where WHEELS is a TE wheelhouse (tools/te_wheels.py: its MANIFEST.txt
+# has '# target: python=3.12 torch=2.11.0+cu130 arch=sm_90 transformer-engine=2.20.2'). The extension
+# is built against one torch, the core library holds device code for one GPU architecture: both are
+# checked against this node before anything is installed.
+TE_VERSION=
+if [[ -n "${WHEELS:-}" && -f "$WHEELS/MANIFEST.txt" ]] && TE_TARGET=$(grep -m1 '^# target: ' "$WHEELS/MANIFEST.txt"); then
+    if [[ ! $TE_TARGET =~ torch=([^ ]+)\ arch=(sm_[0-9]+)\ transformer-engine=([^ ]+) ]]; then
+        stop "WHEELS=$WHEELS/MANIFEST.txt: unreadable target line '$TE_TARGET': remake the folder with tools/te_wheels.py"
+    fi
+    TE_TORCH=${BASH_REMATCH[1]} TE_ARCH=${BASH_REMATCH[2]} TE_VERSION=${BASH_REMATCH[3]}
+    say "Transformer Engine: $TE_VERSION from $WHEELS (built against torch $TE_TORCH, device code for $TE_ARCH only)"
+    REQUIREMENTS+=("transformer-engine[pytorch]==$TE_VERSION")
+    NODE_TORCH= NODE_ARCH=
+    if [[ -n "$NODE_FACTS" ]]; then
+        NODE_TORCH=$("$PYTHON" -c 'import json, sys; print(json.loads(sys.argv[1])["torch"])' "$NODE_FACTS")
+        NODE_ARCH=$("$PYTHON" -c 'import json, sys; print(json.loads(sys.argv[1]).get("arch", ""))' "$NODE_FACTS")
+    elif [[ $PYTHON_FOUND == 1 ]]; then  # --dry-run where the torch check did not pass: its torch still tells
+        NODE_TORCH=$(bounded "$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null) || NODE_TORCH=
+    fi
+    if [[ -n $NODE_TORCH ]]; then
+        REMAKE="remake it from this node's list: on the node, the command at the end of 'tools/te_wheels.py --help' writes node.txt; then, on a machine with PyPI access, tools/te_wheels.py build ../te_wheels --node node.txt"
+        if [[ $NODE_TORCH != "$TE_TORCH" ]]; then
+            stop "the TE wheelhouse WHEELS=$WHEELS was built against torch $TE_TORCH, this node's is $NODE_TORCH (the extension runs with that exact torch only): $REMAKE"
+        elif [[ -n $NODE_ARCH && $NODE_ARCH != "$TE_ARCH" ]]; then
+            stop "the TE wheelhouse WHEELS=$WHEELS holds device code for $TE_ARCH only, this GPU is $NODE_ARCH: $REMAKE"
+        fi
+    fi
+fi
 PIP_INSTALL=(-m pip --isolated install -q --disable-pip-version-check --no-index --no-deps)
 if [[ $VENV != system ]]; then
     if [[ $DRY_RUN == 1 || ! -x "$VENV/bin/python" ]]; then
@@ -509,7 +568,11 @@ elif [[ ${#MISSING[@]} -gt 0 ]]; then
     if [[ -z "${WHEELS:-}" ]]; then
         stop "this node lacks ${#MISSING[@]} package(s) (listed above) and there is no wheel folder: on a machine with PyPI access run tools/gpu_wheels.sh ../gpu_wheels, copy gpu_wheels/ beside this checkout (or set WHEELS=/path/to/it), and run again"
     else
-        stop "WHEELS=$WHEELS lacks what this node needs (listed above): remake it with tools/gpu_wheels.sh (from this checkout) on a machine with PyPI access"
+        if [[ -n $TE_VERSION ]]; then
+            stop "WHEELS=$WHEELS lacks what this node needs (listed above): remake it with tools/te_wheels.py build ../te_wheels --node node.txt (from this checkout; node.txt read on this node) on a machine with PyPI access"
+        else
+            stop "WHEELS=$WHEELS lacks what this node needs (listed above): remake it with tools/gpu_wheels.sh (from this checkout) on a machine with PyPI access"
+        fi
     fi
 fi
 if [[ ${#INSTALL[@]} == 0 ]]; then
@@ -525,6 +588,59 @@ else
         [[ $STILL_STATUS == 0 ]] || stop "could not check the install with $PY (its error is above)"
         [[ -z "$STILL" ]] || stop "after the install, still: $(tr '\n' ';' <<<"$STILL")"
     fi
+fi
+
+# ---- 2b. Transformer Engine's libraries. TE's core library needs libnccl.so.2, libcudart, libcublas
+# and cuDNN when it loads, and names no path to them (no RUNPATH): unless torch was imported first,
+# the dynamic loader finds them only through LD_LIBRARY_PATH (measured: 'import transformer_engine'
+# alone fails with "OSError: libnccl.so.2" even beside torch's nvidia/ packages). TE itself looks for
+# cuDNN, NVRTC and cuRAND in CUDNN_PATH, NVRTC_PATH, CURAND_PATH, CUDA_HOME, /usr/local/cuda, then in
+# the nvidia/ packages of the running environment -- which, in VENV, has none. All are set from the
+# nvidia/ packages beside PYTHON's torch (in VENV=system too: the same folders TE would find).
+te_library_paths() {  # $1: python; prints NAME=VALUE lines
+    bounded "$1" - <<'EOF'
+import os
+try:
+    import nvidia
+except ImportError:
+    raise SystemExit(0)  # no nvidia/ packages: TE looks in CUDA_HOME and /usr/local/cuda (its own search)
+roots = [str(root) for root in nvidia.__path__]
+def package(*names):  # the first nvidia/<name> with a lib/ folder (CUDA 13 wheels: cu13; CUDA 12: one per library)
+    for name in names:
+        for root in roots:
+            if os.path.isdir(os.path.join(root, name, "lib")):
+                return os.path.join(root, name)
+    return None
+found = {"CUDNN_PATH": package("cudnn"), "NVRTC_PATH": package("cu13", "cuda_nvrtc"), "CURAND_PATH": package("cu13", "curand")}
+for key, value in found.items():
+    if value:
+        print(f"{key}={value}")
+libs = [os.path.join(root, name, "lib") for root in roots for name in sorted(os.listdir(root))
+        if os.path.isdir(os.path.join(root, name, "lib"))]
+if libs:
+    print("LD_LIBRARY_PATH=" + os.pathsep.join(libs + [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]))
+EOF
+}
+# A TE the node has itself (no TE wheelhouse) is held to the same rule: it loads, or the check stops.
+if [[ -z $TE_VERSION && $PYTHON_FOUND == 1 ]] && "$PLAN_PY" -c '' >/dev/null 2>&1; then
+    TE_VERSION=$(bounded "$PLAN_PY" -c 'from importlib import metadata
+try:
+    print(metadata.version("transformer-engine"))
+except metadata.PackageNotFoundError:
+    pass' 2>/dev/null) || TE_VERSION=
+    [[ -z $TE_VERSION ]] || say "Transformer Engine $TE_VERSION is installed here: it must load (no fall-back to local layers)"
+fi
+if [[ -n $TE_VERSION && $PYTHON_FOUND == 1 ]]; then
+    STAGE="the Transformer Engine set-up"
+    TE_PATHS_STATUS=0
+    TE_PATHS=$(te_library_paths "$PLAN_PY") || TE_PATHS_STATUS=$?
+    [[ $TE_PATHS_STATUS == 0 ]] || stop "could not find the node's NVIDIA libraries with $PLAN_PY (its error is above)"
+    [[ $TE_PATHS == *CUDNN_PATH=* ]] || say "note: no nvidia/cudnn package beside PYTHON's torch: TE looks for cuDNN in CUDA_HOME and /usr/local/cuda"
+    while IFS= read -r line; do
+        [[ -n $line ]] || continue
+        say "+ export $(quote "$line")"
+        export "${line?}"
+    done <<<"$TE_PATHS"
 fi
 
 # ---- 3. import check: what the suite, the benchmark and a first real run (TensorBoard on) load
@@ -552,6 +668,65 @@ for name in sys.argv[1:]:
         traceback.print_exc()
         print(f"{name}: {type(error).__name__}: {(str(error).splitlines() or [chr(63)])[0]}")
         sys.exit(1)'
+# Transformer Engine first, where the wheel folder brought it: loading (and, on the GPU, running) it
+# fails in one line that names what is missing -- a library, a package, the GPU's kernels --, and the
+# check stops there: no fall-back to local layers. The traceback goes to a log beside the report.
+TE_CHECK='import re, sys, traceback
+gpu, log = sys.argv[1] == "1", sys.argv[2]
+def missing(error):
+    text = str(error)
+    first = f"{type(error).__name__}: {(text.strip().splitlines() or [chr(63)])[0]}"
+    library = re.search(r"(lib[\w.+-]*?\.so[\w.]*): cannot open shared object file", text)
+    if library:
+        return f"the library {library[1]} is not on the library path ({first}); LD_LIBRARY_PATH, CUDNN_PATH and NVRTC_PATH name where it is"
+    named = re.search(r"\b(\w+) shared object not found", text)
+    if named:
+        return f"{named[1]} is not found ({first}): TE looks in {named[1].upper()}_PATH, CUDA_HOME, /usr/local/cuda and its nvidia/ packages"
+    if isinstance(error, ModuleNotFoundError):
+        return f"the Python package {error.name} is missing ({first}): remake the wheel folder with tools/te_wheels.py"
+    if "no kernel image" in text:
+        return f"the core library has no kernels for this GPU ({first}): remake the wheel folder with --arch for it"
+    return first
+stage = "import transformer_engine.pytorch"
+try:
+    import torch
+    import transformer_engine.pytorch as te
+    stage = "import megatron.core.extensions.transformer_engine"
+    import megatron.core.extensions.transformer_engine  # noqa: F401
+    if gpu:
+        stage = "a bf16 te.Linear forward and backward on the GPU"
+        layer = te.Linear(256, 256).cuda().bfloat16()
+        layer(torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)).sum().backward()
+        torch.cuda.synchronize()
+except BaseException as error:
+    with open(log, "a") as file:
+        traceback.print_exc(file=file)
+    print(f"Transformer Engine does not load ({stage}): {missing(error)} [traceback: {log}]")
+    sys.exit(1)
+from importlib import metadata
+print("Transformer Engine", metadata.version("transformer-engine"), "loads" + (" and runs a bf16 te.Linear on the GPU" if gpu else ""))'
+te_check() {  # $1: 1 to run a layer on the GPU too; stops the check, in one line, when TE does not load
+    local status=0 out log
+    if [[ $LEDGER == 1 ]]; then log=$OUT/te_load.log; else log=$(mktemp -t te_load.XXXXXX); fi
+    if [[ $1 == 1 ]]; then
+        say "+ $(quote "$PY" -c "import transformer_engine.pytorch as te, torch; l = te.Linear(256, 256).cuda().bfloat16(); l(torch.randn(8, 256, device='cuda', dtype=torch.bfloat16)).sum().backward()")"
+    else
+        say "+ $(quote "$PY" -c "import transformer_engine.pytorch, megatron.core.extensions.transformer_engine")"
+    fi
+    [[ $DRY_RUN == 1 ]] && return 0
+    out=$(bounded "$PY" -c "$TE_CHECK" "$1" "$log" 2>>"$log") || status=$?
+    if timed_out "$status"; then
+        STOP_STATUS=1 stop "loading Transformer Engine ran out of time (TIME_LIMIT=${TIME_LIMIT}s)"
+    elif [[ $status != 0 ]]; then
+        stop "$(tail -n 1 <<<"$out"); no fall-back to local layers: fix that, or run without the TE wheelhouse (WHEELS=../gpu_wheels)"
+    fi
+    say "$(tail -n 1 <<<"$out")"
+}
+if [[ -n $TE_VERSION ]]; then
+    STAGE="loading Transformer Engine"
+    te_check 0
+    STAGE="the import check"
+fi
 IMPORT_LINE=$(IFS=,; echo "${IMPORTS[*]}")
 say "+ $(quote "$PY" -c "import ${IMPORT_LINE//,/, }")"
 if [[ $DRY_RUN == 0 ]]; then
@@ -607,6 +782,10 @@ for key, value in env.items():
 PYEOF
     if timed_out "$PROBE_STATUS"; then STOP_STATUS=1 stop "the environment probe ran out of time (TIME_LIMIT=${TIME_LIMIT}s)"; fi
     [[ $PROBE_STATUS == 0 ]] || stop "the environment probe failed (exit $PROBE_STATUS; its traceback is above)"
+fi
+if [[ -n $TE_VERSION ]]; then  # TE's own smoke test: a layer forward and backward on this GPU
+    STAGE="running Transformer Engine on the GPU"
+    te_check 1
 fi
 
 # ---- 5. the GPU suite, within what the time limit leaves (stopped with SIGINT: results so far are kept)

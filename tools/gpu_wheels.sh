@@ -26,6 +26,11 @@
 #   PLATFORMS  manylinux tags pip may match, space-separated (default: manylinux_2_28 down to
 #              manylinux_2_17 and their legacy aliases, x86_64)
 #
+# With Transformer Engine, use tools/te_wheels.py instead (its --help): it builds TE's torch extension
+# for the node's torch, trims TE's core library to the node's GPU, and gathers with them what this
+# script gathers, less what the node has (its package list, read on the node in one command), into
+# one folder (../te_wheels, which tools/gpu_check.sh prefers) within the same 60 MiB.
+#
 # DIR must be new, empty, or a folder this script made before (it has MANIFEST.txt), from which
 # wheels no longer needed (older versions, dropped requirements) are removed. Exit status 0 when the folder is complete and small
 # enough; 1 when a download failed (the network or a requirement: pip's message says which) or the
