@@ -25,6 +25,28 @@ after the code it wraps; :func:`apply` installs them once per process.
       bias correction runs with a step that is off by a factor of the parameter count -- wrong
       updates, silently (found by this project's bit-identical-resume test). Fix: after the
       load, every parameter gets its own copy of the step.
+
+2. **Distributed optimizer over fp32 parameters: every optimizer and DDP ever built stays
+   alive.** ``_build_model_and_main_param_groups`` takes a half-precision parameter's shard
+   as ``model_param.detach().view(-1)[range]`` but an fp32 parameter's as
+   ``model_param.view(-1)[range]``, without the ``detach``: a non-leaf view whose autograd
+   node (C++) holds the parameter's ``AccumulateGrad`` node, which carries DDP's backward
+   hook, a Python closure over the DDP wrapper. The wrapper keeps the TransformerConfig, whose
+   ``grad_scale_func`` is the optimizer's bound ``scale_loss``, and the optimizer keeps the
+   shards (its groups and the inner Adam's): a cycle through C++ references that Python's
+   collector cannot see, so neither object is ever freed -- at every EPAS switch, in either
+   switch mode, the whole training state of the region before (weights, gradient buffer, Adam
+   state) stays. Found with weak references to the old DDP, optimizer and gradient buffer
+   (alive after the switch and a collection, the DDP referred to by its hooks' closure cells)
+   and the shards' ``grad_fn`` (each of DDP's 27 ``grad_accs`` of the test model reachable
+   from one). Fix: the fp32 shards are detached as
+   well (the same storage and range, the same tensor attributes; the optimizer writes them
+   under ``no_grad`` only). Measured: tests/metrics/test_repeated_switches.py.
+3. **``RotaryEmbedding.forward`` is an ``lru_cache`` on the method** (up to 32 entries for the
+   class, keyed by the module): every model built keeps its rotary module and its
+   ``[s, 1, 1, d]`` table in the cache after the model is dropped. Fix:
+   :func:`release_dropped_models` clears it; the EPAS switch calls it once the old model is
+   gone (the next forward fills it again, for the new model only).
 """
 
 from __future__ import annotations
@@ -84,10 +106,45 @@ def _fix_distributed_optimizer() -> None:
     cls.load_state_dict = load_state_dict_fixed
 
 
+def _detach_fp32_shards() -> None:
+    """Fix 2: the distributed optimizer's fp32 shards as detached views (like its fp16/bf16 ones)."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    build_groups = cls._build_model_and_main_param_groups.__func__
+
+    @functools.wraps(build_groups)
+    def build_groups_fixed(cls_, gbuf_ranges, param_gbuf_map, opt_group_ranges, config):
+        groups = build_groups(cls_, gbuf_ranges, param_gbuf_map, opt_group_ranges, config)
+        shard_fp32_groups = groups[3]
+        detached = {}
+        for group in shard_fp32_groups:
+            for index, shard in enumerate(group):
+                if shard is not None and shard.grad_fn is not None:
+                    leaf = shard.detach()  # the same storage and range, no autograd graph
+                    leaf.__dict__.update(shard.__dict__)  # tensor-parallel and optimizer attributes
+                    detached[id(shard)] = group[index] = leaf
+        for group_range in opt_group_ranges:  # the inner optimizer's groups (built from the same shards)
+            params = group_range["orig_group"]["params"]
+            group_range["orig_group"]["params"] = [detached.get(id(param), param) for param in params]
+        return groups
+
+    cls._build_model_and_main_param_groups = classmethod(build_groups_fixed)
+
+
+def release_dropped_models() -> None:
+    """Fix 3: drop Megatron's per-class caches that hold modules of models no longer in use
+    (``RotaryEmbedding.forward``'s ``lru_cache``); call it once the old model objects are gone."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    RotaryEmbedding.forward.cache_clear()
+
+
 def apply() -> None:
     """Install the fixes (once per process)."""
     global _APPLIED
     if _APPLIED:
         return
     _fix_distributed_optimizer()
+    _detach_fp32_shards()
     _APPLIED = True

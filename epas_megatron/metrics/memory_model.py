@@ -596,10 +596,8 @@ def switch_transient_terms(shape: LayerShape, roles_before: Sequence[Role], role
        ``.grad``, ``.main_grad`` and the fp32 main weights' ``.grad`` (half precision, or the
        distributed optimizer), which a held fused-tensor factory would otherwise keep alive until
        the switch ends (its build function closes over the old parameter, whose ``main_param``
-       they are). Not with fp32 and the distributed optimizer: there the whole old DDP outlives
-       the switch (measured on CPU: every earlier training state stays, a leak not found yet).
-       The distributed optimizer's DDP copies the new trainable weights into its parameter buffer
-       (``w·T'`` more until each module tensor is released: ``ddp_copy``).
+       they are). The distributed optimizer's DDP copies the new trainable weights into its
+       parameter buffer (``w·T'`` more until each module tensor is released: ``ddp_copy``).
     2. *Model exchange*: a new weight with storage of its own takes the old one's storage over
        (the plain and mixed-precision optimizers: the new allocation is released; the
        distributed optimizer's weights are views into DDP's buffer, filled by copy, and the old
@@ -634,9 +632,7 @@ def switch_transient_terms(shape: LayerShape, roles_before: Sequence[Role], role
     terms = {
         "new_weights": w * (t_after + f_after),
         "new_gradient_buffer": 4 * t_after,
-        # fp32 with the distributed optimizer: the old DDP outlives the switch (a known leak:
-        # something outside Python's collector holds it), its buffer with it.
-        "old_gradient_buffer_released": 0 if (dist and not half) else -4 * t_before,
+        "old_gradient_buffer_released": -4 * t_before,
         "new_main_weights": 4 * t_after / div if half else 0,
         "ddp_copy": w * t_after if dist else 0,
         "new_moments": 8 * (arrived[0] + own * stayed) if plain else 8 * t_after / div,

@@ -27,6 +27,7 @@ from typing import Optional, Protocol
 import torch.distributed as dist
 
 from epas_megatron.checkpointing.in_memory import drop_gradients, hold_state, restore_state
+from epas_megatron.compat.megatron_fixes import release_dropped_models
 from epas_megatron.runtime.distributed import ParallelDims, all_reduce_values
 from epas_megatron.runtime.rng import preserved_rng_state
 
@@ -74,6 +75,7 @@ class SwitchExecutor:
             info = self._through_checkpoint(host, tuple(sharing_layers))
         else:
             info = self._in_memory(host, tuple(sharing_layers))
+        release_dropped_models()  # Megatron's caches of the old model's modules
         seconds = time.perf_counter() - start
         self.seconds.append(seconds)
         return {"seconds": seconds, "layout": host.layout, "previous_layout": previous_layout, "mode": self.mode, **info}
