@@ -60,10 +60,15 @@ def tracking(saved: LiveSavedBytes, sent: LiveSavedBytes, both: LiveSavedBytes):
 
     def batch_isend_irecv(ops):
         holds = [tracker.hold(op.tensor) for op in ops if op.op in (isend, send) for tracker in (sent, both)]
-        for op in ops:  # what runs the batch sees the send it knows
+        for op in ops:  # what runs the batch sees the send it knows (torch's own tells sends by c10d.isend)
             if op.op is isend:
                 op.op = send
-        return [_HeldWork(work, holds) for work in post(ops)]
+        dist.isend = c10d.isend = send
+        try:
+            works = post(ops)
+        finally:
+            dist.isend = c10d.isend = isend
+        return [_HeldWork(work, holds) for work in works]
 
     def isend(tensor, *args, **kwargs):  # an unbatched send (the executor has none; a control would)
         return _HeldWork(send(tensor, *args, **kwargs), [tracker.hold(tensor) for tracker in (sent, both)])
