@@ -62,7 +62,7 @@ def single_12(tmp_path_factory):
     return run_trainer(ARGS_12, tmp_path_factory.mktemp("pp1_12") / "run")
 
 
-@pytest.mark.parametrize("schedule", ["v-min", "v-1f1b"])
+@pytest.mark.parametrize("schedule", ["v-min", "v-half", "v-1f1b"])
 def test_four_rank_v_runs_with_switches_match_one_process(schedule, single_12, tmp_path):
     """p = 4 (eight V stages of a 12-layer model): three switches rebalance the stages and move
     layers between ranks, the hand-off rows cross every boundary, the forward-only validation runs
