@@ -98,3 +98,19 @@ def masked_swiglu(x, fc1, fc2, groups: int, k: int, rule=reference_channels) -> 
     grouped = gate.unflatten(-1, (groups, -1))  # [..., groups, c]
     mask = torch.zeros_like(grouped).scatter_(-1, rule(grouped, k), 1.0).flatten(-2)
     return (F.silu(gate) * up * mask) @ fc2.t()
+
+
+def forward_keeping(mlp, x):
+    """(The MLP's output, the channel indices its forward saves for backward: the only integer
+    tensor autograd's saved-tensor hooks see)."""
+    saved = []
+
+    def pack(tensor):
+        if not tensor.is_floating_point():
+            saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = mlp(x.detach().clone().requires_grad_())[0]
+    (index,) = saved
+    return out.detach(), index.long()

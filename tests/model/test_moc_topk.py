@@ -29,6 +29,7 @@ from epas_testing import REPO, run_script
 from moc_reference import (
     assert_close_to_reference,
     boundary_ties,
+    forward_keeping,
     gate_groups,
     higher_index_channels,
     masked_swiglu,
@@ -140,22 +141,6 @@ def moc_mlp(dtype, fc1, fc2, tp_group):
         mlp.linear_fc1.weight.copy_(fc1)
         mlp.linear_fc2.weight.copy_(fc2)
     return mlp
-
-
-def forward_keeping(mlp, x):
-    """(The MLP's output, the channel indices its forward saves for backward: the only integer
-    tensor autograd's saved-tensor hooks see)."""
-    saved = []
-
-    def pack(tensor):
-        if not tensor.is_floating_point():
-            saved.append(tensor)
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        out = mlp(x.detach().clone().requires_grad_())[0]
-    (index,) = saved
-    return out.detach(), index.long()
 
 
 @pytest.fixture(scope="module")

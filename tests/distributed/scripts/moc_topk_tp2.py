@@ -20,22 +20,11 @@ from epas_megatron.model.moc import MoCMLP
 from epas_megatron.model.weight_grad import DelayedWgradColumnParallelLinear, DelayedWgradRowParallelLinear
 from epas_megatron.runtime.distributed import init_distributed
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the shared helper
+
+from moc_reference import forward_keeping  # noqa: E402
+
 TP, GROUPS, TOPK = 2, 4, 0.25
-
-
-def forward_keeping(mlp, x):
-    """(output, the integer channel indices autograd saves in the forward)."""
-    saved = []
-
-    def pack(tensor):
-        if not tensor.is_floating_point():
-            saved.append(tensor)
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        out = mlp(x.detach().clone().requires_grad_())[0]
-    (index,) = saved
-    return out.detach(), index.long()
 
 
 def main(folder: Path):
