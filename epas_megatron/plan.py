@@ -389,16 +389,22 @@ def _switch_peaks(run, base, limit, measure, budget: Optional[float]) -> tuple[l
         for rank, need in enumerate(per_rank):
             if worst[rank] is None or need["peak"] > worst[rank][0]["peak"]:
                 worst[rank] = (need, iteration)
-    lines = ["memory per GPU through its largest in-memory switch (--epas-switch-mode memory: the new model, gradient "
-             "buffer and optimizer state exist before the old go; no micro-batch in flight)"
+    lines = ["memory per GPU through its largest in-memory switch (--epas-switch-mode memory: the new objects are "
+             "built on the meta device and take the state over, the optimizer state moves kind by kind through the "
+             "gradient buffer; no micro-batch in flight; step peak: the larger of the steps before and after it)"
              + (f" (budget {budget / GIB:.1f} GiB)" if budget else "") + ":",
-             "  pp rank  state before  switch transient        peak"]
-    fits = True
+             "  pp rank  state before  switch transient   switch peak    step peak"]
+    fits, above_step = True, []
     for rank, (need, iteration) in enumerate(worst):
         over = budget is not None and need["peak"] > budget
         fits = fits and not over
+        if need["peak"] > need["step_peak"]:
+            above_step.append(rank)
         lines.append(f"  {rank:7d}  {need['parameters'] / GIB:8.2f} GiB  {need['transient'] / GIB:12.2f} GiB  "
-                     f"{need['peak'] / GIB:8.2f} GiB  (switch at iteration {iteration}){'  DOES NOT FIT' if over else ''}")
+                     f"{need['peak'] / GIB:8.2f} GiB  {need['step_peak'] / GIB:8.2f} GiB  (switch at iteration {iteration})"
+                     f"{'  DOES NOT FIT' if over else ''}")
+    lines.append("every switch peaks below the steps around it: it fits wherever the steps fit" if not above_step else
+                 f"the switch peaks above the steps around it on pp rank(s) {', '.join(map(str, above_step))}")
     return lines, fits
 
 

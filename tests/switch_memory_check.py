@@ -1,5 +1,5 @@
 """The in-memory switch's memory, measured on the real trainer, next to the memory model's
-prediction (:func:`~epas_megatron.metrics.memory_model.switch_transient_terms`).
+bound (:func:`~epas_megatron.metrics.switch_memory.switch_transient_terms`).
 
 The trainer (``--epas-switch-mode memory``, local layers, 4 layers, one process) trains one step
 -- so that the optimizer holds Adam state -- and then carries out its one switch (region 0 -> 1)
@@ -36,8 +36,9 @@ import torch
 
 CONFIGURATIONS = [("fp32", False), ("bf16", False), ("bf16", True)]
 """(precision, distributed optimizer): Megatron's FP32Optimizer (Adam state on the model's
-parameters, adopted by the switch), the mixed-precision optimizer (fp32 main weights, copied), and
-the distributed optimizer (its shards, copied by element range) -- the GPU's default."""
+parameters, taken over by the switch), the mixed-precision optimizer (fp32 main weights through the
+gradient buffer, moments taken over), and the distributed optimizer (its shards by element range,
+kind by kind through the gradient buffer) -- the GPU's default."""
 
 
 def trainer_args(precision: str, distributed_optimizer: bool, output_dir: Path, hidden_size: int = 256) -> list[str]:
@@ -98,7 +99,8 @@ def measure_switch(precision: str, distributed_optimizer: bool, output_dir: Opti
     ``build_peak`` (bytes) and the memory model's terms for the same switch (``model``)."""
     from epas_megatron.assembly import memory_settings
     from epas_megatron.config.cli import parse_config
-    from epas_megatron.metrics.memory_model import LayerShape, switch_transient_terms
+    from epas_megatron.metrics.memory_model import LayerShape, rank_memory_bytes
+    from epas_megatron.metrics.switch_memory import switch_transient_terms
     from epas_megatron.sharing.shape import LayerMode
     from epas_megatron.training.trainer import Trainer
     from epas_megatron.validation import resolve_run
@@ -145,10 +147,11 @@ def measure_switch(precision: str, distributed_optimizer: bool, output_dir: Opti
     shape = LayerShape(m.hidden_size, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size, t.seq_length, t.micro_batch_size)
     roles = lambda iteration: ["share" if mode == LayerMode.SHARE else "compute" for mode in run.schedule.layer_modes(iteration)]
     layers = range(m.num_layers)
-    model = switch_transient_terms(shape, roles(iteration - 1), roles(iteration), layers, layers, 0, 1,
-                                   memory_settings(run, plan.arch.vocab_size))
+    settings = memory_settings(run, plan.arch.vocab_size)
+    model = switch_transient_terms(shape, roles(iteration - 1), roles(iteration), layers, layers, 0, 1, settings)
+    state = rank_memory_bytes(shape, [roles(iteration - 1)], 0, 1, 1, settings)["parameters"]
     return {"precision": precision, "distributed_optimizer": distributed_optimizer, "device": "cuda" if cuda else "cpu",
-            "peak": peak, "build_peak": build_peak, "model": model}
+            "peak": peak, "build_peak": build_peak, "model": model, "state": state}
 
 
 def main(argv=None) -> int:

@@ -126,33 +126,55 @@ def test_the_memory_models_kernels_are_the_builders(monkeypatch, backend, random
 
 
 def test_an_in_memory_switch_that_does_not_fit_says_so(tmp_path):
-    """Every region fits the budget, but the in-memory switch -- new model, gradient buffer and
-    optimizer state before the old go -- does not: exit 3, the switch's rank flagged; the same
-    run switching through a checkpoint fits. The shown peak is the parameter state plus the
-    memory model's transient for that switch."""
-    from epas_megatron.metrics.memory_model import LayerShape, RankMemorySettings, rank_memory_bytes, switch_transient_terms
+    """Every region fits the budget, but the in-memory switch does not: fp32 with the distributed
+    optimizer, whose switch holds the weights in Megatron's old DDP parameter buffer while the new
+    one is built (the one whole piece a switch allocates). Exit 3, the switch's rank flagged and
+    its peak above the steps around it; the same run switching through a checkpoint fits. The
+    shown peak is the parameter state plus the memory model's bound for that switch."""
+    from epas_megatron.metrics.memory_model import LayerShape, RankMemorySettings, rank_memory_bytes
+    from epas_megatron.metrics.switch_memory import switch_transient_terms
 
     args = ["--world-size", "1", "--gpu-memory-gb", "80", "--preset", "small", "--micro-batch-size", "1",
-            "--no-use-distributed-optimizer", "--epas-target-layers", "2", "--epas-interval", "10", "--train-iters", "40",
-            "--epas-memory-budget-gb", "0.5"]
+            "--use-distributed-optimizer", "--precision", "fp32", "--epas-target-layers", "2", "--epas-interval", "10",
+            "--train-iters", "40", "--epas-memory-budget-gb", "0.345"]
     proc = plan(*args, "--output-dir", str(tmp_path / "m"))
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "DOES NOT FIT" not in proc.stdout.split("largest in-memory switch")[0]  # every region fits
     row = next(line for line in proc.stdout.split("largest in-memory switch")[1].splitlines() if line.strip().startswith("0 "))
     assert "DOES NOT FIT" in row and "(switch at iteration 10)" in row
+    assert "the switch peaks above the steps around it on pp rank(s) 0" in proc.stdout
     assert proc.stdout.rstrip().endswith("(--epas-switch-mode checkpoint)")
-    # The figures: bf16 (a GPU's), the mixed-precision optimizer; the largest switch is the first
-    # (region 0 -> 1: the most trainable parameters before it).
+    # The figures: the largest switch is the first (region 0 -> 1: the most trainable
+    # parameters before it).
     shape = LayerShape(384, 6, 2, 1024, 256, 1)
-    settings = RankMemorySettings(vocab_size=8192, precision="bf16", fused_norm=True, fused_swiglu=True)
+    settings = RankMemorySettings(vocab_size=8192, precision="fp32", distributed_optimizer=True, fused_norm=True,
+                                  fused_swiglu=True)
     before, after = ["compute"] * 8, ["compute"] * 7 + ["share"]
     parameters = rank_memory_bytes(shape, [before], 0, 1, 1, settings)["parameters"]
     transient = switch_transient_terms(shape, before, after, range(8), range(8), 0, 1, settings)["transient"]
-    shown = [float(part.split()[-1]) for part in row.split("GiB")[:3]]
-    assert shown == [round(v / 2**30, 2) for v in (parameters, transient, parameters + transient)], row
-    assert parameters + transient > 0.5 * 2**30 > rank_memory_bytes(shape, [after], 0, 1, 1, settings)["total"]
+    step = max(rank_memory_bytes(shape, [roles], 0, 1, 1, settings)["total"] for roles in (before, after))
+    shown = [float(part.split()[-1]) for part in row.split("GiB")[:4]]
+    assert shown == [round(v / 2**30, 2) for v in (parameters, transient, parameters + transient, step)], row
+    assert parameters + transient > 0.345 * 2**30 > step
     staged = plan(*args, "--epas-switch-mode", "checkpoint", "--output-dir", str(tmp_path / "c"))
     assert staged.returncode == 0 and "in-memory switch" not in staged.stdout, staged.stdout[-3000:]
+
+
+def test_the_7b_switch_peaks_below_its_steps(tmp_path):
+    """The 7B config (bf16, distributed optimizer, TP 2 x PP 2 x DP 2, re-layouts at switches):
+    every rank's largest in-memory switch peaks below the steps around it (before the switch
+    built on the meta device it peaked 7 GiB above: 31.4 / 31.8 GiB against 24.4 / 21.8)."""
+    import re
+
+    proc = plan("--config", "launch/configs/7b.yaml", "--world-size", "8", "--gpu-memory-gb", "80",
+                "--output-dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    section = proc.stdout.split("largest in-memory switch")[1]
+    rows = [line for line in section.splitlines()[2:4]]
+    for row in rows:
+        state, transient, peak, step = (float(x) for x in re.findall(r"([\d.]+) GiB", row))
+        assert peak < step and transient < 0.05 * state, row
+    assert "every switch peaks below the steps around it" in section
 
 
 def test_mlp_recompute_in_the_plan(tmp_path):

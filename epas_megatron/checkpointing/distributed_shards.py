@@ -70,6 +70,8 @@ def hold_distributed_shards(held: HeldState, model_chunks, optimizer) -> None:
                                    "--epas-switch-mode checkpoint works for any parameter")
             tensors = {k: v.detach().view(-1) for k, v in part._get_main_param_and_optimizer_states(param).items()
                        if torch.is_tensor(v) and v.dim() > 0}
+            if tensors["param"].untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
+                del tensors["param"]  # fp32: the main weight is the model's own (a view of it), moved with the model
             held.dist_shards[identity] = OptimizerShard(param.numel(), owned.start, owned.end, tensors)
     held.optimizer_common = optimizer.state_dict()  # param groups, step, loss scaler: no parameter state
 
@@ -127,32 +129,32 @@ def _run_range_transfers(transfers, me: int, source_of, target_of, keys, stats: 
     send_and_receive(ops)
 
 
-@torch.no_grad()
-def restore_distributed_shards(held: HeldState, model_chunks, optimizer, stats: ExchangeStats) -> None:
-    """Fill the new distributed optimizer's shards from the old ones: each rank receives exactly
-    the elements it now owns, from whichever ranks owned them (its DP peers, or another
-    pipeline stage's ranks for a layer that moved). A parameter that changed -- a switching
-    layer's ``linear_v``, the V rows of its old fused QKV -- is assembled whole on one rank that
-    held part of it, split there by the fused tensor's own factory, and served from there."""
-    tensor_id, _ = shard_id_functions()
-    optimizer.load_state_dict(held.optimizer_common)  # param groups, step, scaler; shards allocated
+@dataclass
+class DistributedPlan:
+    """Who holds and who needs which elements of which parameter's optimizer state (every
+    rank's view, gathered once) and how a switching layer's fused state is assembled."""
+
+    gathered: list
+    needs: dict  # identity -> (numel, start, end, part, model parameter): this rank's new shards
+    changed: dict  # needed identity -> the fused identity it is a piece of
+    assembler: dict  # fused identity -> the rank that assembles it
+    numel_of: dict
+
+
+def plan_distributed(held: HeldState, model_chunks, optimizer) -> DistributedPlan:
+    """Collective: gather every rank's held and needed ranges (no tensor moves)."""
     identities = model_identities(model_chunks)
-    needs: dict[tuple, tuple[int, int, int, dict]] = {}
+    needs = {}
     for part in distributed_parts(optimizer):
         for param, owned in _owned_ranges(part):
-            tensors = {k: v.view(-1) for k, v in part._get_main_param_and_optimizer_states(param).items()
-                       if torch.is_tensor(v) and v.dim() > 0}
-            needs[identities[id(param)]] = (param.numel(), owned.start, owned.end, tensors)
-    keys = sorted(next(iter(held.dist_shards.values())).tensors) if held.dist_shards else ["exp_avg", "exp_avg_sq", "param"]
+            needs[identities[id(param)]] = (param.numel(), owned.start, owned.end, part, param)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    me = dist.get_rank() if dist.is_initialized() else 0
     pieces_of = {identity: [p[0] for p in identity[1][3]] for identity in held.dist_shards if identity[0] == "factory"}
     info = {"holds": {i: (s.numel, s.start, s.end) for i, s in held.dist_shards.items()},
             "needs": {i: (n[0], n[1], n[2]) for i, n in needs.items()}, "pieces": pieces_of}
     gathered = [info] if world == 1 else [None] * world
     if world > 1:
         dist.all_gather_object(gathered, info)
-
     # Which needed identities nobody holds as such: pieces of a held fused tensor (a switch).
     held_anywhere = {i for g in gathered for i in g["holds"]}
     piece_owner: dict[str, tuple] = {}
@@ -160,7 +162,7 @@ def restore_distributed_shards(held: HeldState, model_chunks, optimizer, stats: 
         for factory, pieces in g["pieces"].items():
             for piece in pieces:
                 piece_owner.setdefault(piece, factory)
-    changed = {}  # needed identity -> (factory identity)
+    changed = {}
     for g in gathered:
         for identity in g["needs"]:
             if identity in held_anywhere:
@@ -169,31 +171,82 @@ def restore_distributed_shards(held: HeldState, model_chunks, optimizer, stats: 
                 raise RuntimeError(f"in-memory switch: no rank holds the optimizer state of {identity[1][0]}; "
                                    f"--epas-switch-mode checkpoint")
             changed[identity] = piece_owner[repr(identity[1])]
+    assembler = {factory: min(rank for rank, g in enumerate(gathered) if factory in g["holds"])
+                 for factory in sorted(set(changed.values()), key=repr)}
+    numel_of = {i: h[0] for g in gathered for i, h in g["holds"].items()}
+    return DistributedPlan(gathered, needs, changed, assembler, numel_of)
+
+
+def stash_distributed(held: HeldState, keys: list[str], stash, keep: set) -> dict:
+    """Put this rank's held shards of ``keys`` into ``stash``
+    (:class:`~epas_megatron.checkpointing.stash.GradientBufferStash`) and free the held tensors
+    whose every alias fitted; ``keep``: identities not to stash (a switching layer's fused state,
+    assembled from the held tensors later). Returns (identity, key) -> the stashed copy."""
+    from epas_megatron.checkpointing.stash import release_storage
+
+    stashed, by_storage = {}, {}
+    for identity, shard in held.dist_shards.items():
+        for key, tensor in shard.tensors.items():
+            by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append((identity, key, tensor))
+            if key in keys and identity not in keep:
+                copy = stash.put(tensor)
+                if copy is not None:
+                    stashed[(identity, key)] = copy
+    for aliases in by_storage.values():
+        if all((identity, key) in stashed for identity, key, _ in aliases):
+            release_storage(aliases[0][2])
+            for identity, key, _ in aliases:
+                del held.dist_shards[identity].tensors[key]
+    return stashed
+
+
+def _state_tensors(part, param, keys: list[str]) -> dict:
+    """The new optimizer's flat tensors of ``keys`` for ``param``'s shard. Only the main weight
+    (``param``) is looked up without touching the torch optimizer's state: before its moments
+    are allocated (by ``load_state_dict``, which allocates only for an empty state) a lookup
+    would enter an empty state for the parameter."""
+    if keys == ["param"]:
+        group_index, group_order = part.model_param_group_index_map[param]
+        return {"param": part.optimizer.param_groups[group_index]["params"][group_order].view(-1)}
+    states = part._get_main_param_and_optimizer_states(param)
+    return {k: states[k].view(-1) for k in keys}
+
+
+@torch.no_grad()
+def fill_distributed(plan: DistributedPlan, held: HeldState, keys: list[str], stashed: dict, stats: ExchangeStats) -> None:
+    """Fill the new distributed optimizer's shards of ``keys`` from the old ones (held or
+    ``stashed``): each rank receives exactly the elements it now owns, from whichever ranks owned
+    them (its DP peers, or another pipeline stage's ranks for a layer that moved). A parameter
+    that changed -- a switching layer's ``linear_v``, the V rows of its old fused QKV -- is
+    assembled whole on one rank that held part of it, split there by the fused tensor's own
+    factory, and served from there. Collective."""
+    tensor_id, _ = shard_id_functions()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    me = dist.get_rank() if dist.is_initialized() else 0
+    gathered, changed = plan.gathered, plan.changed
+    targets = {identity: (start, _state_tensors(part, param, keys)) for identity, (_, start, _, part, param) in plan.needs.items()}
     # Round 1: every unchanged range where it is now owned, and each changed fused tensor whole
     # on the lowest rank that held part of it.
-    assembler = {}
-    for factory in sorted(set(changed.values()), key=repr):
-        assembler[factory] = min(rank for rank, g in enumerate(gathered) if factory in g["holds"])
     wants = [(rank, i, n[1], n[2]) for rank, g in enumerate(gathered) for i, n in g["needs"].items() if i not in changed]
-    numel_of = {i: h[0] for g in gathered for i, h in g["holds"].items()}
-    wants += [(rank, factory, 0, numel_of[factory]) for factory, rank in assembler.items()]
-    assembled = {factory: {k: torch.empty(numel_of[factory], dtype=torch.float32,
-                                          device=next(iter(held.dist_shards[factory].tensors.values())).device)
-                           for k in keys}
-                 for factory, rank in assembler.items() if rank == me}
+    wants += [(rank, factory, 0, plan.numel_of[factory]) for factory, rank in plan.assembler.items()]
+    device = next(iter(t for _, ts in targets.values() for t in ts.values()), torch.empty(0)).device
+    assembled = {factory: {k: torch.empty(plan.numel_of[factory], dtype=torch.float32, device=device) for k in keys}
+                 for factory, rank in plan.assembler.items() if rank == me}
 
     def source_of(identity, key, lo, hi):
         shard = held.dist_shards[identity]
-        return shard.tensors[key][lo - shard.start:hi - shard.start]
+        tensor = stashed.get((identity, key))
+        tensor = shard.tensors[key] if tensor is None else tensor
+        return tensor[lo - shard.start:hi - shard.start]
 
     def target_of(identity, key, lo, hi):
         if identity in assembled:
             return assembled[identity][key][lo:hi]
-        need = needs[identity]
-        return need[3][key][lo - need[1]:hi - need[1]]
+        start, tensors = targets[identity]
+        return tensors[key][lo - start:hi - start]
 
-    plan = sorted(_range_transfers(gathered, wants), key=repr)
-    _run_range_transfers(plan, me, source_of, target_of, keys, stats)
+    plan_round = sorted(_range_transfers(gathered, wants), key=repr)
+    _run_range_transfers(plan_round, me, source_of, target_of, keys, stats)
     if not changed:
         return
     # Round 2: the assembling ranks split the fused tensors (the model factory's own row split)
@@ -217,5 +270,54 @@ def restore_distributed_shards(held: HeldState, model_chunks, optimizer, stats: 
     def piece_source(identity, key, lo, hi):
         return pieces[identity][key][lo:hi]
 
-    plan = sorted(_range_transfers([{"holds": s} for s in served], wants), key=repr)
-    _run_range_transfers(plan, me, piece_source, target_of, keys, stats)
+    plan_round = sorted(_range_transfers([{"holds": s} for s in served], wants), key=repr)
+    _run_range_transfers(plan_round, me, piece_source, target_of, keys, stats)
+
+
+def allocate_state(optimizer, kind: str) -> None:
+    """Allocate the new distributed optimizer's Adam state of one ``kind`` (``exp_avg`` or
+    ``exp_avg_sq``) for every shard, as Megatron's ``load_state_dict`` does for all kinds at
+    once (left unfilled: every element is filled next). ``load_state_dict`` then finds the state
+    allocated and only loads the groups, step and scaler into it."""
+    for part in distributed_parts(optimizer):
+        dtype = part._get_state_key_dtype(kind) if hasattr(part, "_get_state_key_dtype") else torch.float32
+        for group in part.optimizer.param_groups:
+            for main in group["params"]:
+                part.optimizer.state[main][kind] = torch.empty(main.numel(), dtype=dtype, device=main.device)
+
+
+@torch.no_grad()
+def gather_weights(model_chunks) -> None:
+    """Every data-parallel rank's part of DDP's parameter buffers to every rank: what the
+    distributed optimizer's all-gather does after a step, as one broadcast per rank's part, in
+    place (gloo's all-gather stages its output in a temporary buffer of the bucket's size; NCCL's
+    does not -- a broadcast needs none on either). Collective over each data-parallel group."""
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    for chunk in model_chunks:
+        for group in [*getattr(chunk, "bucket_groups", []), *getattr(chunk, "expert_parallel_bucket_groups", [])]:
+            size = group.intra_distributed_optimizer_instance_size
+            if size == 1:
+                continue
+            process_group = group.intra_distributed_optimizer_instance_group
+            for bucket in group.buckets:
+                for rank, part in enumerate(shard_buffer(bucket.param_data, size)):
+                    dist.broadcast(part, src=dist.get_global_rank(process_group, rank), group=process_group)
+
+
+def state_keys(held: HeldState) -> list[str]:
+    """The optimizer state's kinds (``param``: the fp32 main weights; the Adam moments)."""
+    for shard in held.dist_shards.values():
+        if shard.tensors:
+            return sorted(shard.tensors)
+    return ["exp_avg", "exp_avg_sq", "param"]
+
+
+@torch.no_grad()
+def restore_distributed_shards(held: HeldState, model_chunks, optimizer, stats: ExchangeStats) -> None:
+    """Fill a new distributed optimizer (built, its state not yet allocated) from the old one's
+    shards, every kind at once (what :class:`~epas_megatron.checkpointing.in_memory.SwitchAdoption`
+    does kind by kind through the gradient buffer)."""
+    keys = state_keys(held)
+    optimizer.load_state_dict(held.optimizer_common)  # param groups, step, scaler; shards allocated
+    fill_distributed(plan_distributed(held, model_chunks, optimizer), held, keys, {}, stats)

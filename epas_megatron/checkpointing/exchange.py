@@ -103,6 +103,9 @@ class HeldState:
     optimizer_states: dict[tuple, dict] = field(default_factory=dict)
     """Model-parameter identity -> the old optimizer's state of that parameter (adoptable)."""
 
+    main_weights: dict[tuple, torch.Tensor] = field(default_factory=dict)
+    """Mixed-precision optimizer: model-parameter identity -> its old fp32 main weight."""
+
     common: dict = field(default_factory=dict)
     """The non-sharded part (scheduler, optimizer param groups, train state)."""
 

@@ -41,7 +41,8 @@ What both exchanges share (the held state, parameter identities, the statistics,
 point-to-point round) is in :mod:`epas_megatron.checkpointing.exchange`.
 
 Use: :func:`hold_state` before the old objects are released (it keeps only their tensors),
-build the new objects, :func:`restore_state`, then drop the :class:`HeldState`.
+build the new objects through a :class:`SwitchAdoption` of it (or, into objects already built,
+:func:`restore_state`), then drop the :class:`HeldState`.
 """
 
 from __future__ import annotations
@@ -59,9 +60,15 @@ from epas_megatron.checkpointing.checkpoint import (
     sharded_state,
 )
 from epas_megatron.checkpointing.distributed_shards import (
+    allocate_state,
     distributed_parts,
+    fill_distributed,
+    gather_weights,
     hold_distributed_shards,
+    plan_distributed,
     restore_distributed_shards,
+    stash_distributed,
+    state_keys,
 )
 from epas_megatron.checkpointing.exchange import (
     ExchangeStats,
@@ -74,20 +81,29 @@ from epas_megatron.checkpointing.exchange import (
     send_and_receive,
     shard_id_functions,
 )
+from epas_megatron.checkpointing.stash import GradientBufferStash, release_storage
+from epas_megatron.runtime.wrapping import unwrap_model
 
 
-def _torch_optimizers(optimizer) -> list:
+def _parameter_pairs(optimizer) -> list[tuple]:
+    """(torch optimizer, model parameter, the parameter the torch optimizer steps) of Megatron's
+    non-distributed optimizers: the model parameter itself for the fp32 optimizer (and fp32
+    parameters of a mixed-precision one), its fp32 main weight for a half-precision parameter of
+    the mixed-precision optimizer. Empty for any other optimizer."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
+
     parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    return [getattr(part, "optimizer", None) for part in parts if getattr(part, "optimizer", None) is not None]
-
-
-def _state_on_model_params(optimizer) -> bool:
-    """Whether the optimizer keeps its state on the model's parameters (not on fp32 copies or
-    flat shards): only then can a new optimizer adopt the old state tensors by parameter."""
-    from megatron.core.optimizer.optimizer import FP32Optimizer
-
-    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    return all(type(part) is FP32Optimizer for part in parts)
+    pairs = []
+    for part in parts:
+        if type(part) is FP32Optimizer:
+            pairs += [(part.optimizer, p, p) for group in part.optimizer.param_groups for p in group["params"]]
+        elif type(part) is Float16OptimizerWithFloat16Params:
+            for halves, mains in zip(part.float16_groups, part.fp32_from_float16_groups):
+                pairs += [(part.optimizer, p, main) for p, main in zip(halves, mains)]
+            pairs += [(part.optimizer, p, p) for group in part.fp32_from_fp32_groups for p in group]
+        else:
+            return []
+    return pairs
 
 
 def _is_optimizer_key(key: str) -> bool:
@@ -114,18 +130,22 @@ def hold_state(model_chunks, optimizer, scheduler, train_state: dict) -> HeldSta
     if lean_distributed:  # its own shards, by parameter: no gather over data parallelism
         hold_distributed_shards(held, model_chunks, optimizer)
         held.scheduler_state = scheduler.state_dict()
-    elif with_optimizer and _state_on_model_params(optimizer):
+    elif with_optimizer:
         identities = model_identities(model_chunks)
-        for torch_optimizer in _torch_optimizers(optimizer):
-            for param, param_state in torch_optimizer.state.items():
-                if id(param) in identities and param_state:
-                    held.optimizer_states[identities[id(param)]] = dict(param_state)
+        for torch_optimizer, param, stepped in _parameter_pairs(optimizer):
+            identity = identities.get(id(param))
+            if identity is not None and torch_optimizer.state.get(stepped):
+                held.optimizer_states[identity] = dict(torch_optimizer.state[stepped])
+                if stepped is not param:
+                    held.main_weights[identity] = stepped
     state = sharded_state(model_chunks, optimizer, scheduler, train_state, loading=False,
                           with_optimizer=with_optimizer and not lean_distributed, with_rng=False)
     factories, rest = extract_matching_values(state, lambda x: isinstance(x, ShardedTensorFactory))
     unsigned = []
     for factory in nested_values(factories):
         factory = replace(factory, data=factory.data.detach())  # not the Parameter (its .main_grad keeps DDP's buffer)
+        _unpin_closures(factory.build_fn)
+        _unpin_closures(factory.merge_fn)
         signature = factory_signature(factory)
         if signature is None:
             unsigned.extend(built_shards(factory.build()))
@@ -149,6 +169,24 @@ def hold_state(model_chunks, optimizer, scheduler, train_state: dict) -> HeldSta
             if is_main_replica(item.replica_id):
                 held.main_objects.add(shard)
     return held
+
+
+def _unpin_closures(fn, depth: int = 3) -> None:
+    """Megatron's factories' build functions close over the original ``ShardedTensor`` (SwiGLU's
+    FC1: for its offsets and shape), whose data is the old Parameter -- a view into the old DDP
+    parameter buffer: a held factory (or its meta template) would keep that whole buffer to the
+    end of the switch. The closed-over shard keeps its metadata and loses its data (meta)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, ShardedTensor) and value.data is not None and not value.data.is_meta:
+            cell.cell_contents = replace(value, data=value.data.detach().to("meta"))
+        elif callable(value) and depth > 0 and hasattr(value, "__closure__"):
+            _unpin_closures(value, depth - 1)
 
 
 def drop_gradients(model_chunks) -> None:
@@ -289,9 +327,10 @@ def _fill_objects(needs: dict[ShardId, list], held: HeldState, stats: ExchangeSt
 
 
 @torch.no_grad()
-def _exchange(state: dict, held: HeldState, common: dict, stats: ExchangeStats) -> dict:
+def _exchange(state: dict, held: HeldState, common: dict, stats: ExchangeStats, filled: frozenset = frozenset()) -> dict:
     """Fill a loading sharded state from ``held``; the loaded state dict, as
-    ``dist_checkpointing.load`` returns it (``common`` is merged into and returned)."""
+    ``dist_checkpointing.load`` returns it (``common`` is merged into and returned). ``filled``:
+    data pointers of tensors that already hold their values (left as they are)."""
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge, nested_values
     from megatron.core.dist_checkpointing.mapping import (
         ShardedObject,
@@ -310,8 +349,9 @@ def _exchange(state: dict, held: HeldState, common: dict, stats: ExchangeStats) 
         # this rank has and already holds (the result keeps the state dict's list positions).
         if isinstance(item, ShardedTensorFactory):
             signature = factory_signature(item)
-            if signature is not None and signature in held.factories:
-                _copy_into(item.data, held.factories[signature].data, item.key, stats)
+            if item.data.data_ptr() in filled or (signature is not None and signature in held.factories):
+                if item.data.data_ptr() not in filled:
+                    _copy_into(item.data, held.factories[signature].data, item.key, stats)
                 placeholder = ShardedObject(f"in_memory_switch.unchanged.{len(unchanged)}", item.data, (1,), (0,), replica_id=0)
                 unchanged[object_id(placeholder)] = item.data
                 return placeholder
@@ -324,7 +364,7 @@ def _exchange(state: dict, held: HeldState, common: dict, stats: ExchangeStats) 
     tensor_needs: dict[ShardId, list] = {}
     object_needs: dict[ShardId, list] = {}
     for item in nested_values(sharded):
-        if isinstance(item, ShardedTensor):
+        if isinstance(item, ShardedTensor) and item.data.data_ptr() not in filled:
             tensor_needs.setdefault(tensor_id(item), []).append(item)
         elif isinstance(item, ShardedObject):
             object_needs.setdefault(object_id(item), []).append(item)
@@ -338,53 +378,198 @@ def _exchange(state: dict, held: HeldState, common: dict, stats: ExchangeStats) 
 def _adopt_optimizer_states(held: HeldState, model_chunks, optimizer, stats: ExchangeStats) -> None:
     """Give every new parameter whose identity is unchanged the old optimizer's state tensors
     (before the optimizer allocates its own: Megatron only initialises empty states)."""
-    if not held.optimizer_states or not _state_on_model_params(optimizer):
+    if not held.optimizer_states:
         return
     identities = model_identities(model_chunks)
-    for torch_optimizer in _torch_optimizers(optimizer):
-        for group in torch_optimizer.param_groups:
-            for param in group["params"]:
-                old = held.optimizer_states.pop(identities.get(id(param)), None)
-                if old is None or torch_optimizer.state.get(param):
-                    continue
-                if any(torch.is_tensor(v) and v.dim() > 0 and v.shape != param.shape for v in old.values()):
-                    continue
-                torch_optimizer.state[param] = old
-                stats.tensors_adopted += sum(1 for v in old.values() if torch.is_tensor(v) and v.dim() > 0)
+    for torch_optimizer, param, stepped in _parameter_pairs(optimizer):
+        old = held.optimizer_states.pop(identities.get(id(param)), None)
+        if old is None or torch_optimizer.state.get(stepped):
+            continue
+        if any(torch.is_tensor(v) and v.dim() > 0 and v.shape != stepped.shape for v in old.values()):
+            continue
+        torch_optimizer.state[stepped] = old
+        stats.tensors_adopted += sum(1 for v in old.values() if torch.is_tensor(v) and v.dim() > 0)
     held.optimizer_states.clear()
 
 
-def restore_state(held: HeldState, model_chunks, optimizer, scheduler) -> ExchangeStats:
-    """Load ``held`` into freshly built objects, as a checkpoint load of the same state would.
-    Collective: every rank calls it. Random-number state is left alone (the caller's). The
-    model's tensors leave ``held`` once loaded; drop ``held`` afterwards. The old objects must
-    not be used again: the new ones may own their tensors now."""
-    stats = ExchangeStats()
-    common = _rank0_common(held.common)
-    model_keys = [f"model{i or ''}" for i in range(len(model_chunks))]
+def _stash_main_weights(held: HeldState, model_chunks, stash) -> dict:
+    """Mixed-precision optimizer: every held fp32 main weight whose parameter is in the new model
+    goes to the gradient buffer and its memory is freed (the new optimizer allocates its own
+    next). Returns identity -> the stashed copy."""
+    identities = model_identities(model_chunks)
+    stashed = {}
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            identity = identities.get(id(param))
+            main = held.main_weights.get(identity)
+            if main is None or main.shape != param.shape:
+                continue
+            copy = stash.put(main)
+            if copy is not None:
+                stashed[identity] = copy
+                del held.main_weights[identity]
+                release_storage(main)  # its views among the held checkpoint shards too: skipped (filled)
+    return stashed
 
-    # 1. The model. Then the old weights go, before any optimizer state is allocated.
+
+class SwitchAdoption:
+    """The new region's training state built from a :class:`HeldState` without a second copy
+    (a :class:`~epas_megatron.engine.state.StateAdoption`: the build calls it between the steps
+    that allocate).
+
+    1. :meth:`model`: the chunks come with their parameters on the meta device; each takes the
+       held tensor of its identity (:func:`~epas_megatron.checkpointing.exchange.model_identities`:
+       an unchanged layer's weights, fused ones included) -- no copy --, the rest (a switching
+       layer's new ``linear_v`` and frozen Q/K, layers arriving from another pipeline stage) are
+       allocated and filled by the exchange. The held weights that nothing adopted (the switching
+       layers' fused QKV) go before DDP is built.
+    2. :meth:`optimizer`: the optimizer's state, as :func:`restore_state`'s second half.
+
+    Collective: every rank builds (and so calls it) together."""
+
+    def __init__(self, held: HeldState):
+        self.held = held
+        self.stats = ExchangeStats()
+        """What the exchange moved, on this rank."""
+        self.common: dict | None = None
+        self.stash = None
+        self.stashed: dict = {}
+        self.kinds: list[str] = []
+        self.weights_from_main = False
+        self.placeholders: set[int] = set()
+
+    def _common(self) -> dict:
+        if self.common is None:
+            self.common = _rank0_common(self.held.common)
+        return self.common
+
+    def model(self, chunks: list) -> None:
+        from epas_megatron.model.materialize import materialize
+        from epas_megatron.runtime.device import compute_device
+
+        held, device = self.held, compute_device()
+        identities = model_identities(chunks)
+        # The distributed optimizer's half-precision weights are its fp32 main weights rounded
+        # (copied and gathered after every step): rebuilt from them once the optimizer is
+        # filled, the old weights go before DDP builds its new parameter buffer.
+        self.weights_from_main = bool(held.dist_shards) and any(
+            p.requires_grad and p.dtype in (torch.bfloat16, torch.float16) for chunk in chunks for p in chunk.parameters())
+
+        def held_tensor(param):
+            if self.weights_from_main and param.requires_grad:
+                placeholder = torch.empty_strided(param.shape, (0,) * param.dim(), dtype=param.dtype, device=device)
+                self.placeholders.add(placeholder.data_ptr())
+                return placeholder
+            identity = identities.get(id(param))
+            if identity is None:
+                return None
+            kind, key = identity
+            source = held.factories[key].data if kind == "factory" and key in held.factories else (
+                held.tensors.get(key) if kind == "tensor" else None)
+            if source is None or source.shape != param.shape or source.dtype != param.dtype or source.device != device:
+                return None
+            return source
+
+        counts = materialize(chunks, device, held_tensor)
+        self.stats.tensors_adopted += counts["adopted"] - len(self.placeholders)
+        _restore_model(held, chunks, self._common(), self.stats, frozenset(self.placeholders))
+
+    def before_optimizer(self, model: list) -> None:
+        held = self.held
+        self.stash = GradientBufferStash(model)
+        if held.dist_shards:
+            self.kinds = state_keys(held)
+            self.stashed = stash_distributed(held, ["param"], self.stash, set())
+        elif held.main_weights:
+            self.stashed = _stash_main_weights(held, model, self.stash)
+
+    def optimizer(self, model: list, optimizer, scheduler) -> None:
+        held, stats, stash = self.held, self.stats, self.stash
+        if held.dist_shards:
+            # Kind by kind: the old kind into the gradient buffer and freed, the new kind
+            # allocated and filled from there.
+            plan = plan_distributed(held, model, optimizer)
+            if "param" in self.kinds:
+                fill_distributed(plan, held, ["param"], self.stashed, stats)
+                stash.clear()
+            if self.weights_from_main:  # as a step ends: main weights into the model's, gathered over DP
+                for part in distributed_parts(optimizer):
+                    part._copy_main_params_to_model_params()
+                gather_weights(model)
+            for kind in (kind for kind in self.kinds if kind != "param"):
+                stashed = stash_distributed(held, [kind], stash, set())
+                allocate_state(optimizer, kind)
+                fill_distributed(plan, held, [kind], stashed, stats)
+                stash.clear()
+            optimizer.load_state_dict(held.optimizer_common)  # the state exists: param groups, step, scaler
+            scheduler.load_state_dict(held.scheduler_state)
+            return
+        filled = set()
+        if self.stashed:
+            identities = model_identities(model)
+            for _, param, stepped in _parameter_pairs(optimizer):
+                copy = self.stashed.get(identities.get(id(param)))
+                if copy is not None:
+                    stepped.copy_(copy)
+                    filled.add(stepped.data_ptr())
+            stash.clear()
+        _restore_optimizer(held, model, optimizer, scheduler, self._common(), stats, frozenset(filled))
+
+
+def _model_keys(model_chunks) -> list[str]:
+    return [f"model{i or ''}" for i in range(len(model_chunks))]
+
+
+def _restore_model(held: HeldState, model_chunks, common: dict, stats: ExchangeStats, later: frozenset = frozenset()) -> None:
+    """Load the held model state into the chunks -- but the parameters whose data pointers are in
+    ``later`` (filled after the optimizer) --; then the held weights go (before any optimizer
+    state is allocated)."""
+    model_keys = _model_keys(model_chunks)
     state = sharded_state(model_chunks, None, None, {}, loading=True, with_optimizer=False, with_rng=False)
     state.pop("train_state")
-    loaded = _exchange(state, held, {k: v for k, v in common.items() if k in model_keys}, stats)
-    apply_loaded_state(loaded, model_chunks, None, None, with_optimizer=False, restore_rng=False)
+    loaded = _exchange(state, held, {k: v for k, v in common.items() if k in model_keys}, stats, later)
+    if later:
+        for key, chunk in zip(model_keys, model_chunks):
+            skipped = {name for name, value in loaded[key].items() if torch.is_tensor(value) and value.data_ptr() in later}
+            result = unwrap_model(chunk).load_state_dict({k: v for k, v in loaded[key].items() if k not in skipped},
+                                                         strict=False)
+            if set(result.missing_keys) != skipped or result.unexpected_keys:
+                raise RuntimeError(f"in-memory switch: loading {key} left {sorted(set(result.missing_keys) - skipped)} "
+                                   f"missing and {result.unexpected_keys} unexpected")
+    else:
+        apply_loaded_state(loaded, model_chunks, None, None, with_optimizer=False, restore_rng=False)
     held.release(keep=_is_optimizer_key)
     del loaded, state  # the loaded model state (a switching layer's merged frozen Q/K rows among it)
 
-    # 2. The optimizer and LR schedule (or, before the first step, the fp16 loss scale).
+
+def _restore_optimizer(held: HeldState, model_chunks, optimizer, scheduler, common: dict, stats: ExchangeStats,
+                       filled: frozenset = frozenset()) -> None:
+    """The optimizer and LR schedule (or, before the first step, the fp16 loss scale)."""
+    model_keys = _model_keys(model_chunks)
     rest = {k: v for k, v in common.items() if k not in model_keys}
     if held.dist_shards or held.optimizer_common is not None:
         restore_distributed_shards(held, model_chunks, optimizer, stats)
         scheduler.load_state_dict(held.scheduler_state)
-        return stats
+        return
     if held.with_optimizer:
         _adopt_optimizer_states(held, model_chunks, optimizer, stats)
         state = sharded_state(model_chunks, optimizer, scheduler, {}, loading=True, with_optimizer=True, with_rng=False)
         for key in (*model_keys, "train_state"):
             state.pop(key)
-        loaded = _exchange(state, held, rest, stats)
+        loaded = _exchange(state, held, rest, stats, filled)
     else:
         loaded = rest
     apply_loaded_state(loaded, model_chunks, optimizer, scheduler, with_optimizer=held.with_optimizer, restore_rng=False,
                        with_model=False)
-    return stats
+
+
+def restore_state(held: HeldState, model_chunks, optimizer, scheduler) -> ExchangeStats:
+    """Load ``held`` into objects already built (a switch builds through :class:`SwitchAdoption`
+    instead), as a checkpoint load of the same state would. Collective: every rank calls it.
+    Random-number state is left alone (the caller's). The model's tensors leave ``held`` once
+    loaded; drop ``held`` afterwards. The old objects must not be used again: the new ones may own
+    their tensors now."""
+    adoption = SwitchAdoption(held)
+    _restore_model(held, model_chunks, adoption._common(), adoption.stats)
+    adoption.optimizer(model_chunks, optimizer, scheduler)
+    return adoption.stats

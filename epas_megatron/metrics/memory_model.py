@@ -82,9 +82,8 @@ keeps less). Full recompute (each group keeps only its inputs -- for a group tha
 a sharing region, the hand-off Q and K too) is not modelled yet.
 
 Below the layers: a whole pipeline rank (:func:`rank_memory_bytes`: parameter state, in-flight
-activations) and what an in-memory switch allocates on it before the old state goes
-(:func:`switch_transient_terms`: new weights, gradient buffer and optimizer state, phase by
-phase; equal to torch's allocation counter within 32 KiB on CPU).
+activations); what an in-memory switch allocates on it is
+:mod:`epas_megatron.metrics.switch_memory`'s.
 
 In flight, a pipeline schedule is part of the memory (Qi et al., "Pipeline Parallelism with
 Controllable Memory", NeurIPS 2024). 1F1B keeps ``p - r`` micro-batches on rank ``r``; under V
@@ -103,7 +102,7 @@ the pass's other tensors).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection, Iterable, Literal, Optional, Sequence
+from typing import Iterable, Literal, Optional, Sequence
 
 from epas_megatron.model.moc_sizes import index_bytes, moc_saved_bytes_per_token
 from epas_megatron.model.v_placement import v_stage
@@ -550,7 +549,7 @@ def rank_memory_bytes(shape: LayerShape, roles_by_chunk: list[list[Role]], pp_ra
             "total": static + peak + messages, "deferred": deferred}
 
 
-# ---------------------------------------------------------------- the in-memory switch's transient
+# ---------------------------------------------------------------- parameters of a rank
 def qkv_parameters(shape: LayerShape, tp: int = 1) -> int:
     """A computing layer's fused QKV weight on one tensor-parallel rank: ``h·(a + 2g)·d / t``."""
     return shape.hidden_size * (shape.num_attention_heads + 2 * shape.num_query_groups) * shape.head_dim // tp
@@ -569,84 +568,3 @@ def rank_parameters(shape: LayerShape, roles: Iterable[Role], pp_rank: int, pp: 
     head = 0 if (settings.tie_embeddings and pp == 1) else table
     head_rank = 0 if settings.pipeline_schedule in V_SCHEDULES else pp - 1
     return trainable + table * (pp_rank == 0) + (head + shape.hidden_size) * (pp_rank == head_rank), frozen
-
-
-def switch_transient_terms(shape: LayerShape, roles_before: Sequence[Role], roles_after: Sequence[Role],
-                           layers_before: Collection[int], layers_after: Collection[int], pp_rank: int, pp: int,
-                           settings: RankMemorySettings) -> dict[str, float]:
-    """What one pipeline rank allocates during an in-memory switch above the parameter state it
-    held before (weights, gradients, optimizer state of the region before: ``parameters`` of
-    :func:`rank_memory_bytes`), by term, and the phases' totals -- ``build``, ``ddp_copy_peak``
-    (the distributed optimizer's DDP copying the new weights into its buffer),
-    ``optimizer_exchange`` -- and ``transient``, their maximum: the switch peaks at the
-    parameter state before plus ``transient``.
-
-    ``roles_before`` / ``roles_after``: every decoder layer's role in the regions before and after
-    the switch; ``layers_before`` / ``layers_after``: the rank's layers in the layouts before and
-    after it (the same without a re-layout). Weights of ``w`` bytes; ``N``, ``T`` parameters
-    (all, trainable) of the rank before, ``N'``, ``T'`` after; ``/ dp`` with the distributed
-    optimizer. What
-    :mod:`epas_megatron.checkpointing.in_memory` (driven by ``training.switch``) allocates, and
-    when:
-
-    1. *Build* (after the old model, DDP and optimizer objects are dropped, their tensors held):
-       the new weights, never drawn (``w·N'``); DDP's new fp32 gradient buffer (``4·T'``); in
-       half precision the optimizer's new fp32 main weights (``4·T' / dp``). The old gradient
-       buffer is released first (``-4·T``): ``drop_gradients`` detaches every view of it --
-       ``.grad``, ``.main_grad`` and the fp32 main weights' ``.grad`` (half precision, or the
-       distributed optimizer), which a held fused-tensor factory would otherwise keep alive until
-       the switch ends (its build function closes over the old parameter, whose ``main_param``
-       they are). The distributed optimizer's DDP copies the new trainable weights into its
-       parameter buffer (``w·T'`` more until each module tensor is released: ``ddp_copy``).
-    2. *Model exchange*: a new weight with storage of its own takes the old one's storage over
-       (the plain and mixed-precision optimizers: the new allocation is released; the
-       distributed optimizer's weights are views into DDP's buffer, filled by copy, and the old
-       buffer stays). A switching layer's fused QKV rows are split into its new ``linear_v`` and
-       frozen Q/K and released; the loaded state (the merged frozen rows among it) is dropped
-       once the model holds it. Never above
-       1 or 3: the adopted fused FC1 and QKV storages go before a switching layer is split, and
-       3 keeps all of the distributed optimizer's 2.
-    3. *Optimizer exchange*: the plain fp32 optimizer adopts the old Adam moments of every
-       parameter that kept its identity; only the switching layers' new projections and layers
-       that arrived from another pipeline stage get new ones (``8`` bytes each). The
-       mixed-precision optimizer allocates all its moments (``8·T'``) and copies the old in, the
-       distributed optimizer its shard (``8·T' / dp``); the old state goes when the switch ends.
-       A switching layer's fused QKV optimizer state is split: the plain optimizer's two moments
-       (``8`` bytes per element), three fp32 tensors with main weights (``12``), assembled whole
-       first by the distributed optimizer (``24``: on one rank; counted on each).
-
-    With state in the optimizer (after its first step; before it, 3 allocates nothing). Layers
-    that leave the rank (a re-layout) are counted as held until the switch ends. Measured: the
-    CPU's torch allocation counter (tests/metrics/test_switch_memory.py) and the CUDA allocator
-    (tests/gpu/test_gpu_memory_and_nccl.py)."""
-    w, half, dist = settings.element_bytes, settings.precision != "fp32", settings.distributed_optimizer
-    plain = not half and not dist  # Megatron's FP32Optimizer: Adam state on the model's own parameters
-    div = settings.dp if dist else 1
-    t_before, _ = rank_parameters(shape, [roles_before[i] for i in layers_before], pp_rank, pp, settings)
-    t_after, f_after = rank_parameters(shape, [roles_after[i] for i in layers_after], pp_rank, pp, settings)
-    arrived = rank_parameters(shape, [roles_after[i] for i in layers_after if i not in layers_before], -1, pp, settings)
-    switching = {i for i, (old, new) in enumerate(zip(roles_before, roles_after)) if old == "compute" and new == "share"}
-    share_trainable, _ = layer_parameters(shape, "share", settings.share, settings.tp)
-    own = share_trainable - (layer_parameters(shape, "compute", settings.share, settings.tp)[0] - qkv_parameters(shape, settings.tp))
-    stayed = len(switching & set(layers_before) & set(layers_after))  # switching layers whose new parameters are built here
-    terms = {
-        "new_weights": w * (t_after + f_after),
-        "new_gradient_buffer": 4 * t_after,
-        "old_gradient_buffer_released": -4 * t_before,
-        "new_main_weights": 4 * t_after / div if half else 0,
-        "ddp_copy": w * t_after if dist else 0,
-        "new_moments": 8 * (arrived[0] + own * stayed) if plain else 8 * t_after / div,
-        "split_optimizer_state": (8 if plain else 12) * (2 if dist else 1) * qkv_parameters(shape, settings.tp)
-        * len(switching & set(layers_before)),
-    }
-    grads = terms["new_gradient_buffer"] + terms["old_gradient_buffer_released"]
-    build = terms["new_weights"] + grads + terms["new_main_weights"]
-    ddp_copy = terms["new_weights"] + terms["ddp_copy"] + grads
-    # The exchanged weights: the distributed optimizer's new buffer (the old one held); otherwise
-    # the old storages, adopted, and new storage only for the layers that arrived.
-    weights = terms["new_weights"] if dist else w * sum(arrived)
-    optimizer = weights + grads + terms["new_main_weights"] + terms["new_moments"] + terms["split_optimizer_state"]
-    if not dist:
-        ddp_copy = 0
-    return {**terms, "build": build, "ddp_copy_peak": ddp_copy, "optimizer_exchange": optimizer,
-            "transient": max(build, ddp_copy, optimizer)}

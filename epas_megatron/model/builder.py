@@ -13,6 +13,7 @@ in fp32; the optimizer keeps fp32 main parameters (:mod:`epas_megatron.engine.op
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -33,6 +34,7 @@ from epas_megatron.model.float16 import StageFloat16Module
 from epas_megatron.model.fusions import KernelAvailability, fusion_settings, output_layer_gradient_accumulation_fusion
 from epas_megatron.model.gpt import EpasGPTModel
 from epas_megatron.model.init import initialize_model
+from epas_megatron.model.materialize import parameters_on_meta as parameters_on_meta_context
 from epas_megatron.model.specs import decoder_layer_specs, get_backend
 from epas_megatron.model.v_layout import VPipelineLayout
 from epas_megatron.runtime.device import compute_device
@@ -44,14 +46,16 @@ PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch
 
 
 def make_transformer_config(plan: BuildPlan, kernels: Optional[KernelAvailability] = None,
-                            megatron_init: bool = True) -> TransformerConfig:
+                            megatron_init: bool = True, meta_device: bool = False) -> TransformerConfig:
     """The Megatron ``TransformerConfig`` of a plan (a LLaMA decoder).
 
     ``kernels``: the fused kernels to use where they help (default: what this process can load),
     for the plan's layer backend (:func:`epas_megatron.model.fusions.fusion_settings`; the LM
     head's own gradient-accumulation setting is :func:`build_model`'s). ``megatron_init=False``:
     weights are allocated but not drawn (Megatron's ``perform_initialization``), for builds whose
-    weights are loaded next."""
+    weights are loaded next; ``meta_device``: parameters are made on the meta device (Megatron's
+    ``init_model_with_meta_device``: Transformer Engine's layers are built there, and a tied LM
+    head on the last stage is not copied from the first at construction)."""
     kernels = KernelAvailability.detect() if kernels is None else kernels
     arch, dtype = plan.arch, PRECISION_DTYPES[plan.precision]
     kwargs = dict(
@@ -69,6 +73,7 @@ def make_transformer_config(plan: BuildPlan, kernels: Optional[KernelAvailabilit
         attention_dropout=0.0,
         init_method_std=arch.init_method_std,
         perform_initialization=megatron_init,
+        init_model_with_meta_device=meta_device,
         tensor_model_parallel_size=plan.tp,
         pipeline_model_parallel_size=plan.pp,
         # With a layout, Megatron takes the chunks per rank from it (V placement: two).
@@ -215,7 +220,7 @@ class BuiltModel:
 
 
 def build_model(plan: BuildPlan, seed: Optional[int] = None, kernels: Optional[KernelAvailability] = None,
-                load_follows: bool = False) -> BuiltModel:
+                load_follows: bool = False, parameters_on_meta: bool = False) -> BuiltModel:
     """This rank's model chunks for a plan: the one place the trainer, evaluation, benchmarks and
     conversion assemble a model.
 
@@ -224,41 +229,56 @@ def build_model(plan: BuildPlan, seed: Optional[int] = None, kernels: Optional[K
     stays (weights that a checkpoint load overwrites anyway) -- or, with ``load_follows``, none
     (the weights hold whatever memory held until the caller loads every one of them: a switch or
     a resume skips drawing a model's worth of random numbers). In bf16/fp16 each chunk is a
-    ``Float16Module`` around the :class:`EpasGPTModel`."""
-    if load_follows and seed is not None:
+    ``Float16Module`` around the :class:`EpasGPTModel`.
+
+    ``parameters_on_meta``: every parameter is left on the meta device (no weight is allocated:
+    :mod:`epas_megatron.model.materialize`), for a caller that gives them data before anything
+    else sees them (a switch, which adopts the old region's tensors); implies ``load_follows``."""
+    if (load_follows or parameters_on_meta) and seed is not None:
         raise ValueError("build_model: a seed initialises the weights, load_follows leaves them to a load")
+    load_follows = load_follows or parameters_on_meta
     kernels = KernelAvailability.detect() if kernels is None else kernels
-    config = make_transformer_config(plan, kernels, megatron_init=not load_follows)
+    config = make_transformer_config(plan, kernels, megatron_init=not load_follows, meta_device=parameters_on_meta)
     hidden_rows, total_rows, schedule_seq = pipeline_handoff_rows(config, plan.modes, plan.seq_length, plan.share)
     layers_backend = get_backend(plan.backend, plan.core_attention)
     moc = (plan.arch.moc_topk, plan.arch.moc_groups) if plan.arch.moc else None
     specs = decoder_layer_specs(plan.modes, layers_backend, plan.share, plan.detach_shared, moc)
-    arch, device = plan.arch, compute_device()
+    device = compute_device()
     chunks = []
     for placement in chunk_placements(config, plan.modes):
-        block_spec = TransformerBlockSubmodules(
-            layer_specs=[specs[i] for i in placement.layer_ids], layer_norm=layers_backend.norm
-        )
-        model = EpasGPTModel(
-            config=config,
-            block_spec=block_spec,
-            vocab_size=arch.vocab_size,
-            max_sequence_length=arch.max_sequence_length,
-            pre_process=placement.pre_process,
-            post_process=placement.post_process,
-            share_embeddings_and_output_weights=arch.tie_embeddings,
-            rotary_base=arch.rotary_base,
-            receives_handoff=placement.receives_handoff,
-            sends_handoff=placement.sends_handoff,
-            handoff_heads=handoff_heads(config, plan.share),
-            vp_stage=placement.vp_stage,
-            output_layer_gradient_accumulation_fusion=output_layer_gradient_accumulation_fusion(kernels, plan.backend),
-        )
-        model.to(device)
-        if seed is not None and device.type != "meta":  # meta tensors hold no values to draw
-            initialize_model(model, seed, arch.init_method_std, arch.num_layers)
-        model.decoder.set_p2p_rows(hidden_rows, total_rows)
-        if plan.random_ltd is not None:
-            model.decoder.configure_random_ltd(plan.random_ltd.layers, plan.random_ltd.seed, plan.random_ltd.kernels)
-        chunks.append(StageFloat16Module(config, model) if (config.bf16 or config.fp16) else model)
+        with parameters_on_meta_context() if parameters_on_meta else contextlib.nullcontext():
+            chunks.append(_build_chunk(plan, config, placement, specs, layers_backend, kernels, seed, device,
+                                       hidden_rows, total_rows, move=not parameters_on_meta))
     return BuiltModel(plan, chunks, config, schedule_seq)
+
+
+def _build_chunk(plan: BuildPlan, config: TransformerConfig, placement, specs, layers_backend, kernels, seed, device,
+                 hidden_rows: int, total_rows: int, move: bool):
+    """One chunk of :func:`build_model` (``move``: put it on the compute device)."""
+    arch = plan.arch
+    block_spec = TransformerBlockSubmodules(
+        layer_specs=[specs[i] for i in placement.layer_ids], layer_norm=layers_backend.norm
+    )
+    model = EpasGPTModel(
+        config=config,
+        block_spec=block_spec,
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_sequence_length,
+        pre_process=placement.pre_process,
+        post_process=placement.post_process,
+        share_embeddings_and_output_weights=arch.tie_embeddings,
+        rotary_base=arch.rotary_base,
+        receives_handoff=placement.receives_handoff,
+        sends_handoff=placement.sends_handoff,
+        handoff_heads=handoff_heads(config, plan.share),
+        vp_stage=placement.vp_stage,
+        output_layer_gradient_accumulation_fusion=output_layer_gradient_accumulation_fusion(kernels, plan.backend),
+    )
+    if move:
+        model.to(device)
+    if seed is not None and device.type != "meta":  # meta tensors hold no values to draw
+        initialize_model(model, seed, arch.init_method_std, arch.num_layers)
+    model.decoder.set_p2p_rows(hidden_rows, total_rows)
+    if plan.random_ltd is not None:
+        model.decoder.configure_random_ltd(plan.random_ltd.layers, plan.random_ltd.seed, plan.random_ltd.kernels)
+    return StageFloat16Module(config, model) if (config.bf16 or config.fp16) else model

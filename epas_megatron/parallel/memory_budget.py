@@ -22,8 +22,8 @@ from epas_megatron.metrics.memory_model import (
     RankMemorySettings,
     layer_memory,
     rank_memory_bytes,
-    switch_transient_terms,
 )
+from epas_megatron.metrics.switch_memory import switch_transient_terms
 from epas_megatron.sharing.shape import LayerMode
 
 GIB = 2**30
@@ -83,19 +83,24 @@ class MemoryLimit:
                      modes_after: Sequence[LayerMode]) -> list[dict[str, float]]:
         """Per-rank memory of an in-memory switch (``--epas-switch-mode memory``) from one region
         and layout to the next: ``parameters`` (the state before it), ``transient`` (what the
-        switch allocates before the old is released:
-        :func:`~epas_megatron.metrics.memory_model.switch_transient_terms`) and ``peak``, their
-        sum. No micro-batch is in flight during a switch."""
+        switch allocates above that state:
+        :func:`~epas_megatron.metrics.switch_memory.switch_transient_terms`) and ``peak``, their
+        sum. No micro-batch is in flight during a switch. ``step_peak``: the larger of the rank's
+        step peaks (state and activations) in the regions before and after the switch."""
         roles_before = ["share" if m == LayerMode.SHARE else "compute" for m in modes_before]
         roles_after = ["share" if m == LayerMode.SHARE else "compute" for m in modes_after]
         out = []
         for rank in range(self.pp):
             chunks = [list(layout_before.layer_ids(rank, c)) for c in range(self.vpp)]
-            parameters = self.rank_bytes(rank, [[roles_before[i] for i in chunk] for chunk in chunks])["parameters"]
-            after = [i for c in range(self.vpp) for i in layout_after.layer_ids(rank, c)]
+            chunks_after = [list(layout_after.layer_ids(rank, c)) for c in range(self.vpp)]
+            step_before = self.rank_bytes(rank, [[roles_before[i] for i in chunk] for chunk in chunks])
+            step_after = self.rank_bytes(rank, [[roles_after[i] for i in chunk] for chunk in chunks_after])
+            parameters = step_before["parameters"]
+            after = [i for chunk in chunks_after for i in chunk]
             transient = switch_transient_terms(self.shape, roles_before, roles_after, [i for chunk in chunks for i in chunk], after,
                                                rank, self.pp, self.settings)["transient"]
-            out.append({"parameters": parameters, "transient": transient, "peak": parameters + transient})
+            out.append({"parameters": parameters, "transient": transient, "peak": parameters + transient,
+                        "step_peak": max(step_before["total"], step_after["total"])})
         return out
 
 

@@ -26,7 +26,7 @@ from typing import Optional, Protocol
 
 import torch.distributed as dist
 
-from epas_megatron.checkpointing.in_memory import drop_gradients, hold_state, restore_state
+from epas_megatron.checkpointing.in_memory import SwitchAdoption, drop_gradients, hold_state
 from epas_megatron.compat.megatron_fixes import release_dropped_models
 from epas_megatron.runtime.distributed import ParallelDims, all_reduce_values
 from epas_megatron.runtime.rng import preserved_rng_state
@@ -44,8 +44,9 @@ class SwitchHost(Protocol):
     def set_region(self, sharing_layers: tuple[int, ...]) -> None:
         """Make the plan of ``sharing_layers`` (and its pipeline layout) the current one."""
 
-    def build(self, initialize: bool = True) -> None:
-        """Model chunks, DDP, optimizer and LR schedule for the current plan."""
+    def build(self, initialize: bool = True, adoption=None) -> None:
+        """Model chunks, DDP, optimizer and LR schedule for the current plan (``adoption``: their
+        state taken over as they are built, :class:`epas_megatron.engine.state.StateAdoption`)."""
 
     def save(self, root: Optional[Path] = None, keep_last: Optional[int] = None) -> Path:
         """Checkpoint the full training state under ``root``; the checkpoint's directory."""
@@ -97,14 +98,16 @@ class SwitchExecutor:
         return {"bytes_written": written}
 
     def _in_memory(self, host: SwitchHost, sharing_layers: tuple[int, ...]) -> dict:
-        """Hold the state's tensors, release the old objects, rebuild, move the tensors in
-        (:mod:`epas_megatron.checkpointing.in_memory`)."""
+        """Hold the state's tensors, release the old objects, build the new ones taking the held
+        tensors over as they are built (:mod:`epas_megatron.checkpointing.in_memory`)."""
         held = hold_state(host.model, host.optimizer, host.scheduler, {})
         drop_gradients(host.model)
         host.set_region(sharing_layers)
-        with preserved_rng_state():  # building draws from it; a checkpoint load restores it
-            host.build(initialize=False)
-            stats = restore_state(held, host.model, host.optimizer, host.scheduler)
+        adoption = SwitchAdoption(held)
         del held
+        with preserved_rng_state():  # building draws from it; a checkpoint load restores it
+            host.build(initialize=False, adoption=adoption)
+        stats = adoption.stats
+        del adoption
         (moved,) = all_reduce_values([float(stats.bytes_received)])
         return {"bytes_written": 0, "bytes_between_ranks": int(moved)}

@@ -164,11 +164,12 @@ class Trainer:
         --epas-memory-budget-gb or, on CUDA, 90% of the GPU's memory."""
         return stage_memory_limit(self.run, self.plan, device_memory_gb())
 
-    def build(self, initialize: bool = True) -> None:
+    def build(self, initialize: bool = True, adoption=None) -> None:
         """Model chunks, DDP, optimizer and LR schedule for the current plan.
 
         ``initialize=False`` skips the (layout-independent) weight initialisation when a
-        checkpoint load follows."""
+        checkpoint load follows; ``adoption`` (an in-memory switch) fills the state as it is built
+        (:class:`epas_megatron.engine.state.StateAdoption`)."""
         from epas_megatron.engine.state import build_training_state  # megatron-core (seconds to import; epas-plan needs none)
 
         t = self.cfg.training
@@ -178,7 +179,8 @@ class Trainer:
         else:
             gc.collect()  # (Megatron's DDP and optimizer hold reference cycles)
         settings = optimizer_settings_for_run(self.run, self.features.lr_schedule_units(t.lr_warmup_iters, t.train_iters))
-        self.state = build_training_state(self.plan, settings, seed=self.cfg.training.seed if initialize else None)
+        self.state = build_training_state(self.plan, settings, seed=self.cfg.training.seed if initialize and adoption is None
+                                          else None, adoption=adoption)
         if self.run.rebalance and self.cfg.epas.epas_cost_model == "measured":
             self.layer_timer = self.layer_timer or LayerTimer()
             self.layer_timer.attach(self.model)
