@@ -56,3 +56,21 @@ def test_resharded_resume_tp1_to_tp2(uninterrupted, tmp_path):
     run = run_trainer([*ARGS, "--load", str(ckpt), "--tp", "2"], tmp_path / "run", nproc=2)
     assert_close(run.losses, after(uninterrupted.losses, 6), 1e-5, "TP2 resume loss")
     assert_close(run.grad_norms, after(uninterrupted.grad_norms, 6), 1e-5, "TP2 resume grad norm")
+
+
+def test_a_run_killed_during_an_in_memory_switch_resumes_bit_identically(uninterrupted, tmp_path):
+    """SIGKILL in the middle of the second switch (iteration 6: the old model, DDP and optimizer
+    gone, the new model filled, the optimizer state moving): nothing of the switch is on disk,
+    the last checkpoint (iteration 5) is whole, and the run resumed from it matches the
+    uninterrupted one bit for bit."""
+    import signal
+    from pathlib import Path
+
+    out = tmp_path / "run"
+    killed = run_trainer([*ARGS, "--save-interval", "1"], out, module="kill_in_switch", check=False,
+                         env={"EPAS_TEST_KILL_IN_SWITCH": "2", "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert (out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+    second = run_trainer([*ARGS, "--save-interval", "1", "--load", str(out / "checkpoints")], out)
+    assert second.summary["iterations"] == 12
+    assert second.losses == uninterrupted.losses and second.grad_norms == uninterrupted.grad_norms
