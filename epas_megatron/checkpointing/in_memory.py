@@ -451,7 +451,11 @@ class SwitchAdoption:
         identities = model_identities(chunks)
         # The distributed optimizer's half-precision weights are its fp32 main weights rounded
         # (copied and gathered after every step): rebuilt from them once the optimizer is
-        # filled, the old weights go before DDP builds its new parameter buffer.
+        # filled, the old weights go before DDP builds its new parameter buffer. In fp32 the
+        # weights are the main weights themselves: they are taken over here (views of the old
+        # DDP parameter buffer), and Megatron-Core's DDP builds its new parameter buffer in one
+        # allocation while the old one still holds them -- the one piece this switch cannot build
+        # without allocating (4 bytes per trainable parameter: metrics/switch_memory.py).
         self.weights_from_main = bool(held.dist_shards) and any(
             p.requires_grad and p.dtype in (torch.bfloat16, torch.float16) for chunk in chunks for p in chunk.parameters())
 
