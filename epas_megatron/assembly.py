@@ -40,7 +40,7 @@ from epas_megatron.model.build_plan import BuildPlan, RandomLTDSettings, Recompu
 from epas_megatron.model.fusions import KernelAvailability, activation_kernels, choose_backend, choose_precision, fusion_settings
 from epas_megatron.model.v_placement import even_v_stage_sizes
 from epas_megatron.parallel.memory_budget import MemoryLimit, memory_limit_for
-from epas_megatron.parallel.pipeline_schedule import V_SCHEDULES, PipelineSchedule, build_schedule
+from epas_megatron.parallel.pipeline_schedule import ScheduleActions
 from epas_megatron.parallel.stage_layouts import balanced_layout_noted, balanced_v_layout
 from epas_megatron.sharing.regions import parse_regions
 from epas_megatron.validation import ResolvedRun
@@ -88,19 +88,19 @@ def plan_for_run(run: ResolvedRun, sharing_layers: Sequence[int] = ()) -> BuildP
 def v_stage_sizes_for_run(run: ResolvedRun):
     """Under a V pipeline schedule, the V stage sizes a run starts from (``--pipeline-layout
     V:...``, or the even V split); None for Megatron's placements."""
-    if run.pipeline_schedule not in V_SCHEDULES:
+    if not run.pipeline_schedule.v_placement:
         return None
     if run.v_layout is not None:
         return run.v_layout.stage_sizes
     return even_v_stage_sizes(run.cfg.model.num_layers, run.cfg.parallel.pp)
 
 
-def pipeline_schedule_for(run: ResolvedRun, num_microbatches: int) -> Optional[PipelineSchedule]:
+def pipeline_schedule_for(run: ResolvedRun, num_microbatches: int) -> Optional[ScheduleActions]:
     """The action lists the project's executor runs for ``num_microbatches`` (training or
     evaluation), or None where Megatron-Core's own schedule runs (1f1b, interleaved)."""
-    if run.pipeline_schedule not in V_SCHEDULES:
+    if not run.pipeline_schedule.executor:
         return None
-    return build_schedule(run.pipeline_schedule, run.cfg.parallel.pp, num_microbatches)
+    return run.pipeline_schedule.actions(run.cfg.parallel.pp, num_microbatches)
 
 
 def plan_after_switch(run: ResolvedRun, current: BuildPlan, sharing_layers: Sequence[int], *, timer=None,
@@ -153,7 +153,7 @@ def memory_settings(run: ResolvedRun, vocab_size: int, kernels: Optional[KernelA
                               recompute_modules=recompute_modules(run),
                               share=run.cfg.epas.epas_share, tie_embeddings=not run.cfg.model.untie_embeddings_and_output_weights,
                               moc=(m.moc_topk, m.moc_groups) if m.moc_topk < 1.0 else None,
-                              pipeline_schedule=run.pipeline_schedule,
+                              pipeline_schedule=run.pipeline_schedule.name,
                               **memory_kernels(kernels, run.backend, run.random_ltd is not None))
 
 

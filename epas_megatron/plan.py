@@ -35,14 +35,8 @@ from epas_megatron.errors import ConfigError
 from epas_megatron.metrics.flops import Convention, ModelShape, layer_matmul_flops, lm_head_forward_flops
 from epas_megatron.metrics.memory_model import rank_memory_bytes
 from epas_megatron.model.v_placement import even_v_stage_sizes, v_stage
-from epas_megatron.parallel.pipeline_schedule import (
-    SPLIT_BACKWARD,
-    V_SCHEDULES,
-    PassCosts,
-    build_schedule,
-    paper_peak,
-    simulate,
-)
+from epas_megatron.parallel.pipeline_schedule import PIPELINE_SCHEDULES, ScheduleFacts, build_schedule, megatron_schedule, paper_peak
+from epas_megatron.parallel.schedule_simulation import PassCosts, simulate
 
 DOES_NOT_FIT = 3
 RESERVE = 0.9
@@ -114,15 +108,15 @@ def report(run, gpu_memory_gb: Optional[float]) -> tuple[list[str], bool]:
                                               first.arch.num_query_groups, first.arch.ffn_hidden_size,
                                               t.seq_length, t.micro_batch_size),
                                    memory_settings(run, first.arch.vocab_size, kernels), p.pp, run.vpp or 1, float("inf"))
-    measure = replace(measure, settings=replace(measure.settings, pipeline_schedule=run.pipeline_schedule))
+    measure = replace(measure, settings=replace(measure.settings, pipeline_schedule=run.pipeline_schedule.name))
     regions = (("first region (0 layers sharing)", ()), (f"final region ({len(final)} layers sharing)", final))
     own_rows, own_sizes = [], []  # per region: every rank's memory under the run's own schedule, its stage sizes
     for label, sharing in regions:
         modes = RegionShape.of(schedule).modes(sharing)
-        if run.pipeline_schedule in V_SCHEDULES:
+        if run.pipeline_schedule.v_placement:
             sizes = region_plan(sharing).v_stage_sizes if run.rebalance else first.v_stage_sizes
             sizes = sizes or even_v_stage_sizes(n, p.pp)
-            per_rank = _v_rank_bytes(run, first, measure, modes, run.pipeline_schedule, sizes)
+            per_rank = _v_rank_bytes(run, first, measure, modes, run.pipeline_schedule.name, sizes)
             where = f"{run.pipeline_schedule}, V placement ({', '.join(map(str, sizes))})"
         else:
             layout = region_plan(sharing).layout or StageLayout.even(n, p.pp, run.vpp or 1)
@@ -153,7 +147,7 @@ def report(run, gpu_memory_gb: Optional[float]) -> tuple[list[str], bool]:
     else:
         lines.append("does NOT fit: raise --pp or --tp, use --recompute selective or --use-distributed-optimizer, "
                      "or lower --micro-batch-size" + (f"; or --pipeline-schedule {choice}, which fits (compared above)"
-                                                      if choice is not None and choice != run.pipeline_schedule else ""))
+                                                      if choice is not None and choice != run.pipeline_schedule.name else ""))
     fits = fits and switch_fits
     return lines, fits
 
@@ -179,7 +173,6 @@ def _v_rank_bytes(run, plan, measure, modes, name: str, sizes=None) -> list[dict
 SAME_TIME = 1.01
 """A schedule must be more than 1% faster (modelled) than the run's own to be chosen over it."""
 
-PAPER_UNITS = {"1f1b": "p", "interleaved": "--", "v-1f1b": "3p/4", "v-half": "(p+2)//2", "v-min": "(p+4)//3"}
 """How the paper counts each schedule's peak (Qi et al., NeurIPS 2024), in micro-batches of a rank."""
 
 
@@ -219,10 +212,10 @@ def stage_costs(layer, head, stage_sizes: Sequence[int]) -> dict:
 def schedule_time(name: str, pp: int, num_microbatches: int, costs: dict, vpp: Optional[int] = None) -> tuple[float, float]:
     """(iteration time, bubble) of schedule ``name`` with per-virtual-stage ``costs`` (stage
     ``k`` of the interleaved schedule: chunk ``k // pp`` of rank ``k % pp``), no p2p time: the
-    action lists simulated (:func:`~epas_megatron.parallel.pipeline_schedule.simulate`);
+    action lists simulated (:func:`~epas_megatron.parallel.schedule_simulation.simulate`);
     Megatron's interleaved schedule (no lists here) by its steady state and bubble at the
     slowest rank's pace, ``m T + (p - 1) T / vpp`` with ``T`` that rank's ``F + B + W``."""
-    if name == "interleaved":
+    if PIPELINE_SCHEDULES[name].placement == "interleaved":
         slowest = max(sum(costs[k].of("F") + costs[k].of("BW") for k in range(rank, pp * vpp, pp)) for rank in range(pp))
         span = num_microbatches * slowest + (pp - 1) * slowest / vpp
         return span, 1 - num_microbatches * slowest / span
@@ -231,26 +224,21 @@ def schedule_time(name: str, pp: int, num_microbatches: int, costs: dict, vpp: O
 
 
 def _applicable_schedules(run) -> tuple[list[str], list[str]]:
-    """(the schedules this run could use, notes on those it cannot: what the run's validation
-    refuses under a V schedule -- the V schedules drop a ``--vpp`` themselves)."""
-    cfg, pp, m = run.cfg, run.cfg.parallel.pp, run.num_microbatches
-    names, notes = ["1f1b"] + (["interleaved"] if run.vpp else []), []
-    why = None
-    if m < pp:
-        why = f"fewer micro-batches ({m}) than --pp {pp}"
-    elif not cfg.model.untie_embeddings_and_output_weights:
-        why = "tied embeddings (both ends are chunks of rank 0)"
-    elif cfg.model.num_layers < 2 * pp:
-        why = f"{cfg.model.num_layers} layers over 2 x --pp {pp} stages"
-    elif cfg.parallel.overlap_grad_reduce:
-        why = "--overlap-grad-reduce: the executor reduces after the iteration"
-    for name in V_SCHEDULES:
-        if why is not None:
-            notes.append(f"{name}: not applicable ({why})")
-        elif name in SPLIT_BACKWARD and run.backend != "local":
-            notes.append(f"{name}: not applicable (the split backward is built for --transformer-impl local)")
-        else:
+    """(the schedules this run could use, notes on those it cannot: each one's first refusal for
+    this run's facts, as the run's validation would raise it -- the run's ``--vpp`` for the
+    interleaved schedule, none for the others: 1F1B is the baseline, V placement places two
+    chunks itself)."""
+    cfg, names, notes = run.cfg, [], []
+    for name, kind in PIPELINE_SCHEDULES.items():
+        facts = ScheduleFacts(pp=cfg.parallel.pp, microbatches=run.num_microbatches,
+                              vpp=run.vpp if kind.placement == "interleaved" else None, num_layers=cfg.model.num_layers,
+                              tied_embeddings=not cfg.model.untie_embeddings_and_output_weights,
+                              overlap_grad_reduce=cfg.parallel.overlap_grad_reduce, backend=run.backend)
+        refusals = kind.refusals(facts)
+        if not refusals:
             names.append(name)
+        elif kind.v_placement:  # (Megatron's two: the run's --vpp picks one, the other is no option)
+            notes.append(f"{name}: not applicable ({refusals[0]})")
     return names, notes
 
 
@@ -303,20 +291,20 @@ def schedule_options(run, plan, measure, budget: Optional[float], own_rows, own_
     layer, head = layer_and_head_costs(plan.arch, run.cfg.training.seq_length, run.cfg.training.micro_batch_size)
     options = []
     for name in names:
-        if name == run.pipeline_schedule:
+        if name == run.pipeline_schedule.name:
             rows, sizes = own_rows, own_sizes
         else:
-            sizes = even_v_stage_sizes(n, pp) if name in V_SCHEDULES else \
-                StageLayout.even(n, pp, run.vpp if name == "interleaved" else 1).stage_sizes
+            kind = PIPELINE_SCHEDULES[name]
+            chunks = kind.chunks_per_rank(run.vpp) or 1
+            sizes = even_v_stage_sizes(n, pp) if kind.v_placement else StageLayout.even(n, pp, chunks).stage_sizes
             rows = []
             for sharing in regions:
                 modes = RegionShape.of(run.schedule).modes(sharing)
-                if name in V_SCHEDULES:
+                if kind.v_placement:
                     rows.append(_v_rank_bytes(run, plan, measure, modes, name))
                 else:
-                    vpp = run.vpp if name == "interleaved" else 1
-                    limit = replace(measure, vpp=vpp, settings=replace(measure.settings, pipeline_schedule=name))
-                    rows.append(limit.layout_bytes(StageLayout.even(n, pp, vpp), modes))
+                    limit = replace(measure, vpp=chunks, settings=replace(measure.settings, pipeline_schedule=name))
+                    rows.append(limit.layout_bytes(StageLayout.even(n, pp, chunks), modes))
         worst, worst_rank = max((need["total"], rank) for per_rank in rows for rank, need in enumerate(per_rank))
         time, bubble = schedule_time(name, pp, m, stage_costs(layer, head, sizes), run.vpp)
         options.append(ScheduleOption(name, rows, time, bubble, budget is None or worst <= budget, worst_rank))
@@ -331,7 +319,7 @@ def _compare_schedules(run, plan, measure, budget: Optional[float], own_rows, ow
     pp = run.cfg.parallel.pp
     options, notes = schedule_options(run, plan, measure, budget, own_rows, own_sizes, regions)
     costs = pass_costs(plan.arch, run.cfg.training.seq_length, run.cfg.training.micro_batch_size, pp)
-    base = next(option.time for option in options if option.name == "1f1b")
+    base = next(option.time for option in options if option.name == megatron_schedule().name)
     largest = max(need["total"] for option in options for per_rank in option.rows for need in per_rank)
     unit, size = ("GiB", GIB) if largest >= GIB else ("MiB", 2**20)
     lines = [f"pipeline schedules compared (PP {pp}, {run.num_microbatches} micro-batches; F : B : W = 1 : "
@@ -341,18 +329,19 @@ def _compare_schedules(run, plan, measure, budget: Optional[float], own_rows, ow
              f"  schedule     in flight (paper)       time    bubble  memory per pp rank, {unit}"]
     for option in options:
         in_flight = max(need["in_flight"] for per_rank in option.rows for need in per_rank)
-        paper = f"{paper_peak(option.name, pp):g} = {PAPER_UNITS[option.name]}" if option.name != "interleaved" else "--"
+        kind = PIPELINE_SCHEDULES[option.name]
+        paper = "--" if kind.placement == "interleaved" else f"{paper_peak(option.name, pp):g} = {kind.paper_units}"
         memory = " | ".join(" ".join(f"{need['total'] / size:.1f}" for need in per_rank) for per_rank in option.rows)
         verdict = "" if budget is None else "fits" if option.fits else f"DOES NOT FIT (rank {option.worst_rank})"
         lines.append(f"  {option.name:11s}  {in_flight:5.2f} ({paper:14s})  {option.time / base:5.3f}  {100 * option.bubble:5.1f}%  "
                      f"{memory}  {verdict}".rstrip())
     lines += [f"  {note}" for note in notes]
-    choice = choose_schedule(options, run.pipeline_schedule)
+    choice = choose_schedule(options, run.pipeline_schedule.name)
     if choice is None:
         lines.append("schedule choice: none of them fits the budget")
     else:
         lines.append(f"schedule choice: {choice}, the fastest " + ("that fits the budget" if budget is not None else "(no budget given)")
-                     + (" -- the run's own (another must be more than 1% faster)" if choice == run.pipeline_schedule else
+                     + (" -- the run's own (another must be more than 1% faster)" if choice == run.pipeline_schedule.name else
                         f" (this run: --pipeline-schedule {run.pipeline_schedule})"))
     return lines, choice
 
@@ -369,13 +358,13 @@ def _switch_peaks(run, base, limit, measure, budget: Optional[float]) -> tuple[l
     schedule, p = run.schedule, run.cfg.parallel
     region = RegionShape.of(schedule)
     layouts: dict = {}
-    if run.pipeline_schedule in V_SCHEDULES:  # two chunks per rank in V order, both ends on rank 0
+    if run.pipeline_schedule.v_placement:  # two chunks per rank in V order, both ends on rank 0
         measure = replace(measure, vpp=2)
 
     def layout_of(sharing):
         if sharing not in layouts:  # (the budget's notices are printed with the first and final regions)
             planned = plan_after_switch(run, base, sharing, memory=limit)[0]
-            if run.pipeline_schedule in V_SCHEDULES:
+            if run.pipeline_schedule.v_placement:
                 sizes = planned.v_stage_sizes or even_v_stage_sizes(run.cfg.model.num_layers, p.pp)
                 layouts[sharing] = VStageLayout(tuple(sizes), p.pp)
             else:

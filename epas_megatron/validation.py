@@ -26,7 +26,13 @@ from epas_megatron.errors import ConfigError
 from epas_megatron.model.build_plan import RECOMPUTE_MODULES, normalise_vpp
 from epas_megatron.model.fusions import BackendChoice, choose_layers, choose_precision
 from epas_megatron.model.moc import check_moc_config
-from epas_megatron.parallel.pipeline_schedule import SPLIT_BACKWARD, V_SCHEDULES, check_schedule_config
+from epas_megatron.parallel.pipeline_schedule import (
+    PIPELINE_SCHEDULES,
+    PipelineSchedule,
+    ScheduleFacts,
+    megatron_schedule,
+    pipeline_schedule,
+)
 from epas_megatron.sharing.regions import RegionSpec
 from epas_megatron.sharing.schedule import SharingSchedule
 from epas_megatron.sharing.shape import RegionShape
@@ -113,8 +119,8 @@ class ResolvedRun:
     """What the run starts from, when that is not what --load names (a first start, a fall-back
     past damaged checkpoints): printed at start."""
 
-    pipeline_schedule: str = "1f1b"
-    """The resolved ``--pipeline-schedule`` (see :mod:`epas_megatron.parallel.pipeline_schedule`)."""
+    pipeline_schedule: PipelineSchedule = megatron_schedule()
+    """The resolved ``--pipeline-schedule`` (:class:`~epas_megatron.parallel.pipeline_schedule.PipelineSchedule`)."""
 
     v_layout: Optional["VStageLayout"] = None
     """Under a V schedule, ``--pipeline-layout V:...`` parsed (None: the even V split, or not V)."""
@@ -217,10 +223,10 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
     t = _resolve_training(cfg, m, dp)
     m = replace(m, max_position_embeddings=m.max_position_embeddings or t.seq_length)
     schedule, rebalance, warnings = _resolve_epas(cfg, m, t)
-    pipeline_schedule = _resolve_pipeline_schedule(cfg, m, vpp, t.global_batch_size // (t.micro_batch_size * dp), layers.backend)
-    v_layout = _resolve_v_layout(cfg, m, pipeline_schedule)
-    if pipeline_schedule in V_SCHEDULES and rebalance and cfg.epas.epas_memory_budget_gb is not None:
-        raise ConfigError(f"--epas-memory-budget-gb: stage rebalancing under --pipeline-schedule {pipeline_schedule} does not "
+    schedule_kind = _resolve_pipeline_schedule(cfg, m, vpp, t.global_batch_size // (t.micro_batch_size * dp), layers.backend)
+    v_layout = _resolve_v_layout(cfg, m, schedule_kind)
+    if schedule_kind.v_placement and rebalance and cfg.epas.epas_memory_budget_gb is not None:
+        raise ConfigError(f"--epas-memory-budget-gb: stage rebalancing under --pipeline-schedule {schedule_kind} does not "
                           "price memory yet (V placement's in-flight micro-batches per rank); drop the budget, or use "
                           "--epas-rebalance off")
     random_ltd = _resolve_random_ltd(cfg, m, t)
@@ -247,7 +253,7 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
         use_distributed_optimizer=use_dist_opt,
         schedule=schedule,
         rebalance=rebalance,
-        pipeline_schedule=pipeline_schedule,
+        pipeline_schedule=schedule_kind,
         v_layout=v_layout,
         warnings=tuple(warnings),
         eval_regions=eval_regions,
@@ -271,34 +277,20 @@ def _resolve_model(m):
     return m
 
 
-def _resolve_pipeline_schedule(cfg: RunConfig, m, vpp: Optional[int], num_microbatches: int, backend: str = "local") -> str:
+def _resolve_pipeline_schedule(cfg: RunConfig, m, vpp: Optional[int], num_microbatches: int,
+                               backend: str = "local") -> PipelineSchedule:
     """``--pipeline-schedule`` resolved (default: Megatron's, by --vpp) and checked against the run
-    (``backend``: the layers chosen, 'local' or 'transformer_engine')."""
+    (``backend``: the layers chosen, 'local' or 'transformer_engine'): the schedule's first
+    refusal is raised."""
     p = cfg.parallel
-    name = p.pipeline_schedule or ("interleaved" if vpp else "1f1b")
-    check_schedule_config(name, p.pp, num_microbatches, p.vpp)
-    if name == "1f1b" and vpp:
-        raise ConfigError(f"--pipeline-schedule 1f1b runs one chunk per rank: drop --vpp {vpp} (or use --pipeline-schedule interleaved)")
-    if name == "interleaved" and not vpp:
-        raise ConfigError("--pipeline-schedule interleaved needs --vpp >= 2 (or an interleaved --pipeline-layout)")
-    if name not in V_SCHEDULES:
-        return name
-    if name in SPLIT_BACKWARD and backend != "local":
-        raise ConfigError(f"--pipeline-schedule {name} splits the backward pass, which is built for the local layers only "
-                          "(Transformer Engine's delay_wgrad_compute is not wired yet); use --transformer-impl local "
-                          "or --pipeline-schedule v-1f1b")
-    refusals = [
-        (not m.untie_embeddings_and_output_weights, "--no-untie-embeddings-and-output-weights (the embedding and the LM head "
-                                                   "are two chunks of rank 0)"),
-        (p.overlap_grad_reduce, "--overlap-grad-reduce (the executor reduces after the iteration)"),
-    ]
-    for refused, what in refusals:
-        if refused:
-            raise ConfigError(f"--pipeline-schedule {name} does not run with {what} yet; drop it or use --pipeline-schedule 1f1b")
-    if m.num_layers < 2 * p.pp:
-        raise ConfigError(f"--pipeline-schedule {name} splits the layers over 2 x --pp {p.pp} = {2 * p.pp} stages; "
-                          f"--num-layers {m.num_layers} is too few")
-    return name
+    schedule = pipeline_schedule(p.pipeline_schedule) if p.pipeline_schedule else megatron_schedule(vpp)
+    # (a V schedule is refused a --vpp the user gave; a chunk count read off a Megatron layout is
+    # refused by the V layout's own check, which names --pipeline-layout)
+    schedule.check(ScheduleFacts(pp=p.pp, microbatches=num_microbatches, vpp=p.vpp if schedule.v_placement else vpp,
+                                 num_layers=m.num_layers,
+                                 tied_embeddings=not m.untie_embeddings_and_output_weights,
+                                 overlap_grad_reduce=p.overlap_grad_reduce, backend=backend))
+    return schedule
 
 
 def _is_v_layout(layout: Optional[str]) -> bool:
@@ -306,16 +298,17 @@ def _is_v_layout(layout: Optional[str]) -> bool:
     return layout is not None and layout.startswith("V:")
 
 
-def _resolve_v_layout(cfg: RunConfig, m, schedule: str) -> Optional["VStageLayout"]:
+def _resolve_v_layout(cfg: RunConfig, m, schedule: PipelineSchedule) -> Optional["VStageLayout"]:
     """``--pipeline-layout`` under a V schedule, parsed (None without one); a V layout is refused
     under any other schedule, a Megatron layout under a V schedule."""
     from epas_megatron.parallel.layout import VStageLayout
 
     layout, pp = cfg.parallel.pipeline_layout, cfg.parallel.pp
-    if schedule not in V_SCHEDULES:
+    if not schedule.v_placement:
         if _is_v_layout(layout):
+            v_names = [name for name, kind in PIPELINE_SCHEDULES.items() if kind.v_placement]
             raise ConfigError(f"--pipeline-layout {layout!r} places the layers in V order, which only a V schedule runs: "
-                              f"add --pipeline-schedule {' or '.join(V_SCHEDULES)}, or give a Megatron layout ('Ett|ttL')")
+                              f"add --pipeline-schedule {' or '.join(v_names)}, or give a Megatron layout ('Ett|ttL')")
         return None
     if layout is None:
         return None

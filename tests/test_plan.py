@@ -253,7 +253,7 @@ def test_schedule_times_by_hand():
     """Equal stages: 1F1B's iteration is (m + p - 1)(F + B + W); Megatron's interleaved one
     m (F + B + W) plus its bubble (p - 1)(F + B + W) / vpp (Narayanan et al., 2021). Stage costs
     from the layer and head costs: each stage its layers', the last also the head's."""
-    from epas_megatron.parallel.pipeline_schedule import PassCosts
+    from epas_megatron.parallel.schedule_simulation import PassCosts
     from epas_megatron.plan import schedule_time, stage_costs
 
     equal = PassCosts(3.0, 4.0, 2.0)
@@ -325,11 +325,13 @@ def test_schedules_a_run_cannot_use_are_named_with_the_reason(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     table = proc.stdout.split("pipeline schedules compared")[1]
     for name in ("v-1f1b", "v-half", "v-min"):
-        assert f"  {name}: not applicable (--overlap-grad-reduce: the executor reduces after the iteration)" in table
+        assert (f"  {name}: not applicable (--pipeline-schedule {name} does not run with --overlap-grad-reduce (the "
+                "executor reduces after the iteration) yet; drop it or use --pipeline-schedule 1f1b)") in table
     assert "schedule choice: 1f1b, the fastest (no budget given) -- the run's own" in table
     assert "memory per pp rank in MiB" in table  # a tiny model's figures
     fewer = plan(*common[:-1], "2", "--output-dir", str(tmp_path / "f"))  # 1 micro-batch: fewer than --pp
-    assert "  v-min: not applicable (fewer micro-batches (1) than --pp 2)" in fewer.stdout
+    assert ("  v-min: not applicable (--pipeline-schedule v-min with --pp 2 needs at least 2 micro-batches per "
+            "iteration, got 1: raise --global-batch-size or lower --micro-batch-size)") in fewer.stdout
     free = plan(*common, "--output-dir", str(tmp_path / "v")).stdout.split("pipeline schedules compared")[1]
     assert [line.split()[0] for line in free.splitlines()[2:6]] == ["1f1b", "v-1f1b", "v-half", "v-min"]
 

@@ -22,10 +22,10 @@ lists are Megatron-Core's 1F1B bit for bit). Per schedule:
 * **bubble, executed**: from the executor's recorded timeline of each timed iteration, the idle
   share ``1 - busy / span`` of the rank with the longest span
   (:func:`~epas_megatron.engine.pipeline_executor.executed_bubble`, as
-  :attr:`~epas_megatron.parallel.pipeline_schedule.Simulation.bubble` defines it), median over
+  :attr:`~epas_megatron.parallel.schedule_simulation.Simulation.bubble` defines it), median over
   iterations; next to it the **simulated** bubble of the same lists: replayed with this run's
   mean time of each pass on each stage (:func:`replay`: the simulation's rule with a cost per
-  action -- stages differ, e.g. the LM head's), and :func:`~epas_megatron.parallel.pipeline_schedule.simulate`'s
+  action -- stages differ, e.g. the LM head's), and :func:`~epas_megatron.parallel.schedule_simulation.simulate`'s
   with the paper's unit costs ``F = B = W`` (every rank alike);
 * the **activations the memory model predicts** per rank for this model
   (:func:`~epas_megatron.metrics.memory_model.rank_memory_bytes` with the simulation's in-flight
@@ -38,7 +38,7 @@ lists are Megatron-Core's 1F1B bit for bit). Per schedule:
   fp32 rounding: gradients are accumulated in another order).
 
 It then prints a **PREDICTED** table (a model, not a measurement) for 7B at ``p = 4`` and
-``p = 8``: the bubble and iteration time from :func:`~epas_megatron.parallel.pipeline_schedule.simulate`
+``p = 8``: the bubble and iteration time from :func:`~epas_megatron.parallel.schedule_simulation.simulate`
 with modelled pass costs and each rank's peak memory from the memory model. Pass costs: the
 matmul FLOPs of a rank's decoder layers (:mod:`epas_megatron.metrics.flops`, causal halving as
 flash kernels run): ``F`` = GEMMs + attention core, ``B`` = GEMMs (input gradients) + twice the
@@ -68,9 +68,10 @@ from epas_megatron.metrics.flops import Convention, ModelShape, layer_matmul_flo
 from epas_megatron.metrics.memory_model import LayerShape, RankMemorySettings, rank_memory_bytes
 from epas_megatron.model.v_placement import even_v_stage_sizes, v_stage
 from epas_megatron.parallel.cost_model import P2P_FLOPS_PER_BYTE
-from epas_megatron.parallel.pipeline_schedule import V_SCHEDULES, Action, PassCosts, PipelineSchedule, build_schedule, depends_on, simulate
+from epas_megatron.parallel.pipeline_schedule import PIPELINE_SCHEDULES, Action, ScheduleActions, build_schedule, depends_on
+from epas_megatron.parallel.schedule_simulation import PassCosts, simulate
 
-BENCH_SCHEDULES = ("1f1b", "v-1f1b", "v-half", "v-min")
+BENCH_SCHEDULES = tuple(name for name, kind in PIPELINE_SCHEDULES.items() if kind.placement != "interleaved")
 """What ``--schedule`` takes: the schedules the project's executor runs (``interleaved`` is
 Megatron-Core's own loop, with no action lists to record)."""
 
@@ -121,7 +122,7 @@ def parse_schedules(names: Sequence[str]) -> tuple[str, ...]:
     """``--schedule`` values, deduplicated in order; a ConfigError naming the flag otherwise."""
     schedules = tuple(dict.fromkeys(name.strip() for name in names))
     for name in schedules:
-        if name == "interleaved":
+        if name in PIPELINE_SCHEDULES and PIPELINE_SCHEDULES[name].placement == "interleaved":
             raise ConfigError("--schedule interleaved is Megatron-Core's own schedule: the executor has no action lists "
                               f"to record for it; choose from {', '.join(BENCH_SCHEDULES)}")
         if name not in BENCH_SCHEDULES:
@@ -136,10 +137,10 @@ def check_config(cfg: ScheduleBenchConfig, num_layers: int, world: int) -> None:
                           f"(torchrun --nproc-per-node 4 -m epas_megatron.bench.cli pipeline --schedule ...), got {world}")
     p = world
     for name in cfg.schedules:
-        if name in V_SCHEDULES and num_layers < 2 * p:
+        if PIPELINE_SCHEDULES[name].v_placement and num_layers < 2 * p:
             raise ConfigError(f"--schedule {name} places 2p = {2 * p} V stages over p = {p} ranks: the {cfg.preset} preset has "
                               f"{num_layers} layers (use a preset with at least {2 * p} layers, or fewer processes)")
-        if name == "1f1b" and num_layers % p:
+        if PIPELINE_SCHEDULES[name].placement == "stages" and num_layers % p:
             raise ConfigError(f"--schedule 1f1b splits the {num_layers} layers of the {cfg.preset} preset evenly over p = {p} "
                               "ranks: use a process count that divides them")
     if cfg.num_microbatches < p:
@@ -202,7 +203,7 @@ def measure_peak_bytes(step: Callable[[], object]) -> int:
     return cpu_allocation_peak(prof)
 
 
-def pass_costs_of(timelines: Sequence, schedule: PipelineSchedule) -> PassCosts:
+def pass_costs_of(timelines: Sequence, schedule: ScheduleActions) -> PassCosts:
     """:class:`PassCosts` from executed timelines: the mean seconds of each kind of pass, times
     the chunks per rank (the simulation prices a pass through a whole rank's layers)."""
     def mean(kind):
@@ -225,8 +226,8 @@ def stage_pass_seconds(timelines: Sequence) -> dict[tuple[str, int], float]:
     return {key: statistics.fmean(values) for key, values in totals.items()}
 
 
-def replay(schedule: PipelineSchedule, seconds: Callable[[Action], float]) -> tuple[float, list[float], list[float]]:
-    """The rule of :func:`~epas_megatron.parallel.pipeline_schedule.simulate` with a cost per
+def replay(schedule: ScheduleActions, seconds: Callable[[Action], float]) -> tuple[float, list[float], list[float]]:
+    """The rule of :func:`~epas_megatron.parallel.schedule_simulation.simulate` with a cost per
     action (no p2p time): every rank's list in order, each action as soon as the one before it
     on its rank and the one it depends on have ended. Returns (bubble of the longest-span rank,
     busy and span per rank)."""
@@ -256,7 +257,7 @@ def replay(schedule: PipelineSchedule, seconds: Callable[[Action], float]) -> tu
     return 1.0 - busy[longest] / span[longest], busy, span
 
 
-def modelled_activation_bytes(plan, schedule: PipelineSchedule, settings: RankMemorySettings, shape: LayerShape) -> list[float]:
+def modelled_activation_bytes(plan, schedule: ScheduleActions, settings: RankMemorySettings, shape: LayerShape) -> list[float]:
     """The memory model's activations per rank of ``plan`` under ``schedule`` (1F1B: Megatron's
     even split, the LM head on the last rank; V: the even V stages, both ends on rank 0), times the
     simulation's in-flight peak of each rank."""
@@ -276,7 +277,7 @@ def modelled_activation_bytes(plan, schedule: PipelineSchedule, settings: RankMe
             for r in range(p)]
 
 
-def sent_messages_per_rank(schedule: PipelineSchedule) -> list[int]:
+def sent_messages_per_rank(schedule: ScheduleActions) -> list[int]:
     """Messages each rank sends per iteration (the ``SEND_*`` actions of its lists)."""
     return [sum(a.kind.startswith("SEND") for a in actions) for actions in schedule.p2p_lists]
 
@@ -299,7 +300,7 @@ def run_schedule_bench(cfg: ScheduleBenchConfig, log=print) -> dict:
     for name in cfg.schedules:
         plan = plan_for_preset(cfg.preset, sharing, seq_length=cfg.seq_length, share=cfg.share, backend=default_backend(),
                                core_attention=cfg.core_attention, pp=p,
-                               v_stage_sizes=even_v_stage_sizes(arch.num_layers, p) if name in V_SCHEDULES else None)
+                               v_stage_sizes=even_v_stage_sizes(arch.num_layers, p) if PIPELINE_SCHEDULES[name].v_placement else None)
         variants[name] = bench_variant(plan, micro_batch_size=cfg.micro_batch_size, num_microbatches=m, seed=cfg.seed)
     precision = next(iter(variants.values())).state.plan.precision
     layer_shape = LayerShape(arch.hidden_size, arch.num_attention_heads, arch.num_query_groups, arch.ffn_hidden_size,
@@ -443,7 +444,7 @@ def predicted_rows(preset: str = "7b", pps: Sequence[int] = (4, 8), microbatches
             schedule = build_schedule(name, p, m)
             sim = simulate(schedule, costs)
             base_time = base_time or sim.makespan
-            if name in V_SCHEDULES:
+            if schedule.v_placement:
                 sizes = even_v_stage_sizes(pre.num_layers, p)
                 roles = lambda r: [["compute"] * sizes[v_stage(r, c, p)] for c in (0, 1)]  # noqa: E731
                 memory = [rank_memory_bytes(layer, roles(r), r, p, 2, settings, in_flight=sim.peak_in_flight[r], head_rank=0)

@@ -37,7 +37,7 @@ equal it to fp32 rounding (gradients are accumulated in another order).
 :class:`ExecutedTimeline` -- each compute action (``F``, ``B``, ``W``, ``BW``) with its start and
 end (``time.perf_counter`` on the CPU; CUDA events on the current stream on a GPU, read after the
 iteration), and the messages and bytes this rank sent and received. The bubble of those times is
-:attr:`~epas_megatron.parallel.pipeline_schedule.Simulation.bubble`'s, of what was executed
+:attr:`~epas_megatron.parallel.schedule_simulation.Simulation.bubble`'s, of what was executed
 (:func:`executed_bubble`). Outside the context a run records nothing, allocates nothing for it,
 and computes exactly what it computes without it.
 """
@@ -57,7 +57,7 @@ from megatron.core.pipeline_parallel import schedules as megatron_schedules
 
 from epas_megatron.model.weight_grad import WEIGHT_GRAD_STORE
 from epas_megatron.parallel.pipeline_p2p import Exchange, communication_plan
-from epas_megatron.parallel.pipeline_schedule import Action, PipelineSchedule
+from epas_megatron.parallel.pipeline_schedule import Action, ScheduleActions
 
 
 @dataclass
@@ -109,7 +109,7 @@ class ExecutedTimeline:
 
 def executed_bubble(timelines: Sequence[ExecutedTimeline]) -> float:
     """The bubble of one iteration from every rank's timeline, as
-    :attr:`~epas_megatron.parallel.pipeline_schedule.Simulation.bubble` defines it: the idle share
+    :attr:`~epas_megatron.parallel.schedule_simulation.Simulation.bubble` defines it: the idle share
     of the rank with the longest span."""
     longest = max(timelines, key=lambda t: t.span)
     return longest.bubble
@@ -135,7 +135,7 @@ class _Recorder:
     """Fills an :class:`ExecutedTimeline` during a run: marks are host times on the CPU, CUDA
     events on a GPU (converted to seconds once the iteration is over)."""
 
-    def __init__(self, schedule: PipelineSchedule, rank: int, device: torch.device):
+    def __init__(self, schedule: ScheduleActions, rank: int, device: torch.device):
         self.timeline = ExecutedTimeline(schedule.name, rank)
         self.cuda = device.type == "cuda"
         self.marks: list = []
@@ -173,7 +173,7 @@ class _Recorder:
         return self.timeline
 
 
-def _message_tag(schedule: PipelineSchedule, action: Action) -> int:
+def _message_tag(schedule: ScheduleActions, action: Action) -> int:
     """A tag per message of the iteration (activations and gradients apart, stage, micro-batch):
     gloo pairs by it; NCCL ignores it -- the plan posts in the senders' order, which pairs the
     same messages (the NCCL-rules transport checks the tags of the pairs it makes agree)."""
@@ -193,7 +193,7 @@ def _drop_completed(works: list) -> list:
     return running
 
 
-def run_pipeline_schedule(schedule: PipelineSchedule, model_chunks: Sequence, data_iterators: Sequence[Iterator], *,
+def run_pipeline_schedule(schedule: ScheduleActions, model_chunks: Sequence, data_iterators: Sequence[Iterator], *,
                           forward_step_func, seq_length: int, micro_batch_size: int, forward_only: bool = False) -> list:
     """This rank's part of ``schedule`` on ``model_chunks`` (one per chunk of the placement),
     reading each chunk's micro-batches from ``data_iterators``. Returns what Megatron's schedules

@@ -132,7 +132,7 @@ def _schedule_iterators(data_iterators: Sequence[Iterator]):
 
 def _run_schedule(model_chunks, data_iterators, num_microbatches, seq_length, micro_batch_size, forward_only, schedule=None):
     """Megatron-Core's schedule for the chunks (1F1B, interleaved), or the action lists of
-    ``schedule`` (a :class:`~epas_megatron.parallel.pipeline_schedule.PipelineSchedule`) on the
+    ``schedule`` (a :class:`~epas_megatron.parallel.pipeline_schedule.ScheduleActions`) on the
     project's executor."""
     if schedule is not None:
         from epas_megatron.engine.pipeline_executor import run_pipeline_schedule

@@ -107,7 +107,8 @@ from typing import Iterable, Literal, Optional, Sequence
 from epas_megatron.model.moc_sizes import index_bytes, moc_saved_bytes_per_token
 from epas_megatron.model.v_placement import v_stage
 from epas_megatron.parallel.pipeline_p2p import sends_in_flight
-from epas_megatron.parallel.pipeline_schedule import V_SCHEDULES, build_schedule, peak_in_flight, rank_peak_bytes
+from epas_megatron.parallel.pipeline_schedule import PipelineSchedule, build_schedule, megatron_schedule, pipeline_schedule
+from epas_megatron.parallel.schedule_simulation import peak_in_flight, rank_peak_bytes
 
 Role = Literal["compute", "share"]
 
@@ -348,6 +349,12 @@ def parameter_state_bytes(trainable: int, frozen: int, precision: str = "fp32", 
     return (trainable + frozen) * weight + trainable * 4 + trainable * optimizer // (dp if distributed_optimizer else 1)
 
 
+def _schedule(name: Optional[str]) -> PipelineSchedule:
+    """The pipeline schedule called ``name`` (None: Megatron's 1F1B or, with ``vpp``, interleaved:
+    placed on stages alike)."""
+    return megatron_schedule() if name is None else pipeline_schedule(name)
+
+
 def in_flight_microbatches(pp_rank: int, pp: int, vpp: int, num_microbatches: int, schedule: Optional[str] = None) -> float:
     """Micro-batches whose activations a pipeline rank holds at its peak, in units of the whole
     rank's activations for one micro-batch, under ``schedule`` (a ``--pipeline-schedule`` name;
@@ -357,10 +364,8 @@ def in_flight_microbatches(pp_rank: int, pp: int, vpp: int, num_microbatches: in
     there are. A V schedule keeps what its simulation says (chunk passes held from a forward to
     the end of their weight gradient, over 2 chunks; as if chunks were alike and held their whole
     activations to the end: :func:`schedule_activation_peak` weighs them exactly)."""
-    if schedule in V_SCHEDULES:
+    if _schedule(schedule).v_placement:
         return peak_in_flight(schedule, pp, num_microbatches)[pp_rank]
-    if schedule not in (None, "1f1b", "interleaved"):
-        raise ValueError(f"no memory model for pipeline schedule {schedule!r}")
     if vpp <= 1:
         return float(min(pp - pp_rank, num_microbatches))
     passes = min(2 * (pp - pp_rank - 1) + (vpp - 1) * pp + 1, num_microbatches * vpp)
@@ -372,7 +377,7 @@ def schedule_activation_peak(schedule: str, pp_rank: int, pp: int, num_microbatc
     """Peak activation bytes of ``pp_rank`` under ``schedule`` (``1f1b`` or a V schedule), its
     chunk ``c``'s passes weighed by ``chunk_bytes[c]`` = (what a pass holds from its forward to
     the end of its input-gradient backward, what it holds from there to the end of its weight
-    gradient): what :func:`~epas_megatron.parallel.pipeline_schedule.simulate` gives, counted along
+    gradient): what :func:`~epas_megatron.parallel.schedule_simulation.simulate` gives, counted along
     the rank's own list (the order fixes the peak, not the pass costs: ``rank_peak_bytes``)."""
     built = build_schedule(schedule, pp, num_microbatches)
     if len(chunk_bytes) != built.chunks_per_rank:
@@ -484,7 +489,7 @@ def sent_messages_held(schedule: Optional[str], pp_rank: int, pp: int, num_micro
     sent. Zero on a single stage."""
     if pp == 1:
         return 0
-    if schedule in V_SCHEDULES:
+    if _schedule(schedule).executor:
         return sends_in_flight(build_schedule(schedule, pp, num_microbatches))[pp_rank]
     return 1
 
@@ -507,7 +512,7 @@ def rank_memory_bytes(shape: LayerShape, roles_by_chunk: list[list[Role]], pp_ra
     :func:`p2p_message_bytes`; ``handoff_crosses``: whether the messages carry the hand-off,
     default whether a chunk of this rank receives it), counted in ``total``."""
     schedule = settings.pipeline_schedule
-    v_placed = schedule in V_SCHEDULES
+    v_placed = _schedule(schedule).v_placement
     if head_rank is None:
         head_rank = 0 if v_placed else pp - 1
     static = 0.0
@@ -566,5 +571,5 @@ def rank_parameters(shape: LayerShape, roles: Iterable[Role], pp_rank: int, pp: 
         trainable, frozen = trainable + layer_trainable, frozen + layer_frozen
     table = settings.vocab_size // settings.tp * shape.hidden_size
     head = 0 if (settings.tie_embeddings and pp == 1) else table
-    head_rank = 0 if settings.pipeline_schedule in V_SCHEDULES else pp - 1
+    head_rank = 0 if _schedule(settings.pipeline_schedule).v_placement else pp - 1
     return trainable + table * (pp_rank == 0) + (head + shape.hidden_size) * (pp_rank == head_rank), frozen

@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Union
 
-from epas_megatron.parallel.pipeline_schedule import COMPUTE, Action, PipelineSchedule
+from epas_megatron.parallel.pipeline_schedule import COMPUTE, Action, ScheduleActions
 from epas_megatron.runtime.p2p_rules import RECV, SEND, Call, Op, Post, Progress, Wait, run_programs
 
 
@@ -66,15 +66,15 @@ def message(action: Action) -> str:
     return f"{action.kind[-1]}{action.stage}.{action.microbatch}"
 
 
-def p2p_actions(schedule: PipelineSchedule, forward_only: bool = False) -> tuple[tuple[Action, ...], ...]:
-    """:attr:`PipelineSchedule.p2p_lists`, or for a forward-only run its forwards and their messages."""
+def p2p_actions(schedule: ScheduleActions, forward_only: bool = False) -> tuple[tuple[Action, ...], ...]:
+    """:attr:`ScheduleActions.p2p_lists`, or for a forward-only run its forwards and their messages."""
     if not forward_only:
         return schedule.p2p_lists
     return tuple(tuple(a for a in actions if a.kind in ("F", "RECV_F", "SEND_F")) for actions in schedule.p2p_lists)
 
 
 @functools.lru_cache(maxsize=64)
-def communication_plan(schedule: PipelineSchedule, forward_only: bool = False) -> tuple[tuple[PlanStep, ...], ...]:
+def communication_plan(schedule: ScheduleActions, forward_only: bool = False) -> tuple[tuple[PlanStep, ...], ...]:
     """Every rank's compute actions with its :class:`Exchange` s between them (see the module doc);
     made once per schedule (the executor reads it every step)."""
     lists = p2p_actions(schedule, forward_only)
@@ -118,7 +118,7 @@ def communication_plan(schedule: PipelineSchedule, forward_only: bool = False) -
     return tuple(plans)
 
 
-def sends_in_flight(schedule: PipelineSchedule, forward_only: bool = False) -> tuple[int, ...]:
+def sends_in_flight(schedule: ScheduleActions, forward_only: bool = False) -> tuple[int, ...]:
     """Per rank: the most sent tensors the executor holds at once under :func:`communication_plan`
     -- each from its exchange until the next exchange the rank waits for has completed (or the
     iteration's end)."""
@@ -135,7 +135,7 @@ def sends_in_flight(schedule: PipelineSchedule, forward_only: bool = False) -> t
     return tuple(peaks)
 
 
-def nccl_programs(schedule: PipelineSchedule, forward_only: bool = False, group: str = "pipeline") -> list[list]:
+def nccl_programs(schedule: ScheduleActions, forward_only: bool = False, group: str = "pipeline") -> list[list]:
     """The plan as :mod:`~epas_megatron.runtime.p2p_rules` programs: each exchange one batched
     post; a waited exchange waited for with every earlier post; at the end, every post."""
     programs = []
@@ -155,7 +155,7 @@ def nccl_programs(schedule: PipelineSchedule, forward_only: bool = False, group:
     return programs
 
 
-def check_plan(schedule: PipelineSchedule, forward_only: bool = False) -> Progress:
+def check_plan(schedule: ScheduleActions, forward_only: bool = False) -> Progress:
     """Run :func:`nccl_programs` under NCCL's rules; raises
     :class:`~epas_megatron.runtime.p2p_rules.WouldDeadlock` or ``MessageMismatch`` naming the
     schedule."""

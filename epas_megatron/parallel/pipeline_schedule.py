@@ -1,4 +1,5 @@
-"""Pipeline schedules as data: per-rank action lists, their placement, and their simulation.
+"""Pipeline schedules as data: what each ``--pipeline-schedule`` is (:class:`PipelineSchedule`,
+one registry: placement, split backward, refusals), and its per-rank action lists.
 
 Qi et al., "Pipeline Parallelism with Controllable Memory" (NeurIPS 2024) describe a schedule as
 one *building block* -- when each pass of one micro-batch runs on each stage -- repeated for every
@@ -40,13 +41,10 @@ waits for) and ``W`` (the weight gradients, deferred); a ``W`` goes into the fir
 its ``B`` (first come, first served), and the activations of a pass are held from its ``F`` to the
 end of its ``W`` (to the end of ``BW`` without the split).
 
-A schedule is a list of compute actions per rank (:class:`Action`); :func:`with_p2p` adds the
-sends and receives a runtime needs, and :func:`simulate` runs the lists in order with any
-``F``/``B``/``W`` costs, the same for every stage or each stage its own (each action as soon
-as the one before it on its rank and the one it depends on have ended): the execution times,
-the bubble and each rank's peak activations -- in chunk passes, or in bytes with each stage's
-pass weighed by what it holds before and after its ``B`` (:func:`rank_peak_bytes` counts the
-same along one rank's list: the order fixes it). :func:`channel_orders` says whether every rank
+A schedule's action lists are a list of compute actions per rank (:class:`Action`);
+:func:`with_p2p` adds the sends and receives a runtime needs, and
+:mod:`epas_megatron.parallel.schedule_simulation` runs the lists with any ``F``/``B``/``W``
+costs (the execution times, the bubble, each rank's peak activations). :func:`channel_orders` says whether every rank
 pair's messages are received in the order they are sent (1F1B, V-Half and V-Min: yes; v-1f1b:
 no, so its runtime must post receives in the senders' order). Nothing here touches a process or
 a tensor: the executor (``engine/pipeline_executor.py``) runs the lists, the memory model and
@@ -56,20 +54,137 @@ a tensor: the executor (``engine/pipeline_executor.py``) runs the lists, the mem
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 from epas_megatron.errors import ConfigError
 from epas_megatron.model.v_placement import v_chunk, v_rank
 
-SCHEDULES = ("1f1b", "interleaved", "v-1f1b", "v-half", "v-min")
-"""``--pipeline-schedule`` values: Megatron-Core's two, and the V schedules of this module."""
 
-V_SCHEDULES = ("v-1f1b", "v-half", "v-min")
-"""The schedules with V placement."""
+@dataclass(frozen=True)
+class ScheduleFacts:
+    """What decides whether a pipeline schedule can run: the run's facts."""
 
-SPLIT_BACKWARD = ("v-half", "v-min")
-"""The schedules that run the weight-gradient backward apart from the input-gradient one."""
+    pp: int
+    """Pipeline ranks (``--pp``)."""
+
+    microbatches: int
+    """Micro-batches per iteration and DP rank."""
+
+    vpp: Optional[int] = None
+    """Model chunks per rank asked for (``--vpp``)."""
+
+    num_layers: Optional[int] = None
+    """Decoder layers (None: not known, not checked)."""
+
+    tied_embeddings: bool = False
+    """The LM head shares the embedding's weight."""
+
+    overlap_grad_reduce: bool = False
+    """``--overlap-grad-reduce``."""
+
+    backend: str = "local"
+    """The layers: ``local`` or ``transformer_engine``."""
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """One ``--pipeline-schedule``: where it places the layers, whether it splits the backward
+    pass, who runs it, what it refuses -- the one place a schedule's name decides anything."""
+
+    name: str
+    """The ``--pipeline-schedule`` value."""
+
+    placement: str
+    """``stages`` (stage ``s`` on rank ``s``), ``interleaved`` (Megatron-Core's virtual stages,
+    ``--vpp`` chunks per rank) or ``v`` (two chunks per rank in V order, both ends on rank 0)."""
+
+    split_backward: bool
+    """Runs the weight-gradient backward (``W``) apart from the input-gradient one (``B``)."""
+
+    executor: bool
+    """Run by this project's executor from its action lists (:func:`build_schedule`); else by
+    Megatron-Core's own schedule."""
+
+    paper_units: str
+    """Its peak in-flight micro-batches as Qi et al. give it (in terms of ``p``)."""
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def v_placement(self) -> bool:
+        return self.placement == "v"
+
+    def chunks_per_rank(self, vpp: Optional[int] = None) -> Optional[int]:
+        """Model chunks on each pipeline rank (None: one, without interleaving)."""
+        return 2 if self.v_placement else vpp
+
+    def refusals(self, facts: ScheduleFacts, flag: str = "--pipeline-schedule") -> list[str]:
+        """Everything that stops this schedule from running with ``facts``, each naming the flag
+        to change (validation raises the first; ``epas-plan`` lists them)."""
+        out = []
+        if self.placement == "stages" and facts.vpp:
+            out.append(f"{flag} {self.name} runs one chunk per rank: drop --vpp {facts.vpp} (or use {flag} interleaved)")
+        if self.placement == "interleaved" and not facts.vpp:
+            out.append(f"{flag} interleaved needs --vpp >= 2 (or an interleaved --pipeline-layout)")
+        if not self.v_placement:
+            return out
+        if facts.pp < 2:
+            out.append(f"{flag} {self.name} needs --pp >= 2 (a V schedule places two model chunks on each pipeline rank)")
+        if facts.vpp is not None and facts.vpp > 1:
+            out.append(f"{flag} {self.name} places two chunks per rank itself: drop --vpp {facts.vpp} (or use {flag} interleaved)")
+        if facts.microbatches < facts.pp:
+            out.append(f"{flag} {self.name} with --pp {facts.pp} needs at least {facts.pp} micro-batches per iteration, got "
+                       f"{facts.microbatches}: raise --global-batch-size or lower --micro-batch-size")
+        if self.split_backward and facts.backend != "local":
+            out.append(f"{flag} {self.name} splits the backward pass, which is built for the local layers only "
+                       "(Transformer Engine's delay_wgrad_compute is not wired yet); use --transformer-impl local "
+                       f"or {flag} v-1f1b")
+        if facts.tied_embeddings:
+            out.append(f"{flag} {self.name} does not run with --no-untie-embeddings-and-output-weights (the embedding "
+                       f"and the LM head are two chunks of rank 0) yet; drop it or use {flag} 1f1b")
+        if facts.overlap_grad_reduce:
+            out.append(f"{flag} {self.name} does not run with --overlap-grad-reduce (the executor reduces after the "
+                       f"iteration) yet; drop it or use {flag} 1f1b")
+        if facts.num_layers is not None and facts.num_layers < 2 * facts.pp:
+            out.append(f"{flag} {self.name} splits the layers over 2 x --pp {facts.pp} = {2 * facts.pp} stages; "
+                       f"--num-layers {facts.num_layers} is too few")
+        return out
+
+    def check(self, facts: ScheduleFacts, flag: str = "--pipeline-schedule") -> None:
+        """Raise the first of :meth:`refusals` (a ``ConfigError``)."""
+        refusals = self.refusals(facts, flag)
+        if refusals:
+            raise ConfigError(refusals[0])
+
+    def actions(self, pp: int, microbatches: int) -> "ScheduleActions":
+        """Its per-rank action lists (:func:`build_schedule`)."""
+        return build_schedule(self.name, pp, microbatches)
+
+
+PIPELINE_SCHEDULES: dict[str, PipelineSchedule] = {s.name: s for s in (
+    PipelineSchedule("1f1b", "stages", split_backward=False, executor=False, paper_units="p"),
+    PipelineSchedule("interleaved", "interleaved", split_backward=False, executor=False, paper_units="--"),
+    PipelineSchedule("v-1f1b", "v", split_backward=False, executor=True, paper_units="3p/4"),
+    PipelineSchedule("v-half", "v", split_backward=True, executor=True, paper_units="(p+2)//2"),
+    PipelineSchedule("v-min", "v", split_backward=True, executor=True, paper_units="(p+4)//3"),
+)}
+"""Every ``--pipeline-schedule``: Megatron-Core's two, and the V schedules of this module."""
+
+
+def megatron_schedule(vpp: Optional[int] = None) -> PipelineSchedule:
+    """Megatron-Core's own schedule for ``vpp`` chunks per rank (the default ``--pipeline-schedule``):
+    interleaved with ``--vpp``, else 1F1B -- also the baseline every schedule is compared with."""
+    return PIPELINE_SCHEDULES["interleaved" if vpp else "1f1b"]
+
+
+def pipeline_schedule(name: str, flag: str = "--pipeline-schedule") -> PipelineSchedule:
+    """The schedule called ``name``; a ``ConfigError`` naming ``flag`` for any other name."""
+    if name not in PIPELINE_SCHEDULES:
+        raise ConfigError(f"{flag} {name!r}: choose one of {', '.join(PIPELINE_SCHEDULES)}")
+    return PIPELINE_SCHEDULES[name]
+
 
 BLOCK_INTERVAL = 6
 """A rank's work per micro-batch in a V building block, in unit passes."""
@@ -97,11 +212,11 @@ class Action:
 
 
 @dataclass(frozen=True)
-class PipelineSchedule:
+class ScheduleActions:
     """The per-rank action lists of one schedule for ``pp`` ranks and ``microbatches``."""
 
     name: str
-    """One of :data:`SCHEDULES` (not 'interleaved': Megatron-Core runs that one)."""
+    """One of :data:`PIPELINE_SCHEDULES` (not 'interleaved': Megatron-Core runs that one)."""
 
     pp: int
     """Pipeline ranks."""
@@ -113,8 +228,12 @@ class PipelineSchedule:
     """Compute actions of each rank, in the order the rank runs them."""
 
     @property
+    def kind(self) -> PipelineSchedule:
+        return PIPELINE_SCHEDULES[self.name]
+
+    @property
     def v_placement(self) -> bool:
-        return self.name in V_SCHEDULES
+        return self.kind.v_placement
 
     @property
     def stages(self) -> int:
@@ -127,7 +246,7 @@ class PipelineSchedule:
 
     @property
     def split_backward(self) -> bool:
-        return self.name in SPLIT_BACKWARD
+        return self.kind.split_backward
 
     @functools.cached_property
     def p2p_lists(self) -> tuple[tuple[Action, ...], ...]:
@@ -141,31 +260,17 @@ class PipelineSchedule:
         return v_chunk(stage, self.pp) if self.v_placement else 0
 
 
-def check_schedule_config(name: str, pp: int, microbatches: int, vpp: Optional[int] = None,
-                          flag: str = "--pipeline-schedule") -> None:
-    """Refusals before any work, naming the flag to change."""
-    if name not in SCHEDULES:
-        raise ConfigError(f"{flag} {name!r}: choose one of {', '.join(SCHEDULES)}")
-    if name in V_SCHEDULES:
-        if pp < 2:
-            raise ConfigError(f"{flag} {name} needs --pp >= 2 (a V schedule places two model chunks on each pipeline rank)")
-        if vpp is not None and vpp > 1:
-            raise ConfigError(f"{flag} {name} places two chunks per rank itself: drop --vpp {vpp} (or use {flag} interleaved)")
-        if microbatches < pp:
-            raise ConfigError(f"{flag} {name} with --pp {pp} needs at least {pp} micro-batches per iteration, got "
-                              f"{microbatches}: raise --global-batch-size or lower --micro-batch-size")
-
-
 @functools.lru_cache(maxsize=32)
-def build_schedule(name: str, pp: int, microbatches: int) -> PipelineSchedule:
+def build_schedule(name: str, pp: int, microbatches: int) -> ScheduleActions:
     """The per-rank compute actions of schedule ``name`` (see the module doc); made once per
     arguments (the trainer asks for it every step)."""
-    check_schedule_config(name, pp, microbatches)
-    if name == "interleaved":
-        raise ConfigError("--pipeline-schedule interleaved is Megatron-Core's own schedule: it has no action lists here")
+    kind = pipeline_schedule(name)
+    kind.check(ScheduleFacts(pp, microbatches))
+    if kind.placement == "interleaved":
+        raise ConfigError(f"--pipeline-schedule {name} is Megatron-Core's own schedule: it has no action lists here")
     if name == "1f1b":
-        return PipelineSchedule(name, pp, microbatches, tuple(_one_f_one_b(pp, r, microbatches) for r in range(pp)))
-    return PipelineSchedule(name, pp, microbatches, tuple(_from_block(name, pp, r, microbatches) for r in range(pp)))
+        return ScheduleActions(name, pp, microbatches, tuple(_one_f_one_b(pp, r, microbatches) for r in range(pp)))
+    return ScheduleActions(name, pp, microbatches, tuple(_from_block(name, pp, r, microbatches) for r in range(pp)))
 
 
 def _one_f_one_b(pp: int, rank: int, m: int) -> tuple[Action, ...]:
@@ -215,7 +320,7 @@ def _from_block(name: str, pp: int, rank: int, m: int) -> tuple[Action, ...]:
         timed += [(start + BLOCK_INTERVAL * i, kind != "F", kind, stage, i) for i in range(m)]
     timed.sort()  # v-1f1b's whole backward passes overlap later blocks' slots: a forward goes first
     timed = [(t, kind, stage, i) for t, _, kind, stage, i in timed]
-    if name not in SPLIT_BACKWARD:
+    if not PIPELINE_SCHEDULES[name].split_backward:
         return tuple(Action(kind, stage, i) for _, kind, stage, i in timed)
     taken = {t for t, *_ in timed}
     actions, waiting, t, k = [], [], 0, 0
@@ -234,7 +339,7 @@ def _from_block(name: str, pp: int, rank: int, m: int) -> tuple[Action, ...]:
 
 
 # ---------------------------------------------------------------------------- dependencies
-def depends_on(schedule: PipelineSchedule, action: Action) -> Optional[Action]:
+def depends_on(schedule: ScheduleActions, action: Action) -> Optional[Action]:
     """The action of another (or the same) stage that ``action`` waits for, or None: a forward
     waits for the previous stage's forward; a backward (``B`` or ``BW``) for the next stage's
     backward, the last stage's for its own forward; a ``W`` for its own stage's ``B``."""
@@ -249,10 +354,10 @@ def depends_on(schedule: PipelineSchedule, action: Action) -> Optional[Action]:
     raise ValueError(f"not a compute action: {action}")
 
 
-def check_actions(schedule: PipelineSchedule) -> None:
+def check_actions(schedule: ScheduleActions) -> None:
     """Every action exactly once, on the rank holding its stage, and on each rank in an order its
     own dependencies allow (``F`` before its backward, ``B`` before its ``W``); raises
-    ``ValueError``. Deadlock freedom across ranks: :func:`simulate` finishes."""
+    ``ValueError``. Deadlock freedom across ranks: the simulation finishes."""
     kinds = ("F", "B", "W") if schedule.split_backward else ("F", "BW")
     expected = {Action(k, s, i) for k in kinds for s in range(schedule.stages) for i in range(schedule.microbatches)}
     seen = set()
@@ -277,173 +382,8 @@ def check_actions(schedule: PipelineSchedule) -> None:
         raise ValueError(f"{schedule.name}: {len(missing)} actions never run, e.g. {sorted(missing, key=str)[0]}")
 
 
-# ---------------------------------------------------------------------------- simulation
-@dataclass(frozen=True)
-class PassCosts:
-    """Seconds (or any unit) of one pass of one micro-batch through a whole rank's layers (a V
-    schedule's stage is half of them: :func:`simulate` halves the costs there, so schedules on the
-    same model compare at the same work per rank)."""
-
-    forward: float = 1.0
-    input_grad: float = 1.0
-    """``B``."""
-
-    weight_grad: float = 1.0
-    """``W``; a whole backward (``BW``) costs ``B + W``."""
-
-    p2p: float = 0.0
-    """Between a send's end of pass and the receiver's start (each stage boundary crossed)."""
-
-    def of(self, kind: str) -> float:
-        return {"F": self.forward, "B": self.input_grad, "W": self.weight_grad,
-                "BW": self.input_grad + self.weight_grad}[kind]
-
-
-@dataclass
-class Simulation:
-    """The schedule run in order with :class:`PassCosts` (see :func:`simulate`)."""
-
-    start: dict = field(default_factory=dict)
-    """Action -> start time."""
-
-    end: dict = field(default_factory=dict)
-    """Action -> end time."""
-
-    busy: list = field(default_factory=list)
-    """Per rank: total compute time."""
-
-    span: list = field(default_factory=list)
-    """Per rank: from its first action's start to its last action's end."""
-
-    peak_chunks: list = field(default_factory=list)
-    """Per rank: the most chunk-passes whose activations it held at once (held from a forward's
-    start to the end of its ``W``, or of its ``BW``)."""
-
-    chunks_per_rank: int = 1
-
-    peak_bytes: list = field(default_factory=list)
-    """Per rank, with ``stage_bytes`` given: the most bytes held at once, each pass weighed by
-    what it holds in each phase (see :func:`simulate`); else empty."""
-
-    @property
-    def makespan(self) -> float:
-        return max(self.end.values())
-
-    @property
-    def bubble(self) -> float:
-        """Idle share of the longest rank: ``1 - busy / span`` (the paper's bubble rate)."""
-        rank = max(range(len(self.span)), key=lambda r: self.span[r])
-        return 1.0 - self.busy[rank] / self.span[rank]
-
-    @property
-    def bubble_time(self) -> float:
-        """Idle time of the longest rank."""
-        return max(self.span) - self.busy[max(range(len(self.span)), key=lambda r: self.span[r])]
-
-    @property
-    def peak_in_flight(self) -> list[float]:
-        """Per rank: the peak in micro-batches of the whole rank's layers (``peak_chunks`` over
-        the chunks per rank) -- what the memory model multiplies a micro-batch's activations by."""
-        return [c / self.chunks_per_rank for c in self.peak_chunks]
-
-
-def simulate(schedule: PipelineSchedule, costs: PassCosts = PassCosts(),
-             stage_bytes: Optional[Mapping[int, tuple[float, float]]] = None,
-             stage_costs: Optional[Mapping[int, PassCosts]] = None) -> Simulation:
-    """Run every rank's list in order, each action as soon as the action before it on its rank
-    and the one it depends on (plus ``costs.p2p`` when that one is on another rank) have ended.
-    ``ValueError`` if the lists deadlock (an action waits for one that can never run).
-
-    ``stage_costs``: each virtual stage's own costs (stages of unequal work: an uneven layout,
-    the LM head's stage), used as given -- not halved under V placement; ``costs`` then gives
-    only the p2p time.
-
-    ``stage_bytes``: per virtual stage, ``(full, deferred)`` -- what one pass of that stage holds
-    from its ``F``'s start to the end of its ``B`` (its activations), and from there to the end of
-    its ``W`` (what the deferred weight-gradient GEMMs keep: the linears' inputs and output
-    gradients); a ``BW`` holds ``full`` to its end. Gives :attr:`Simulation.peak_bytes`; stages
-    left out hold nothing."""
-    sim = Simulation(chunks_per_rank=schedule.chunks_per_rank)
-
-    def cost(action: Action) -> float:
-        if stage_costs is not None:
-            return stage_costs[action.stage].of(action.kind)
-        return costs.of(action.kind) / schedule.chunks_per_rank
-
-    position = [0] * schedule.pp
-    free = [0.0] * schedule.pp
-    remaining = sum(len(actions) for actions in schedule.ranks)
-    while remaining:
-        progressed = False
-        for rank, actions in enumerate(schedule.ranks):
-            while position[rank] < len(actions):
-                action = actions[position[rank]]
-                needed = depends_on(schedule, action)
-                ready = free[rank]
-                if needed is not None:
-                    if needed not in sim.end:
-                        break
-                    crossing = schedule.rank_of(needed.stage) != rank
-                    ready = max(ready, sim.end[needed] + (costs.p2p if crossing else 0.0))
-                sim.start[action] = ready
-                sim.end[action] = free[rank] = ready + cost(action)
-                position[rank] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = [str(actions[position[r]]) for r, actions in enumerate(schedule.ranks) if position[r] < len(actions)]
-            raise ValueError(f"{schedule.name}: the action lists deadlock (waiting: {', '.join(stuck)})")
-    for rank, actions in enumerate(schedule.ranks):
-        sim.busy.append(sum(cost(a) for a in actions))
-        sim.span.append(sim.end[actions[-1]] - sim.start[actions[0]])
-        releases = ("W", "BW")
-        events = sorted([(sim.start[a], 1) for a in actions if a.kind == "F"] +
-                        [(sim.end[a], -1) for a in actions if a.kind in releases])
-        held = peak = 0
-        for _, change in events:  # a release at the same time as a forward's start comes first
-            held += change
-            peak = max(peak, held)
-        sim.peak_chunks.append(peak)
-        if stage_bytes is not None:
-            weighed = []
-            for a in actions:
-                full, deferred = stage_bytes.get(a.stage, (0.0, 0.0))
-                if a.kind == "F":
-                    weighed.append((sim.start[a], full))
-                elif a.kind == "B":
-                    weighed.append((sim.end[a], deferred - full))
-                elif a.kind in releases:
-                    weighed.append((sim.end[a], -(deferred if a.kind == "W" else full)))
-            held = peak_bytes = 0.0
-            for _, change in sorted(weighed):  # (a release, negative, first at a tie)
-                held += change
-                peak_bytes = max(peak_bytes, held)
-            sim.peak_bytes.append(peak_bytes)
-    return sim
-
-
-def rank_peak_bytes(schedule: PipelineSchedule, rank: int, stage_bytes: Mapping[int, tuple[float, float]]) -> float:
-    """:attr:`Simulation.peak_bytes` of one rank without simulating the others: a rank runs its
-    list one action at a time, so its peak is fixed by the order alone (whatever the costs) --
-    a forward adds its stage's ``full``, a ``B`` gives back all but ``deferred``, a ``W`` the
-    ``deferred``, a ``BW`` the ``full`` (``stage_bytes`` as in :func:`simulate`)."""
-    held = peak = 0.0
-    for action in schedule.ranks[rank]:
-        full, deferred = stage_bytes.get(action.stage, (0.0, 0.0))
-        held += {"F": full, "B": deferred - full, "W": -deferred, "BW": -full}[action.kind]
-        peak = max(peak, held)
-    return peak
-
-
-@functools.lru_cache(maxsize=64)
-def peak_in_flight(name: str, pp: int, microbatches: int) -> tuple[float, ...]:
-    """:attr:`Simulation.peak_in_flight` of schedule ``name`` (every pass alike, held whole to the
-    end of its ``W`` or ``BW``), per rank; made once per arguments."""
-    return tuple(simulate(build_schedule(name, pp, microbatches)).peak_in_flight)
-
-
 # ---------------------------------------------------------------------------- communication
-def with_p2p(schedule: PipelineSchedule) -> tuple[tuple[Action, ...], ...]:
+def with_p2p(schedule: ScheduleActions) -> tuple[tuple[Action, ...], ...]:
     """Every rank's actions with the sends and receives a runtime needs: a receive right before
     the compute that consumes what another rank sent, a send right after the compute that made
     it. Stage boundaries inside a rank (V placement's turn on rank ``p-1``) need neither."""
@@ -467,7 +407,7 @@ def with_p2p(schedule: PipelineSchedule) -> tuple[tuple[Action, ...], ...]:
     return tuple(ranks)
 
 
-def _consumer(schedule: PipelineSchedule, action: Action) -> Optional[Action]:
+def _consumer(schedule: ScheduleActions, action: Action) -> Optional[Action]:
     """The action of another stage that waits for ``action`` (None: the last forward, whose
     backward is on its own stage, and the first stage's backward)."""
     backward = "B" if schedule.split_backward else "BW"
@@ -478,7 +418,7 @@ def _consumer(schedule: PipelineSchedule, action: Action) -> Optional[Action]:
     return None
 
 
-def channel_orders(schedule: PipelineSchedule) -> dict[tuple[int, int], tuple[list[str], list[str]]]:
+def channel_orders(schedule: ScheduleActions) -> dict[tuple[int, int], tuple[list[str], list[str]]]:
     """For each ordered rank pair ``(sender, receiver)``: the messages in the order the sender
     sends them and in the order the receiver receives them (a runtime whose transport matches
     messages in order, as NCCL's does, needs the two equal)."""

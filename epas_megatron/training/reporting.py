@@ -29,7 +29,6 @@ from epas_megatron.metrics.logger import MetricsLogger
 from epas_megatron.model.build_plan import BuildPlan
 from epas_megatron.model.fusions import KernelAvailability, describe, fusion_off_reasons, fusion_settings
 from epas_megatron.parallel.memory_budget import MemoryLimit
-from epas_megatron.parallel.pipeline_schedule import V_SCHEDULES
 from epas_megatron.parallel.stage_layouts import describe_schedule_layouts
 from epas_megatron.runtime.distributed import ParallelDims
 from epas_megatron.runtime.fs import atomic_write_text
@@ -51,7 +50,7 @@ def pipeline_note(run: ResolvedRun, dims: ParallelDims) -> str:
     """' (VPP v)' for the interleaved schedule, ' (v-1f1b, V placement: stages of L1|L2|...)' for a
     V schedule (its layers per stage, in V order; with stage rebalancing, that they are chosen
     per region -- the layouts are listed with the EPAS schedule), '' otherwise."""
-    if run.pipeline_schedule in V_SCHEDULES:
+    if run.pipeline_schedule.v_placement:
         if run.rebalance:
             return f" ({run.pipeline_schedule}, V placement: {2 * dims.pp} stages, rebalanced for every region)"
         sizes = v_stage_sizes_for_run(run)

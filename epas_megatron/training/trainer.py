@@ -31,7 +31,6 @@ from epas_megatron.engine.progress import TrainingProgress
 from epas_megatron.errors import NonFiniteError
 from epas_megatron.model.build_plan import BuildPlan
 from epas_megatron.parallel.layer_timing import LayerTimer
-from epas_megatron.parallel.pipeline_schedule import V_SCHEDULES
 from epas_megatron.runtime.device import device_memory_gb, use_deterministic_kernels
 from epas_megatron.runtime.distributed import ParallelDims, destroy_distributed, init_distributed
 from epas_megatron.runtime.garbage import freeze_long_lived, unfreeze_long_lived
@@ -121,7 +120,7 @@ class Trainer:
         cfg, run = self.cfg, self.run
         if cfg.training.deterministic:
             use_deterministic_kernels()
-        chunks_per_rank = 2 if run.pipeline_schedule in V_SCHEDULES else run.vpp  # V placement: two chunks per rank
+        chunks_per_rank = run.pipeline_schedule.chunks_per_rank(run.vpp)  # V placement: two chunks per rank
         self.dims = init_distributed(cfg.parallel.tp, cfg.parallel.pp, chunks_per_rank, cfg.training.seed)
         self.reporter = Reporter(run, self.dims, self.features, self.out)
         self.data.prepare()

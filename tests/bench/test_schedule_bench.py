@@ -92,7 +92,8 @@ def test_replay_with_per_stage_costs_by_hand():
     longest span (15) and is busy 6 of it: bubble 0.6. With uniform costs the replay is the
     simulation's unit-cost bubble (every schedule, p = 4, m = 8)."""
     from epas_megatron.bench.schedule_bench import replay
-    from epas_megatron.parallel.pipeline_schedule import PassCosts, build_schedule, simulate
+    from epas_megatron.parallel.pipeline_schedule import build_schedule
+    from epas_megatron.parallel.schedule_simulation import PassCosts, simulate
 
     costs = {("F", 0): 1.0, ("BW", 0): 2.0, ("F", 1): 2.0, ("BW", 1): 4.0}
     bubble, busy, span = replay(build_schedule("1f1b", 2, 2), lambda a: costs[(a.kind, a.stage)])

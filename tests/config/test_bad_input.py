@@ -271,9 +271,9 @@ def test_split_backward_schedules_need_the_local_layers(name, tmp_path):
     cfg = parse_config(["--preset", "tiny", "--pp", "2", "--pipeline-schedule", name, "--output-dir", str(tmp_path)])
     with pytest.raises(ConfigError, match="--transformer-impl local or --pipeline-schedule v-1f1b"):
         _resolve_pipeline_schedule(cfg, cfg.model, None, 4, "transformer_engine")
-    assert _resolve_pipeline_schedule(cfg, cfg.model, None, 4, "local") == name
+    assert _resolve_pipeline_schedule(cfg, cfg.model, None, 4, "local").name == name
     v_1f1b = parse_config(["--preset", "tiny", "--pp", "2", "--pipeline-schedule", "v-1f1b", "--output-dir", str(tmp_path)])
-    assert _resolve_pipeline_schedule(v_1f1b, v_1f1b.model, None, 4, "transformer_engine") == "v-1f1b"
+    assert _resolve_pipeline_schedule(v_1f1b, v_1f1b.model, None, 4, "transformer_engine").name == "v-1f1b"
 
 
 def test_epas_plan_makes_the_features_refusals_too(capsys):

@@ -11,7 +11,8 @@ import pytest
 
 from epas_megatron.metrics.memory_model import LayerShape, RankMemorySettings, rank_memory_bytes, sent_messages_held
 from epas_megatron.parallel.pipeline_p2p import sends_in_flight
-from epas_megatron.parallel.pipeline_schedule import build_schedule, paper_peak, simulate
+from epas_megatron.parallel.pipeline_schedule import build_schedule, paper_peak
+from epas_megatron.parallel.schedule_simulation import simulate
 from epas_testing import REPO, json_lines, run_script
 
 

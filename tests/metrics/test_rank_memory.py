@@ -60,7 +60,7 @@ def test_in_flight_microbatches_by_schedule():
     assert in_flight_microbatches(0, 2, 2, 4, "interleaved") == 5 / 2
     for name, busiest in (("v-1f1b", 3), ("v-half", 3), ("v-min", 2)):
         assert max(in_flight_microbatches(r, 4, 1, 8, name) for r in range(4)) == busiest
-    with pytest.raises(ValueError, match="no memory model for pipeline schedule 'gpipe'"):
+    with pytest.raises(ValueError, match="--pipeline-schedule 'gpipe': choose one of 1f1b, interleaved"):
         in_flight_microbatches(0, 4, 1, 8, "gpipe")
 
 

@@ -10,21 +10,20 @@ import pytest
 
 from epas_megatron.errors import ConfigError
 from epas_megatron.parallel.pipeline_schedule import (
+    PIPELINE_SCHEDULES,
     Action,
-    PassCosts,
+    ScheduleFacts,
     build_schedule,
     channel_orders,
     check_actions,
-    check_schedule_config,
     depends_on,
     paper_peak,
-    peak_in_flight,
-    rank_peak_bytes,
-    simulate,
+    pipeline_schedule,
     v_chunk,
     v_rank,
     with_p2p,
 )
+from epas_megatron.parallel.schedule_simulation import PassCosts, peak_in_flight, rank_peak_bytes, simulate
 
 NAMES = ("1f1b", "v-1f1b", "v-half", "v-min")
 CASES = [(name, p, m) for name in NAMES for p in (2, 4, 8) for m in range(p, 4 * p + 1)]
@@ -233,6 +232,28 @@ def test_sends_and_receives(name):
     (("zb", 4, 8, None), "choose one of 1f1b, interleaved, v-1f1b, v-half, v-min"),
 ])
 def test_refusals_name_the_flag(argv, message):
+    name, pp, microbatches, vpp = argv
     with pytest.raises(ConfigError, match=message):
-        check_schedule_config(*argv)
-    check_schedule_config("1f1b", 1, 1)  # today's default needs nothing new
+        pipeline_schedule(name).check(ScheduleFacts(pp, microbatches, vpp))
+    pipeline_schedule("1f1b").check(ScheduleFacts(1, 1))  # today's default needs nothing new
+
+
+def test_a_schedule_is_one_object_with_every_refusal():
+    """What each --pipeline-schedule is, by hand, and every refusal at once (epas-plan lists them
+    all; the run's validation raises the first)."""
+    kinds = {name: (kind.placement, kind.split_backward, kind.executor, kind.chunks_per_rank(3))
+             for name, kind in PIPELINE_SCHEDULES.items()}
+    assert kinds == {"1f1b": ("stages", False, False, 3), "interleaved": ("interleaved", False, False, 3),
+                     "v-1f1b": ("v", False, True, 2), "v-half": ("v", True, True, 2), "v-min": ("v", True, True, 2)}
+    facts = ScheduleFacts(pp=4, microbatches=3, vpp=None, num_layers=6, tied_embeddings=True, overlap_grad_reduce=True,
+                          backend="transformer_engine")
+    refusals = pipeline_schedule("v-min").refusals(facts)
+    assert len(refusals) == 5 and all(r.startswith("--pipeline-schedule v-min") for r in refusals), refusals
+    for needle, refusal in zip(["at least 4 micro-batches", "--transformer-impl local", "--no-untie-embeddings",
+                                "--overlap-grad-reduce", "--num-layers 6 is too few"], refusals):
+        assert needle in refusal
+    assert len(pipeline_schedule("v-1f1b").refusals(facts)) == 4  # no split backward: TE runs it
+    assert pipeline_schedule("1f1b").refusals(facts) == []
+    assert pipeline_schedule("interleaved").refusals(facts) == ["--pipeline-schedule interleaved needs --vpp >= 2 "
+                                                               "(or an interleaved --pipeline-layout)"]
+    assert str(pipeline_schedule("v-half")) == "v-half" and build_schedule("v-half", 2, 2).kind is PIPELINE_SCHEDULES["v-half"]

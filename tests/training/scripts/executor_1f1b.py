@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from epas_megatron.model.architecture import LlamaArchitecture
 from epas_megatron.model.build_plan import BuildPlan
-from epas_megatron.parallel.pipeline_schedule import Action, PipelineSchedule, build_schedule, check_actions
+from epas_megatron.parallel.pipeline_schedule import Action, ScheduleActions, build_schedule, check_actions
 from epas_megatron.runtime.distributed import init_distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the shared helper
@@ -35,7 +35,7 @@ def main():
                              vocab_size=256, max_sequence_length=S, init_method_std=0.2)
     schedule = build_schedule("1f1b", 2, M)
     # Any valid lists run: GPipe's order (every forward, then every backward) -- the same numbers.
-    gpipe = PipelineSchedule("1f1b", 2, M, tuple(tuple([Action("F", r, i) for i in range(M)] + [Action("BW", r, i) for i in range(M)])
+    gpipe = ScheduleActions("1f1b", 2, M, tuple(tuple([Action("F", r, i) for i in range(M)] + [Action("BW", r, i) for i in range(M)])
                                                for r in range(2)))
     check_actions(gpipe)
     cases = (("plain", (), "fp32", schedule), ("handoff", (1, 2, 3), "fp32", schedule), ("handoff_bf16", (1, 2, 3), "bf16", schedule),

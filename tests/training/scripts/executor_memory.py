@@ -32,8 +32,10 @@ from epas_megatron.model.architecture import LlamaArchitecture
 from epas_megatron.model.build_plan import BuildPlan
 from epas_megatron.model.v_placement import even_v_stage_sizes
 from epas_megatron.model.weight_grad import WEIGHT_GRAD_STORE
-from epas_megatron.parallel.pipeline_schedule import V_SCHEDULES, build_schedule
+from epas_megatron.parallel.pipeline_schedule import PIPELINE_SCHEDULES, build_schedule
 from epas_megatron.runtime.distributed import init_distributed
+
+V_NAMES = tuple(name for name, kind in PIPELINE_SCHEDULES.items() if kind.v_placement)
 
 SEQ, BATCH = 32, 2
 ARCH = dict(hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=176, vocab_size=256)
@@ -108,7 +110,7 @@ def main():
     arch = LlamaArchitecture(num_layers=2 * pp, max_sequence_length=SEQ, **ARCH)
     init_distributed(1, pp, 2, seed=1)  # V placement: two chunks per rank
     mine = {}
-    for name in V_SCHEDULES:
+    for name in V_NAMES:
         plan = BuildPlan.for_region(arch, (), seq_length=SEQ, pp=pp, v_stage_sizes=even_v_stage_sizes(2 * pp, pp))
         mine[name] = measure(plan, build_schedule(name, pp, microbatches))
     parallel_state.destroy_model_parallel()
@@ -117,7 +119,7 @@ def main():
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() == 0:
-        for name in ("1f1b", *V_SCHEDULES):
+        for name in ("1f1b", *V_NAMES):
             print("RESULT " + json.dumps({"schedule": name, "pp": pp, "microbatches": microbatches, "seq": SEQ, "batch": BATCH,
                                           "layers": 2 * pp, **ARCH, "peak_per_rank": [e[name][0] for e in everyone],
                                           "left_per_rank": [e[name][1] for e in everyone],

@@ -15,13 +15,15 @@ from megatron.core import parallel_state
 from epas_megatron.model.architecture import LlamaArchitecture
 from epas_megatron.model.build_plan import BuildPlan
 from epas_megatron.model.v_placement import even_v_stage_sizes
-from epas_megatron.parallel.pipeline_schedule import V_SCHEDULES, build_schedule
+from epas_megatron.parallel.pipeline_schedule import PIPELINE_SCHEDULES, build_schedule
 from epas_megatron.runtime.distributed import init_distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the shared helper
 
 from executor_runs import SEQ as S  # noqa: E402
 from executor_runs import train_and_evaluate
+
+V_NAMES = tuple(name for name, kind in PIPELINE_SCHEDULES.items() if kind.v_placement)
 
 P, SHARING = 4, (3, 4, 5, 6, 7)
 
@@ -32,7 +34,7 @@ def main():
                              vocab_size=128, max_sequence_length=S, init_method_std=0.2)
     ours = {}
     for microbatches in (P, 2 * P):
-        for name in V_SCHEDULES:
+        for name in V_NAMES:
             plan = BuildPlan.for_region(arch, SHARING, seq_length=S, pp=P, v_stage_sizes=even_v_stage_sizes(2 * P, P))
             records, valid, _ = train_and_evaluate(plan, build_schedule(name, P, microbatches), microbatches)
             ours[(name, microbatches)] = (records, valid)
