@@ -68,7 +68,7 @@ from epas_megatron.metrics.flops import Convention, ModelShape, layer_matmul_flo
 from epas_megatron.metrics.memory_model import LayerShape, RankMemorySettings, rank_memory_bytes
 from epas_megatron.model.v_placement import even_v_stage_sizes, v_stage
 from epas_megatron.parallel.cost_model import P2P_FLOPS_PER_BYTE
-from epas_megatron.parallel.pipeline_schedule import PIPELINE_SCHEDULES, Action, ScheduleActions, build_schedule, depends_on
+from epas_megatron.parallel.pipeline_schedule import PIPELINE_SCHEDULES, Action, ScheduleActions, build_schedule
 from epas_megatron.parallel.schedule_simulation import PassCosts, simulate
 
 BENCH_SCHEDULES = tuple(name for name, kind in PIPELINE_SCHEDULES.items() if kind.placement != "interleaved")
@@ -227,34 +227,11 @@ def stage_pass_seconds(timelines: Sequence) -> dict[tuple[str, int], float]:
 
 
 def replay(schedule: ScheduleActions, seconds: Callable[[Action], float]) -> tuple[float, list[float], list[float]]:
-    """The rule of :func:`~epas_megatron.parallel.schedule_simulation.simulate` with a cost per
-    action (no p2p time): every rank's list in order, each action as soon as the one before it
-    on its rank and the one it depends on have ended. Returns (bubble of the longest-span rank,
-    busy and span per rank)."""
-    end: dict = {}
-    start: dict = {}
-    free = [0.0] * schedule.pp
-    position = [0] * schedule.pp
-    remaining = sum(len(actions) for actions in schedule.ranks)
-    while remaining:
-        progressed = False
-        for rank, actions in enumerate(schedule.ranks):
-            while position[rank] < len(actions):
-                action = actions[position[rank]]
-                needed = depends_on(schedule, action)
-                if needed is not None and needed not in end:
-                    break
-                start[action] = max(free[rank], end[needed]) if needed is not None else free[rank]
-                end[action] = free[rank] = start[action] + seconds(action)
-                position[rank] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise ValueError(f"{schedule.name}: the action lists deadlock")
-    busy = [sum(seconds(a) for a in actions) for actions in schedule.ranks]
-    span = [end[actions[-1]] - start[actions[0]] for actions in schedule.ranks]
-    longest = max(range(schedule.pp), key=lambda r: span[r])
-    return 1.0 - busy[longest] / span[longest], busy, span
+    """:func:`~epas_megatron.parallel.schedule_simulation.simulate` with a cost per action (no p2p
+    time). Returns (bubble of the longest-span rank, busy and span per rank)."""
+    sim = simulate(schedule, action_seconds=seconds)
+    longest = max(range(schedule.pp), key=lambda r: sim.span[r])
+    return 1.0 - sim.busy[longest] / sim.span[longest], sim.busy, sim.span
 
 
 def modelled_activation_bytes(plan, schedule: ScheduleActions, settings: RankMemorySettings, shape: LayerShape) -> list[float]:

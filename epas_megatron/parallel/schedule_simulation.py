@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from epas_megatron.parallel.pipeline_schedule import Action, ScheduleActions, build_schedule, depends_on
 
@@ -87,14 +87,16 @@ class Simulation:
 
 def simulate(schedule: ScheduleActions, costs: PassCosts = PassCosts(),
              stage_bytes: Optional[Mapping[int, tuple[float, float]]] = None,
-             stage_costs: Optional[Mapping[int, PassCosts]] = None) -> Simulation:
+             stage_costs: Optional[Mapping[int, PassCosts]] = None,
+             action_seconds: Optional[Callable[[Action], float]] = None) -> Simulation:
     """Run every rank's list in order, each action as soon as the action before it on its rank
     and the one it depends on (plus ``costs.p2p`` when that one is on another rank) have ended.
     ``ValueError`` if the lists deadlock (an action waits for one that can never run).
 
     ``stage_costs``: each virtual stage's own costs (stages of unequal work: an uneven layout,
     the LM head's stage), used as given -- not halved under V placement; ``costs`` then gives
-    only the p2p time.
+    only the p2p time. ``action_seconds``: each action's own cost (an executed timeline replayed:
+    ``epas-bench pipeline``), before either.
 
     ``stage_bytes``: per virtual stage, ``(full, deferred)`` -- what one pass of that stage holds
     from its ``F``'s start to the end of its ``B`` (its activations), and from there to the end of
@@ -104,6 +106,8 @@ def simulate(schedule: ScheduleActions, costs: PassCosts = PassCosts(),
     sim = Simulation(chunks_per_rank=schedule.chunks_per_rank)
 
     def cost(action: Action) -> float:
+        if action_seconds is not None:
+            return action_seconds(action)
         if stage_costs is not None:
             return stage_costs[action.stage].of(action.kind)
         return costs.of(action.kind) / schedule.chunks_per_rank
