@@ -34,7 +34,7 @@ from epas_megatron.checkpointing.metadata import CheckpointMeta, SavedParallel, 
 from epas_megatron.config.cli import to_dict
 from epas_megatron.config.presets import get_preset
 from epas_megatron.errors import ConfigError
-from epas_megatron.metrics.memory_model import RankMemorySettings
+from epas_megatron.metrics.rank_memory import RankMemorySettings
 from epas_megatron.model.architecture import architecture_from_config, architecture_from_preset
 from epas_megatron.model.build_plan import BuildPlan, RandomLTDSettings, RecomputeSettings
 from epas_megatron.model.fusions import KernelAvailability, activation_kernels, choose_backend, choose_precision, fusion_settings
@@ -128,7 +128,7 @@ def plan_after_switch(run: ResolvedRun, current: BuildPlan, sharing_layers: Sequ
 
 def memory_kernels(kernels: KernelAvailability, backend: str = "local", random_ltd: bool = False) -> dict[str, bool]:
     """The memory model's kernel settings (``fused_norm``, ``fused_swiglu``, ``fused_rope`` of
-    :class:`~epas_megatron.metrics.memory_model.RankMemorySettings`) for a model built with
+    :class:`~epas_megatron.metrics.rank_memory.RankMemorySettings`) for a model built with
     ``kernels`` and ``backend``: :func:`~epas_megatron.model.fusions.activation_kernels`, and RoPE
     fused where the builder sets ``apply_rope_fusion`` -- the flag of
     :func:`~epas_megatron.model.fusions.fusion_settings`, off with Random-LTD

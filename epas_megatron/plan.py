@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 
 from epas_megatron.errors import ConfigError
 from epas_megatron.metrics.flops import Convention, ModelShape, layer_matmul_flops, lm_head_forward_flops
-from epas_megatron.metrics.memory_model import rank_memory_bytes
+from epas_megatron.metrics.rank_memory import rank_memory_bytes
 from epas_megatron.model.v_placement import even_v_stage_sizes, v_stage
 from epas_megatron.parallel.pipeline_schedule import PIPELINE_SCHEDULES, ScheduleFacts, build_schedule, megatron_schedule, paper_peak
 from epas_megatron.parallel.schedule_simulation import PassCosts, simulate
@@ -157,7 +157,7 @@ def _v_rank_bytes(run, plan, measure, modes, name: str, sizes=None) -> list[dict
     ``sizes``, default the even split), the embedding and the LM head both on rank 0, and the
     schedule's peak along the rank's own list, each pass weighed by what it holds before and
     after its input-gradient backward
-    (:func:`~epas_megatron.metrics.memory_model.schedule_activation_peak`)."""
+    (:func:`~epas_megatron.metrics.rank_memory.schedule_activation_peak`)."""
     pp = run.cfg.parallel.pp
     sizes = sizes or even_v_stage_sizes(plan.arch.num_layers, pp)
     starts = [sum(sizes[:s]) for s in range(len(sizes))]
@@ -249,7 +249,7 @@ class ScheduleOption:
     name: str
 
     rows: list
-    """Per region compared (first, final): every rank's :func:`~epas_megatron.metrics.memory_model.rank_memory_bytes`."""
+    """Per region compared (first, final): every rank's :func:`~epas_megatron.metrics.rank_memory.rank_memory_bytes`."""
 
     time: float
     """Modelled iteration time, FLOPs along the slowest path (:func:`schedule_time`)."""

@@ -99,7 +99,8 @@ def measure_switch(precision: str, distributed_optimizer: bool, output_dir: Opti
     ``build_peak`` (bytes) and the memory model's terms for the same switch (``model``)."""
     from epas_megatron.assembly import memory_settings
     from epas_megatron.config.cli import parse_config
-    from epas_megatron.metrics.memory_model import LayerShape, rank_memory_bytes
+    from epas_megatron.metrics.memory_model import LayerShape
+    from epas_megatron.metrics.rank_memory import rank_memory_bytes
     from epas_megatron.metrics.switch_memory import switch_transient_terms
     from epas_megatron.sharing.shape import LayerMode
     from epas_megatron.training.trainer import Trainer

@@ -84,7 +84,8 @@ def test_launcher_dry_run_shows_the_report(tmp_path):
 def test_a_plan_for_gpus_counts_the_gpus_kernels(tmp_path):
     """--gpu-memory-gb plans for a GPU node from here: the activations are the memory model's with
     the GPU's one-kernel RMSNorm and fused SwiGLU (hand-built settings), not this CPU's kernels."""
-    from epas_megatron.metrics.memory_model import LayerShape, RankMemorySettings, rank_memory_bytes
+    from epas_megatron.metrics.memory_model import LayerShape
+    from epas_megatron.metrics.rank_memory import RankMemorySettings, rank_memory_bytes
 
     proc = plan("--world-size", "1", "--gpu-memory-gb", "80", "--preset", "small", "--micro-batch-size", "16",
                 "--output-dir", str(tmp_path / "r"))
@@ -131,7 +132,8 @@ def test_an_in_memory_switch_that_does_not_fit_says_so(tmp_path):
     one is built (the one whole piece a switch allocates). Exit 3, the switch's rank flagged and
     its peak above the steps around it; the same run switching through a checkpoint fits. The
     shown peak is the parameter state plus the memory model's bound for that switch."""
-    from epas_megatron.metrics.memory_model import LayerShape, RankMemorySettings, rank_memory_bytes
+    from epas_megatron.metrics.memory_model import LayerShape
+    from epas_megatron.metrics.rank_memory import RankMemorySettings, rank_memory_bytes
     from epas_megatron.metrics.switch_memory import switch_transient_terms
 
     args = ["--world-size", "1", "--gpu-memory-gb", "80", "--preset", "small", "--micro-batch-size", "1",

@@ -28,7 +28,7 @@ lists are Megatron-Core's 1F1B bit for bit). Per schedule:
   action -- stages differ, e.g. the LM head's), and :func:`~epas_megatron.parallel.schedule_simulation.simulate`'s
   with the paper's unit costs ``F = B = W`` (every rank alike);
 * the **activations the memory model predicts** per rank for this model
-  (:func:`~epas_megatron.metrics.memory_model.rank_memory_bytes` with the simulation's in-flight
+  (:func:`~epas_megatron.metrics.rank_memory.rank_memory_bytes` with the simulation's in-flight
   peak per rank) -- the measured peak adds what the model leaves out: transients such as the
   logits' copies in the loss, p2p buffers, the optimizer step's temporaries;
 * **p2p bytes** each rank sent per iteration (the recorder's count: messages x tensor bytes --
@@ -45,7 +45,7 @@ flash kernels run): ``F`` = GEMMs + attention core, ``B`` = GEMMs (input gradien
 attention core (its backward has no weights), ``W`` = GEMMs (weight gradients) -- the paper's
 ``W ~ B`` for the GEMM share; a message costs its bytes at
 :data:`~epas_megatron.parallel.cost_model.P2P_FLOPS_PER_BYTE`. Memory:
-:func:`~epas_megatron.metrics.memory_model.rank_memory_bytes` with the simulation's in-flight peak
+:func:`~epas_megatron.metrics.rank_memory.rank_memory_bytes` with the simulation's in-flight peak
 per rank (bf16, GPU kernels, no sharing; the largest activations and the largest total over the
 ranks). The LM head, the embedding and the optimizer step are left out of the time model (the
 simulation prices every rank alike).
@@ -65,7 +65,8 @@ import torch.distributed as dist
 
 from epas_megatron.errors import ConfigError
 from epas_megatron.metrics.flops import Convention, ModelShape, layer_matmul_flops
-from epas_megatron.metrics.memory_model import LayerShape, RankMemorySettings, rank_memory_bytes
+from epas_megatron.metrics.memory_model import LayerShape
+from epas_megatron.metrics.rank_memory import RankMemorySettings, rank_memory_bytes
 from epas_megatron.model.v_placement import even_v_stage_sizes, v_stage
 from epas_megatron.parallel.cost_model import P2P_FLOPS_PER_BYTE
 from epas_megatron.parallel.pipeline_schedule import PIPELINE_SCHEDULES, Action, ScheduleActions, build_schedule

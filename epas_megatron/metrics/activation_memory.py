@@ -17,7 +17,7 @@ dropped) and whose release takes its count back; the weight-gradient GEMMs a spl
 defers (:data:`~epas_megatron.model.weight_grad.WEIGHT_GRAD_STORE`) hold their layer's input and
 output gradient from ``B`` to ``W``, counted the same way. A storage is counted once while
 anything holds it; the peak is what the pipeline schedule's memory accounting predicts
-(:func:`~epas_megatron.metrics.memory_model.rank_memory_bytes`).
+(:func:`~epas_megatron.metrics.rank_memory.rank_memory_bytes`).
 """
 
 from __future__ import annotations

@@ -40,14 +40,8 @@ from __future__ import annotations
 
 from typing import Collection, Sequence
 
-from epas_megatron.metrics.memory_model import (
-    LayerShape,
-    RankMemorySettings,
-    Role,
-    layer_parameters,
-    qkv_parameters,
-    rank_parameters,
-)
+from epas_megatron.metrics.memory_model import LayerShape, Role
+from epas_megatron.metrics.rank_memory import RankMemorySettings, layer_parameters, qkv_parameters, rank_parameters
 
 
 def optimizer_state_bytes_per_parameter(settings: RankMemorySettings) -> float:
@@ -61,7 +55,7 @@ def switch_transient_terms(shape: LayerShape, roles_before: Sequence[Role], role
                            layers_before: Collection[int], layers_after: Collection[int], pp_rank: int, pp: int,
                            settings: RankMemorySettings) -> dict[str, float]:
     """The bytes one pipeline rank allocates during an in-memory switch above the state it held
-    before (``parameters`` of :func:`~epas_megatron.metrics.memory_model.rank_memory_bytes` at
+    before (``parameters`` of :func:`~epas_megatron.metrics.rank_memory.rank_memory_bytes` at
     the region before), by term, and ``transient``, their sum (a bound; see the module doc).
 
     ``roles_before`` / ``roles_after``: every decoder layer's role in the regions before and

@@ -339,7 +339,7 @@ def torch_fuses_rms_norm(version: Optional[str] = None) -> bool:
 
 
 def activation_kernels(kernels: KernelAvailability, backend: str = "local") -> dict[str, bool]:
-    """What the memory model (:class:`~epas_megatron.metrics.memory_model.RankMemorySettings`)
+    """What the memory model (:class:`~epas_megatron.metrics.rank_memory.RankMemorySettings`)
     needs to know of the kernels: ``fused_norm`` (torch's CUDA ``rms_norm``) and ``fused_swiglu``
     (``bias_activation_fusion``, as :func:`fusion_settings` sets it)."""
     return {"fused_norm": kernels.cuda and torch_fuses_rms_norm(),

@@ -17,12 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from epas_megatron.metrics.memory_model import (
-    LayerShape,
-    RankMemorySettings,
-    layer_memory,
-    rank_memory_bytes,
-)
+from epas_megatron.metrics.memory_model import LayerShape
+from epas_megatron.metrics.rank_memory import RankMemorySettings, layer_memory, rank_memory_bytes
 from epas_megatron.metrics.switch_memory import switch_transient_terms
 from epas_megatron.sharing.shape import LayerMode
 

@@ -114,7 +114,8 @@ def test_a_memory_budget_changes_the_layout_not_the_losses(runs, tmp_path):
     """--epas-memory-budget-gb just under what the FLOP-optimal region-0 layout needs on rank 0
     (it holds 5 layers and 2 of the 4 micro-batches in flight): the run plans another layout
     there and says so, and its losses still equal PP=1's."""
-    from epas_megatron.metrics.memory_model import LayerShape, RankMemorySettings
+    from epas_megatron.metrics.memory_model import LayerShape
+    from epas_megatron.metrics.rank_memory import RankMemorySettings
     from epas_megatron.parallel.memory_budget import GIB, MemoryLimit
     from epas_megatron.sharing.shape import layer_modes
 

@@ -55,7 +55,8 @@ def _setup(sharing):
     from epas_megatron.assembly import memory_kernels
     from epas_megatron.engine.optimizer import OptimizerSettings
     from epas_megatron.engine.state import build_training_state
-    from epas_megatron.metrics.memory_model import LayerShape, RankMemorySettings
+    from epas_megatron.metrics.memory_model import LayerShape
+    from epas_megatron.metrics.rank_memory import RankMemorySettings
     from epas_megatron.model.architecture import LlamaArchitecture
     from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.fusions import KernelAvailability
@@ -127,12 +128,8 @@ def test_saved_tensors_on_the_gpu_equal_the_model_tensor_by_tensor(world):
 @pytest.mark.parametrize("sharing", [(), (2, 3)], ids=["region_0", "region_2"])
 def test_memory_model_against_the_cuda_allocator(world, sharing):
     from epas_megatron.engine.step import train_step
-    from epas_megatron.metrics.memory_model import (
-        embedding_activation_bytes,
-        head_activation_bytes,
-        layer_activation_bytes,
-        rank_memory_bytes,
-    )
+    from epas_megatron.metrics.memory_model import layer_activation_bytes
+    from epas_megatron.metrics.rank_memory import embedding_activation_bytes, head_activation_bytes, rank_memory_bytes
     from epas_megatron.runtime.device import to_compute_device
 
     gc.collect()  # what earlier tests left in reference cycles; what stays is not this test's

@@ -44,7 +44,8 @@ def _setup(sharing):
     from epas_megatron.assembly import memory_kernels
     from epas_megatron.engine.optimizer import OptimizerSettings
     from epas_megatron.engine.state import build_training_state
-    from epas_megatron.metrics.memory_model import LayerShape, RankMemorySettings
+    from epas_megatron.metrics.memory_model import LayerShape
+    from epas_megatron.metrics.rank_memory import RankMemorySettings
     from epas_megatron.model.architecture import LlamaArchitecture
     from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.fusions import KernelAvailability
@@ -74,12 +75,8 @@ def _measure(sharing) -> dict:
     """Kept for backward (allocator), the model's figure, and saved bytes per layer (hooks)."""
     from epas_megatron.engine.step import train_step
     from epas_megatron.metrics.activation_memory import measure_saved_bytes
-    from epas_megatron.metrics.memory_model import (
-        embedding_activation_bytes,
-        head_activation_bytes,
-        layer_activation_bytes,
-        layer_activation_tensors,
-    )
+    from epas_megatron.metrics.memory_model import layer_activation_bytes, layer_activation_tensors
+    from epas_megatron.metrics.rank_memory import embedding_activation_bytes, head_activation_bytes
     from epas_megatron.runtime.device import to_compute_device
 
     gc.collect()

@@ -15,9 +15,6 @@ import torch
 
 from epas_megatron.metrics.memory_model import (
     LayerShape,
-    embedding_activation_bytes,
-    head_activation_bytes,
-    head_weight_grad_bytes,
     layer_activation_bytes,
     layer_activation_tensors,
     layer_activation_terms,
@@ -25,6 +22,7 @@ from epas_megatron.metrics.memory_model import (
     weight_grad_bytes,
     weight_grad_terms,
 )
+from epas_megatron.metrics.rank_memory import embedding_activation_bytes, head_activation_bytes, head_weight_grad_bytes
 
 pytestmark = pytest.mark.usefixtures("single_process")
 

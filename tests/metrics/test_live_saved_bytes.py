@@ -92,7 +92,8 @@ def test_what_a_split_backward_keeps_until_w_equals_the_models_weight_gradient_t
     deferred GEMMs hold -- byte for byte the memory model's weight_grad_bytes per layer role plus
     head_weight_grad_bytes (the embedding's gradient is not deferred). With Mixture-of-Channels
     MLPs, fc2's deferred GEMM holds the sparse form (indices, k-wide G and U), not Z."""
-    from epas_megatron.metrics.memory_model import LayerShape, head_weight_grad_bytes, weight_grad_bytes
+    from epas_megatron.metrics.memory_model import LayerShape, weight_grad_bytes
+    from epas_megatron.metrics.rank_memory import head_weight_grad_bytes
     from epas_megatron.model.architecture import LlamaArchitecture
     from epas_testing import build
 

@@ -1,7 +1,7 @@
 """Measured against modelled: the activation bytes each pipeline rank keeps for backward through a
 real iteration of 1f1b, v-1f1b, v-half and v-min on four gloo ranks (the executor;
 tests/training/scripts/executor_memory.py, measured with metrics/activation_memory.LiveSavedBytes)
-against the memory model's per-rank peak (metrics/memory_model.rank_memory_bytes: the layers',
+against the memory model's per-rank peak (metrics/rank_memory.rank_memory_bytes: the layers',
 embedding's and head's terms, each pass weighed along the rank's action list by what it holds
 before and after its input-gradient backward). The model is never fitted to the measurement: its
 terms are the per-layer ones measured byte for byte in tests/metrics/test_activation_memory.py
@@ -9,7 +9,8 @@ plus the weight-gradient terms of weight_grad_terms (the deferred GEMMs' operand
 
 import pytest
 
-from epas_megatron.metrics.memory_model import LayerShape, RankMemorySettings, rank_memory_bytes, sent_messages_held
+from epas_megatron.metrics.memory_model import LayerShape
+from epas_megatron.metrics.rank_memory import RankMemorySettings, rank_memory_bytes, sent_messages_held
 from epas_megatron.parallel.pipeline_p2p import sends_in_flight
 from epas_megatron.parallel.pipeline_schedule import build_schedule, paper_peak
 from epas_megatron.parallel.schedule_simulation import simulate

@@ -4,11 +4,10 @@ trained one's tensors, in-flight micro-batches and a whole rank by hand."""
 import pytest
 import torch
 
-from epas_megatron.metrics.memory_model import (
-    LayerShape,
+from epas_megatron.metrics.memory_model import LayerShape, layer_activation_bytes
+from epas_megatron.metrics.rank_memory import (
     RankMemorySettings,
     in_flight_microbatches,
-    layer_activation_bytes,
     layer_parameters,
     parameter_state_bytes,
     rank_memory_bytes,
@@ -35,7 +34,7 @@ def test_layer_parameters_match_a_built_model(share):
 @pytest.mark.parametrize("tied", [False, True])
 def test_rank_parameters_match_a_built_model_with_and_without_tied_embeddings(tied):
     """One rank (PP = 1) holding everything: a tied LM head has no weight of its own."""
-    from epas_megatron.metrics.memory_model import rank_parameters
+    from epas_megatron.metrics.rank_memory import rank_parameters
     from epas_megatron.model.architecture import LlamaArchitecture
     from epas_testing import build
 
@@ -143,7 +142,7 @@ def test_pipeline_messages_by_hand():
     per TP rank under SP). A rank holds the sent messages its plan names: V-Min at p = 4, m = 16
     two on rank 0, one elsewhere; Megatron's own schedules one; a single stage none -- all in
     ``total``."""
-    from epas_megatron.metrics.memory_model import p2p_message_bytes, sent_messages_held
+    from epas_megatron.metrics.rank_memory import p2p_message_bytes, sent_messages_held
 
     fp32, sp = RankMemorySettings(vocab_size=256), RankMemorySettings(vocab_size=256, tp=2, sequence_parallel=True)
     assert p2p_message_bytes(SHAPE, fp32, False) == 64 * 2 * 64 * 4

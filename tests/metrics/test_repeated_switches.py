@@ -26,7 +26,8 @@ from torch._C._profiler import _EventType
 
 from epas_megatron.assembly import memory_settings
 from epas_megatron.config.cli import parse_config
-from epas_megatron.metrics.memory_model import LayerShape, rank_memory_bytes
+from epas_megatron.metrics.memory_model import LayerShape
+from epas_megatron.metrics.rank_memory import rank_memory_bytes
 from epas_megatron.sharing.shape import LayerMode
 from epas_megatron.training.trainer import Trainer
 from epas_megatron.validation import resolve_run

@@ -12,7 +12,8 @@ buffer, the same switches allocated 12.0 (fp32), 36.9 (mixed bf16), 44.2 (distri
 
 import pytest
 
-from epas_megatron.metrics.memory_model import LayerShape, RankMemorySettings, layer_parameters, qkv_parameters, rank_parameters
+from epas_megatron.metrics.memory_model import LayerShape
+from epas_megatron.metrics.rank_memory import RankMemorySettings, layer_parameters, qkv_parameters, rank_parameters
 from epas_megatron.metrics.switch_memory import switch_transient_terms
 from switch_memory_check import CONFIGURATIONS, measure_switch
 

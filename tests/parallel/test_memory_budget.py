@@ -5,7 +5,8 @@ layout would not have fitted, and says clearly when nothing fits."""
 import pytest
 
 from epas_megatron.errors import ConfigError
-from epas_megatron.metrics.memory_model import LayerShape, RankMemorySettings
+from epas_megatron.metrics.memory_model import LayerShape
+from epas_megatron.metrics.rank_memory import RankMemorySettings
 from epas_megatron.model.architecture import LlamaArchitecture
 from epas_megatron.parallel.balancer import balance_region, priced_layout
 from epas_megatron.parallel.memory_budget import GIB, MemoryLimit, layout_within_budget

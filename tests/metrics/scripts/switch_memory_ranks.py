@@ -16,7 +16,8 @@ from megatron.core import parallel_state
 
 from epas_megatron.assembly import memory_settings
 from epas_megatron.config.cli import parse_config
-from epas_megatron.metrics.memory_model import LayerShape, rank_memory_bytes
+from epas_megatron.metrics.memory_model import LayerShape
+from epas_megatron.metrics.rank_memory import rank_memory_bytes
 from epas_megatron.metrics.switch_memory import switch_transient_terms
 from epas_megatron.runtime.wrapping import unwrap_model
 from epas_megatron.sharing.shape import LayerMode
