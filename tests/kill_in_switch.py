@@ -7,11 +7,11 @@ import os
 import signal
 import sys
 
-from epas_megatron.checkpointing import in_memory
+from epas_megatron.checkpointing import switch_adoption
 from epas_megatron.train import main
 
 calls = {"n": 0}
-fill = in_memory.SwitchAdoption.optimizer
+fill = switch_adoption.SwitchAdoption.optimizer
 
 
 def optimizer_then_die(self, model, optimizer, scheduler):
@@ -22,7 +22,7 @@ def optimizer_then_die(self, model, optimizer, scheduler):
     return fill(self, model, optimizer, scheduler)
 
 
-in_memory.SwitchAdoption.optimizer = optimizer_then_die
+switch_adoption.SwitchAdoption.optimizer = optimizer_then_die
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -38,7 +38,7 @@ class TrainingState:
 
 class StateAdoption(Protocol):
     """A build that takes its state over from tensors held elsewhere instead of allocating it
-    twice (the in-memory switch: :mod:`epas_megatron.checkpointing.in_memory`). Called by
+    twice (the in-memory switch: :mod:`epas_megatron.checkpointing.switch_adoption`). Called by
     :func:`build_training_state` between the steps that allocate: the chunks are built with
     their parameters on the meta device."""
 

@@ -1,7 +1,7 @@
 """What an in-memory switch allocates on one pipeline rank above the training state it starts
 from: the bound the switch keeps and ``epas-plan`` checks against a step's peak.
 
-The switch (:mod:`epas_megatron.checkpointing.in_memory`, driven by ``training.switch``) builds
+The switch (:mod:`epas_megatron.checkpointing.switch_adoption`, driven by ``training.switch``) builds
 the new region's objects so that no piece of the state exists twice:
 
 1. The old gradient buffer goes first (nothing in it survives a step).

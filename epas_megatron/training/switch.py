@@ -26,7 +26,8 @@ from typing import Optional, Protocol
 
 import torch.distributed as dist
 
-from epas_megatron.checkpointing.in_memory import SwitchAdoption, drop_gradients, hold_state
+from epas_megatron.checkpointing.in_memory import drop_gradients, hold_state
+from epas_megatron.checkpointing.switch_adoption import SwitchAdoption
 from epas_megatron.compat.megatron_fixes import release_dropped_models
 from epas_megatron.runtime.distributed import ParallelDims, all_reduce_values
 from epas_megatron.runtime.rng import preserved_rng_state

@@ -30,7 +30,8 @@ def test_plan_names_a_shard_nobody_holds_and_a_shape_mismatch():
 def test_held_state_restores_what_a_checkpoint_load_restores(tmp_path):
     """Train past the first switch, then move the state into the next region's objects both
     ways: weights, frozen Q/K and every optimizer tensor are equal, and the next step's loss too."""
-    from epas_megatron.checkpointing.in_memory import hold_state, restore_state
+    from epas_megatron.checkpointing.in_memory import hold_state
+    from epas_megatron.checkpointing.switch_adoption import restore_state
     from epas_megatron.config.cli import parse_config
     from epas_megatron.training.trainer import Trainer
     from epas_megatron.validation import resolve_run

@@ -75,7 +75,8 @@ def test_te_in_memory_hand_over_equals_a_checkpoint_load(tmp_path):
     hold the state in memory; rebuild for region [2, 3] (fresh TE objects, initialised afresh) and
     load the checkpoint; rebuild again and restore the held state: the two are equal tensor for
     tensor. About 6 s."""
-    from epas_megatron.checkpointing.in_memory import hold_state, restore_state
+    from epas_megatron.checkpointing.in_memory import hold_state
+    from epas_megatron.checkpointing.switch_adoption import restore_state
     from epas_megatron.config.cli import parse_config
     from epas_megatron.training.trainer import Trainer
     from epas_megatron.validation import resolve_run

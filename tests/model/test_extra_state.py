@@ -99,7 +99,8 @@ def test_plain_state_dict_of_a_computing_model_loads_strictly_into_a_sharing_mod
 def test_extra_state_follows_the_running_gemm_through_the_in_memory_switch(te_like_backend, tiny_arch):
     """The same round trip with --epas-switch-mode memory's exchange (sharded objects matched by
     key, no files): computing -> sharing (2, 3) -> computing."""
-    from epas_megatron.checkpointing.in_memory import hold_state, restore_state
+    from epas_megatron.checkpointing.in_memory import hold_state
+    from epas_megatron.checkpointing.switch_adoption import restore_state
 
     computing = _model(tiny_arch, ())
     calibrated = _calibrations(computing)
