@@ -391,7 +391,7 @@ def _switch(args) -> int:
 
 
 def _quality_parser(commands) -> None:
-    from epas_megatron.experiments.quality import DEFAULT_PARTS, PARTS, SCALES
+    from epas_megatron.experiments.quality_plan import DEFAULT_PARTS, PARTS, SCALES
 
     quality = commands.add_parser("quality", help="the paper's quality claims: loss gap, continual pretraining, ablation")
     quality.add_argument("--scale", default="cpu", choices=list(SCALES),
@@ -431,7 +431,8 @@ def _quality(args) -> int:
 
     from epas_megatron.config.presets import get_preset, too_large_for_the_embedded_corpus
     from epas_megatron.config.schema import EMBEDDED_DATA
-    from epas_megatron.experiments.quality import PARTS, SCALES, QualityRecipe
+    from epas_megatron.experiments.quality import QualityRecipe
+    from epas_megatron.experiments.quality_plan import PARTS, SCALES
 
     try:
         parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())

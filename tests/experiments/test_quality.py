@@ -8,7 +8,8 @@ import subprocess
 import pytest
 
 from epas_megatron.experiments import quality_report as report
-from epas_megatron.experiments.quality import SCALES, QualityRecipe, plan_arms
+from epas_megatron.experiments.quality import QualityRecipe
+from epas_megatron.experiments.quality_plan import SCALES, plan_arms
 
 
 def arm(name, valid, train=(), **summary):
@@ -287,7 +288,7 @@ def test_a_kept_arm_with_other_flags_is_refused_unless_forced(tmp_path):
     """Only arms the recipe would reuse (summary.json) or resume (a checkpoint) are checked; one
     with neither starts again anyway."""
     from epas_megatron.errors import ConfigError
-    from epas_megatron.experiments.quality import ArmSpec
+    from epas_megatron.experiments.quality_plan import ArmSpec
 
     for name in ("finished", "saved", "unsaved"):
         (tmp_path / name / "run" / "checkpoints").mkdir(parents=True)
@@ -311,7 +312,8 @@ def test_an_interrupted_arm_resumes_from_its_checkpoint_or_starts_again(tmp_path
     --load of it; without one its run directory is removed first (the trainer refuses an output
     directory holding another run); --force always starts from scratch."""
     from epas_megatron.experiments import quality
-    from epas_megatron.experiments.quality import ArmSpec, QualityRecipe
+    from epas_megatron.experiments.quality import QualityRecipe
+    from epas_megatron.experiments.quality_plan import ArmSpec
 
     ran = []
 

@@ -10,7 +10,8 @@ import pytest
 from epas_megatron.bench.cli import main
 from epas_megatron.config.cli import parse_config
 from epas_megatron.experiments import quality_report as report
-from epas_megatron.experiments.quality import DEFAULT_PARTS, SCALES, QualityRecipe, plan_arms
+from epas_megatron.experiments.quality import QualityRecipe
+from epas_megatron.experiments.quality_plan import DEFAULT_PARTS, SCALES, plan_arms
 from epas_megatron.validation import resolve_run
 
 SEEDS = (1234, 1235, 1236)
