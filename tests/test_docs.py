@@ -146,3 +146,66 @@ def test_the_configuration_reference_is_generated():
     assert page.read_text() == config_reference_markdown(), (
         "docs/configuration-reference.md is out of date: .venv/bin/python -m epas_megatron.config.reference "
         "> docs/configuration-reference.md")
+
+
+REPO_PATH = re.compile(r"^(?:launch|slurm|tools|kernels|docs|tests|\.ci)/[\w./-]*\w$")
+"""A word of a quoted command that names a file of this repository (outputs go elsewhere)."""
+
+
+def _quoted_words(page: Path) -> list[list[str]]:
+    """Every command line of the page's bash blocks as words, ``VAR=value`` prefixes split into
+    their values (``CONFIG=launch/configs/1b.yaml sbatch ...``)."""
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            for part in re.split(r"&&|\|\|?|;", line.split(" # ")[0]):
+                try:
+                    words = shlex.split(part)
+                except ValueError:
+                    continue
+                lines.append([w.split("=", 1)[1] if re.match(r"^[A-Z_]+=", w) else w for w in words])
+    return lines
+
+
+def _missing_paths(page: Path) -> list[str]:
+    return sorted({w for words in _quoted_words(page) for w in words if REPO_PATH.match(w) and not (REPO / w).exists()})
+
+
+def _sbatch_problems(page: Path, tmp_path: Path) -> list[str]:
+    """Each quoted ``sbatch`` script parses (``bash -n``) and the config it is given
+    (``CONFIG=...``) is one epas-train reads."""
+    import subprocess
+
+    from epas_megatron.config.cli import parse_config
+
+    problems = []
+    for words in _quoted_words(page):
+        if "sbatch" not in words:
+            continue
+        scripts = [w for w in words[words.index("sbatch") + 1:] if w.endswith(".sbatch")]
+        for script in scripts:
+            proc = subprocess.run(["bash", "-n", str(REPO / script)], capture_output=True, text=True)
+            if proc.returncode:
+                problems.append(f"{script}: {proc.stderr.strip()}")
+        for config in (w for w in words if w.endswith((".yaml", ".yml"))):
+            try:
+                parse_config(["--config", str(REPO / config), "--output-dir", str(tmp_path / "out")])
+            except Exception as error:  # noqa: BLE001 -- any refusal is the finding
+                problems.append(f"{config}: {type(error).__name__}: {error}")
+    return problems
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_path_a_quoted_command_names_exists_and_sbatch_scripts_parse(page, tmp_path):
+    assert not _missing_paths(page), _missing_paths(page)
+    assert not (problems := _sbatch_problems(page, tmp_path)), problems
+
+
+def test_the_path_check_catches_files_that_do_not_exist(tmp_path):
+    """The README once quoted ``sbatch --nodes 2 slurm/train.sbatch launch/configs/gpt_1b.yaml``:
+    neither file ever existed."""
+    page = tmp_path / "page.md"
+    page.write_text("```bash\nsbatch --nodes 2 slurm/train.sbatch launch/configs/gpt_1b.yaml\n"
+                    "CONFIG=launch/configs/1b.yaml sbatch --nodes=2 slurm/pretrain.sbatch\n```\n")
+    assert _missing_paths(page) == ["launch/configs/gpt_1b.yaml", "slurm/train.sbatch"]
+    assert _quoted_words(page)[1][0] == "launch/configs/1b.yaml"

@@ -43,3 +43,25 @@ def test_main_command_trains_with_epas_switches_and_loss_falls(tmp_path):
     # ... and validates the same weights at regions 0, half the region in training and the region in training.
     valid = {(m["iteration"], m["region"]) for m in run.metrics if m.get("kind") == "valid"}
     assert valid == {(12, 0), (12, 1), (12, 3), (24, 0), (24, 2), (24, 4)}
+
+
+def _readme_lines() -> list[str]:
+    text = (REPO / "README.md").read_text()
+    return [line.strip() for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S) for line in block.splitlines()]
+
+
+def test_the_readme_pipeline_example_runs(tmp_path):
+    """The README's pipeline example (two ranks, a V schedule, the tiny preset) as written, ended
+    after 12 iterations (its refusals -- too few micro-batches, a schedule the layers cannot run --
+    come before the first step): it trains under V-Min on both ranks."""
+    line = next(line for line in _readme_lines() if "torchrun" in line and "-m epas_megatron.train" in line)
+    argv = shlex.split(line)
+    nproc = int(argv[argv.index("--nproc-per-node") + 1])
+    args = argv[argv.index("epas_megatron.train") + 1:]
+    out_flag = args.index("--output-dir")
+    del args[out_flag:out_flag + 2]
+    assert nproc == 2 and "--pipeline-schedule" in args
+    run = run_trainer([*args, "--train-iters", "12"], tmp_path / "pipeline", nproc=nproc)
+    assert run.summary["iterations"] == 12 and run.returncode == 0
+    schedule = args[args.index("--pipeline-schedule") + 1]
+    assert f"({schedule}, V placement" in run.stdout, run.stdout[-2000:]
