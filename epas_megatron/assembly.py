@@ -38,6 +38,7 @@ from epas_megatron.metrics.rank_memory import RankMemorySettings
 from epas_megatron.model.architecture import architecture_from_config, architecture_from_preset
 from epas_megatron.model.build_plan import BuildPlan, RandomLTDSettings, RecomputeSettings
 from epas_megatron.model.fusions import KernelAvailability, activation_kernels, choose_backend, choose_precision, fusion_settings
+from epas_megatron.model.moc_sizes import MoCSettings
 from epas_megatron.model.v_placement import even_v_stage_sizes
 from epas_megatron.parallel.memory_budget import MemoryLimit, memory_limit_for
 from epas_megatron.parallel.pipeline_schedule import ScheduleActions
@@ -152,7 +153,7 @@ def memory_settings(run: ResolvedRun, vocab_size: int, kernels: Optional[KernelA
                               sequence_parallel=p.sequence_parallel, recompute=p.recompute if p.recompute != "full" else "none",
                               recompute_modules=recompute_modules(run),
                               share=run.cfg.epas.epas_share, tie_embeddings=not run.cfg.model.untie_embeddings_and_output_weights,
-                              moc=(m.moc_topk, m.moc_groups) if m.moc_topk < 1.0 else None,
+                              moc=MoCSettings.from_flags(m.moc_topk, m.moc_groups),
                               pipeline_schedule=run.pipeline_schedule.name,
                               **memory_kernels(kernels, run.backend, run.random_ltd is not None))
 
@@ -267,7 +268,7 @@ def plan_for_checkpoint(meta: CheckpointMeta, region: Optional[int] = None, *, f
 # ---------------------------------------------------------------------------- a preset
 def plan_for_preset(preset: str, sharing_layers: Sequence[int] = (), *, seq_length: int, max_length: Optional[int] = None,
                     precision: str = "auto", cuda: Optional[bool] = None, tie_embeddings: bool = False,
-                    moc: Optional[tuple[float, int]] = None, **settings) -> BuildPlan:
+                    moc: Optional[MoCSettings] = None, **settings) -> BuildPlan:
     """A benchmark's plan: ``preset``'s architecture (:func:`~epas_megatron.model.architecture.architecture_from_preset`)
     with room for ``max_length`` tokens (default ``seq_length``), sequences of ``seq_length``,
     ``sharing_layers`` sharing, in ``precision`` ('auto': bf16 on a GPU, fp32 on CPU), the LM head
@@ -276,5 +277,5 @@ def plan_for_preset(preset: str, sharing_layers: Sequence[int] = (), *, seq_leng
     cuda = torch.cuda.is_available() if cuda is None else cuda
     arch = replace(architecture_from_preset(get_preset(preset), max_length or seq_length), tie_embeddings=tie_embeddings)
     if moc is not None:
-        arch = replace(arch, moc_topk=moc[0], moc_groups=moc[1])
+        arch = replace(arch, moc_topk=moc.topk, moc_groups=moc.groups)
     return BuildPlan.for_region(arch, sharing_layers, seq_length=seq_length, precision=choose_precision(precision, cuda), **settings)

@@ -26,7 +26,7 @@ from epas_megatron.config.schema import EMBEDDED_DATA, RunConfig
 from epas_megatron.errors import ConfigError
 from epas_megatron.model.build_plan import RECOMPUTE_MODULES, normalise_vpp
 from epas_megatron.model.fusions import BackendChoice, choose_layers, choose_precision
-from epas_megatron.model.moc import check_moc_config
+from epas_megatron.model.moc_sizes import check_moc_config
 from epas_megatron.parallel.pipeline_schedule import (
     PIPELINE_SCHEDULES,
     PipelineSchedule,

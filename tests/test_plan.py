@@ -347,6 +347,7 @@ def test_mixture_of_channels_in_the_plan(tmp_path):
 
     from epas_megatron.assembly import memory_settings
     from epas_megatron.config.cli import parse_config
+    from epas_megatron.model.moc_sizes import MoCSettings
     from epas_megatron.validation import resolve_run
 
     common = ["--world-size", "8", "--gpu-memory-gb", "80", "--config", "launch/configs/7b.yaml", "--transformer-impl", "local"]
@@ -360,4 +361,4 @@ def test_mixture_of_channels_in_the_plan(tmp_path):
     assert rows["moc"][1] < 0.75 * rows["dense"][1]  # activations
     run = resolve_run(parse_config([*common[4:], "--moc-topk", "0.2", "--output-dir", str(tmp_path / "r")]), world_size=8, cuda=True,
                       planning_only=True)
-    assert memory_settings(run, 32000).moc == (0.2, 8)
+    assert memory_settings(run, 32000).moc == MoCSettings(0.2, 8)

@@ -328,7 +328,7 @@ def _memory(args) -> int:
     from epas_megatron.bench.memory_bench import MemoryBenchConfig, run_memory_bench
     from epas_megatron.bench.train_bench import format_record
     from epas_megatron.config.presets import get_preset
-    from epas_megatron.model.moc import check_moc_config
+    from epas_megatron.model.moc_sizes import check_moc_config
     from epas_megatron.runtime.distributed import destroy_distributed, init_distributed, world_size_from_env
 
     try:

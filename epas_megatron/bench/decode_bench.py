@@ -74,7 +74,7 @@ import torch
 
 from epas_megatron.config.presets import get_preset
 from epas_megatron.errors import ConfigError
-from epas_megatron.model.moc import check_moc_config, kept_channels
+from epas_megatron.model.moc_sizes import check_moc_config, kept_channels
 
 MAX_SERVING_BATCH = 64
 """Upper bound on the serving figure's batch (memory on a CPU machine)."""

@@ -59,7 +59,7 @@ class MemoryBenchConfig:
 
 def _measure(sharing, cfg: MemoryBenchConfig, share: str, recompute: str, modules=("core_attn",), moc=None):
     """Measured bytes of one micro-batch for one configuration (a fresh model): selective
-    recompute of ``modules``; Mixture-of-Channels ``moc`` = (topk, groups)."""
+    recompute of ``modules``; Mixture-of-Channels ``moc`` (a ``MoCSettings``)."""
     from epas_megatron.assembly import plan_for_preset
     from epas_megatron.metrics.activation_memory import measure_saved_bytes
     from epas_megatron.model.build_plan import RecomputeSettings
@@ -150,9 +150,10 @@ def _mlp_choices(sharing, cfg: MemoryBenchConfig, shape, e: int, parallel: dict,
     """A computing layer's bytes with the dense MLP, MLP recompute and Mixture-of-Channels, measured
     and modelled, with the extra forward FLOPs each costs per micro-batch (one TP rank)."""
     from epas_megatron.metrics.memory_model import layer_activation_bytes
+    from epas_megatron.model.moc_sizes import MoCSettings
 
     s, b, h, f = cfg.seq_length, cfg.micro_batch_size, shape.hidden_size, shape.ffn_hidden_size // cfg.tp
-    moc = (cfg.moc_topk, cfg.moc_groups)
+    moc = MoCSettings(cfg.moc_topk, cfg.moc_groups)
     choices = {
         "dense": (dict(recompute="none"), {}, 0),
         "mlp_recompute": (dict(recompute="selective", modules=("mlp",)), dict(recompute="selective", recompute_modules=("mlp",)),

@@ -29,6 +29,7 @@ import json
 import torch
 
 from epas_megatron.bench.common import BenchConfig
+from epas_megatron.model.moc_sizes import MoCSettings
 
 
 def run_train_bench(cfg: BenchConfig, log=print) -> dict:
@@ -51,7 +52,7 @@ def run_train_bench(cfg: BenchConfig, log=print) -> dict:
     ltd = RandomLTDSettings(default_layers(arch.num_layers), seed=cfg.seed)
     variants = {"baseline": ((), None), "epas": (sharing, None), "random-ltd": ((), ltd), "both": (sharing, ltd),
                 "moc": ((), None), "epas-moc": (sharing, None)}
-    moc = (cfg.moc_topk, cfg.moc_groups)
+    moc = MoCSettings(cfg.moc_topk, cfg.moc_groups)
     states = {name: bench_variant(plan_for_preset(cfg.preset, variants[name][0], seq_length=cfg.seq_length, tp=cfg.tp, pp=cfg.pp,
                                                   share=cfg.share, backend=backend, core_attention=cfg.core_attention,
                                                   random_ltd=variants[name][1], moc=moc if "moc" in name else None),

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from epas_megatron.errors import ConfigError
+from epas_megatron.model.moc_sizes import MoCSettings
 from epas_megatron.sharing.shape import RegionShape
 
 
@@ -170,7 +171,8 @@ def hf_export(load: Path, output: Path, region: Optional[str] = None) -> Path:
     checkpoint, meta = open_checkpoint(load, "--load", needs_config=True)
     size = None if region is None else export_region(meta, region)
     m = meta.run_config().model
-    if m.moc_topk < 1.0 and size is None:
+    moc = MoCSettings.from_flags(m.moc_topk, m.moc_groups)
+    if moc is not None and size is None:
         print(f"note: a Mixture-of-Channels model (--moc-topk {m.moc_topk}, --moc-groups {m.moc_groups}) exports as an "
               "EpasLlamaForCausalLM at region 0 (load it with trust_remote_code=True): a plain LlamaForCausalLM would "
               "run its MLPs dense", flush=True)
@@ -187,8 +189,8 @@ def hf_export(load: Path, output: Path, region: Optional[str] = None) -> Path:
     kwargs = hf_config_kwargs(m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size,
                               m.vocab_size, m.max_position_embeddings, m.rotary_base, m.norm_epsilon,
                               not m.untie_embeddings_and_output_weights)
-    if m.moc_topk < 1.0:
-        kwargs.update(moc_topk=float(m.moc_topk), moc_groups=int(m.moc_groups))
+    if moc is not None:
+        kwargs.update(moc_topk=float(moc.topk), moc_groups=int(moc.groups))
     if size is not None:
         return _write_epas(meta, kwargs, hf_state, size, output)
     config = LlamaConfig(**kwargs)

@@ -91,7 +91,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional, Sequence
 
-from epas_megatron.model.moc_sizes import index_bytes, moc_saved_bytes_per_token
+from epas_megatron.model.moc_sizes import MoCSettings, index_bytes, moc_saved_bytes_per_token
 
 Role = Literal["compute", "share"]
 
@@ -127,7 +127,7 @@ def layer_activation_terms(shape: LayerShape, role: Role, share: str = "qk", ele
                            tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
                            recompute_modules: Sequence[str] = ("core_attn",),
                            fused_norm: bool = False, fused_swiglu: bool = False, fused_rope: bool = False,
-                           moc: Optional[tuple[float, int]] = None) -> dict[str, int]:
+                           moc: Optional[MoCSettings] = None) -> dict[str, int]:
     """Bytes per term (see the module doc) that one layer keeps for backward, per micro-batch,
     on one tensor-parallel rank; ``recompute_modules``: what selective recompute runs again
     (module doc); ``fused_norm`` / ``fused_swiglu`` / ``fused_rope``: the fused kernels (module
@@ -175,8 +175,8 @@ def layer_activation_terms(shape: LayerShape, role: Role, share: str = "qk", ele
         terms["attention_lse"] = b * a * s * 4
     if "mlp" in selective:  # recomputed, the MLP keeps only its input (norm2_output, above)
         pass
-    elif moc is not None and moc[0] < 1.0:  # the sparse form: k indices and k values of G and of U per group
-        terms["moc_sparse"] = s * b * moc_saved_bytes_per_token(f, moc[1] // tp, moc[0], e)
+    elif moc is not None:  # the sparse form: k indices and k values of G and of U per group
+        terms["moc_sparse"] = s * b * moc_saved_bytes_per_token(f, moc.groups // tp, moc.topk, e)
     else:
         terms["fc1_output"] = s * b * 2 * f * e
         terms["swiglu"] = (1 if fused_swiglu else 3) * s * b * f * e
@@ -201,7 +201,7 @@ def layer_activation_tensors(shape: LayerShape, role: Role, share: str = "qk", e
     sizes = []
     for name, value in layer_activation_terms(shape, role, share, element_bytes, **parallel).items():
         if name == "moc_sparse":  # the indices, and the k-wide G and U values
-            values = value // (2 * element_bytes + index_bytes(shape.ffn_hidden_size // parallel["moc"][1])) * element_bytes
+            values = value // (2 * element_bytes + index_bytes(shape.ffn_hidden_size // parallel["moc"].groups)) * element_bytes
             sizes += [value - 2 * values, values, values]
             continue
         count = TENSORS_PER_TERM.get(name, 1) if not (name == "swiglu" and parallel.get("fused_swiglu")) else 1
@@ -217,7 +217,7 @@ def layer_activation_bytes(shape: LayerShape, role: Role, share: str = "qk", ele
 
 
 def weight_grad_terms(shape: LayerShape, role: Role, share: str = "qk", element_bytes: int = 4, *, tp: int = 1,
-                      sequence_parallel: bool = False, moc: Optional[tuple[float, int]] = None) -> dict[str, int]:
+                      sequence_parallel: bool = False, moc: Optional[MoCSettings] = None) -> dict[str, int]:
     """Bytes per term that one layer keeps from the end of its input-gradient backward (``B``) to
     its weight-gradient backward (``W``) under a split-backward schedule (v-half, v-min), per
     micro-batch on one tensor-parallel rank: each trainable linear's deferred GEMM keeps its input
@@ -257,7 +257,7 @@ def weight_grad_terms(shape: LayerShape, role: Role, share: str = "qk", element_
     return {"qkv_input": sn * b * h * e, "qkv_grad_output": s * b * own * d * e,
             "proj_input": s * b * a * d * e, "proj_grad_output": sn * b * h * e,
             "fc1_input": sn * b * h * e, "fc1_grad_output": s * b * 2 * f * e,
-            "fc2_input": (s * b * moc_saved_bytes_per_token(f, moc[1] // tp, moc[0], e) if moc is not None and moc[0] < 1.0
+            "fc2_input": (s * b * moc_saved_bytes_per_token(f, moc.groups // tp, moc.topk, e) if moc is not None
                           else s * b * f * e),
             "fc2_grad_output": sn * b * h * e}
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 from epas_megatron.metrics.memory_model import LayerShape, Role, layer_activation_bytes, layer_activation_terms, weight_grad_bytes
+from epas_megatron.model.moc_sizes import MoCSettings
 from epas_megatron.model.v_placement import v_stage
 from epas_megatron.parallel.pipeline_p2p import sends_in_flight
 from epas_megatron.parallel.pipeline_schedule import PipelineSchedule, build_schedule, megatron_schedule, pipeline_schedule
@@ -154,7 +155,7 @@ class RankMemorySettings:
     recompute_modules: tuple[str, ...] = ("core_attn",)
     """With 'selective': what is recomputed ('core_attn', 'mlp')."""
 
-    moc: Optional[tuple[float, int]] = None
+    moc: Optional[MoCSettings] = None
     """Mixture-of-Channels MLPs: (kept fraction, groups); None: dense."""
 
     share: str = "qk"

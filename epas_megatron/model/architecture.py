@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from epas_megatron.model.moc_sizes import MoCSettings
+
 VOCAB_PAD_MULTIPLE = 128
 
 DEFAULT_TOKENIZER_VOCAB = 8192
@@ -63,9 +65,9 @@ class LlamaArchitecture:
     """Mixture-of-Channels channel groups (each keeps its own Top-K)."""
 
     @property
-    def moc(self) -> bool:
-        """Whether the MLPs are Mixture-of-Channels ones."""
-        return self.moc_topk < 1.0
+    def moc(self) -> Optional[MoCSettings]:
+        """The Mixture-of-Channels MLPs (None: dense)."""
+        return MoCSettings.from_flags(self.moc_topk, self.moc_groups)
 
 
 def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_PAD_MULTIPLE) -> int:

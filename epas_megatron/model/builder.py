@@ -241,7 +241,7 @@ def build_model(plan: BuildPlan, seed: Optional[int] = None, kernels: Optional[K
     config = make_transformer_config(plan, kernels, megatron_init=not load_follows, meta_device=parameters_on_meta)
     hidden_rows, total_rows, schedule_seq = pipeline_handoff_rows(config, plan.modes, plan.seq_length, plan.share)
     layers_backend = get_backend(plan.backend, plan.core_attention)
-    moc = (plan.arch.moc_topk, plan.arch.moc_groups) if plan.arch.moc else None
+    moc = plan.arch.moc
     specs = decoder_layer_specs(plan.modes, layers_backend, plan.share, plan.detach_shared, moc)
     device = compute_device()
     chunks = []

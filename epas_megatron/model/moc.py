@@ -45,26 +45,9 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.transformer.mlp import MLP
 
-from epas_megatron.errors import ConfigError
 from epas_megatron.model.moc_sizes import index_bytes, kept_channels, moc_saved_bytes_per_token  # noqa: F401 -- re-exported
 from epas_megatron.model.weight_grad import WEIGHT_GRAD_STORE, gather_sequence, sequence_shard
 from epas_megatron.model.weight_grad import _accumulate as accumulate_weight_grad
-
-
-def check_moc_config(topk: float, groups: int, ffn_hidden_size: int, tp: int, backend: str) -> None:
-    """``ConfigError`` naming the flag, before any work, for a Mixture-of-Channels setting this
-    model cannot run."""
-    if not 0.0 < topk <= 1.0:
-        raise ConfigError(f"--moc-topk must be in (0, 1] (the kept fraction of the SwiGLU channels), got {topk}")
-    if topk == 1.0:
-        return
-    if groups < 1 or ffn_hidden_size % groups:
-        raise ConfigError(f"--moc-groups {groups} must divide --ffn-hidden-size {ffn_hidden_size}")
-    if groups % tp:
-        raise ConfigError(f"--moc-groups {groups} must be a multiple of --tp {tp} (a group may not straddle a "
-                          "tensor-parallel shard)")
-    if backend != "local":
-        raise ConfigError("--moc-topk < 1 is built for the local layers: use --transformer-impl local (or --moc-topk 1)")
 
 
 def index_dtype(per_group: int) -> torch.dtype:

@@ -39,6 +39,7 @@ from epas_megatron.model.attention import (
 from epas_megatron.model.core_attention import CORE_ATTENTION_CHOICES, SDPAttention
 from epas_megatron.model.layer import EpasTransformerLayer
 from epas_megatron.model.moc import MoCMLP
+from epas_megatron.model.moc_sizes import MoCSettings
 from epas_megatron.model.norm import RMSNorm
 from epas_megatron.model.weight_grad import DelayedWgradColumnParallelLinear, DelayedWgradRowParallelLinear
 from epas_megatron.sharing.shape import LayerMode
@@ -109,9 +110,9 @@ def get_backend(name: str, core_attention: str = "sdpa") -> Backend:
 
 
 def layer_spec(mode: LayerMode | str, backend: Backend = LOCAL, share: str = "qk", detach_shared: bool = False,
-               moc: Optional[tuple[float, int]] = None) -> ModuleSpec:
+               moc: Optional[MoCSettings] = None) -> ModuleSpec:
     """The spec of one decoder layer in ``mode`` (a :class:`LayerMode` or its value); ``moc``:
-    ``(topk, groups)`` of a Mixture-of-Channels MLP (:mod:`epas_megatron.model.moc`), local
+    the Mixture-of-Channels MLP (:class:`~epas_megatron.model.moc_sizes.MoCSettings`) (:mod:`epas_megatron.model.moc`), local
     layers only."""
     try:
         role = LayerMode(mode)
@@ -171,14 +172,13 @@ def layer_spec(mode: LayerMode | str, backend: Backend = LOCAL, share: str = "qk
     )
 
 
-def _mlp(submodules: MLPSubmodules, backend: Backend, moc: Optional[tuple[float, int]]):
+def _mlp(submodules: MLPSubmodules, backend: Backend, moc: Optional[MoCSettings]):
     """The ``mlp`` slot: Megatron-Core's MLP, or the Mixture-of-Channels one."""
     if moc is None:
         return partial(MLP.as_mlp_submodule, submodules=submodules)
     if backend.name != "local":
         raise ValueError("Mixture-of-Channels MLPs are built for the local layers only")
-    topk, groups = moc
-    return partial(MoCMLP.as_moc_submodule, submodules=submodules, topk=topk, groups=groups)
+    return partial(MoCMLP.as_moc_submodule, submodules=submodules, topk=moc.topk, groups=moc.groups)
 
 
 def decoder_layer_specs(
@@ -186,7 +186,7 @@ def decoder_layer_specs(
     backend: Backend = LOCAL,
     share: str = "qk",
     detach_shared: bool = False,
-    moc: Optional[tuple[float, int]] = None,
+    moc: Optional[MoCSettings] = None,
 ) -> list[ModuleSpec]:
     """Specs of all decoder layers of the model, one per mode (global, not yet sliced per
     pipeline stage); the modes come from :func:`epas_megatron.sharing.shape.layer_modes`."""

@@ -28,6 +28,7 @@ from epas_megatron.metrics.flops import Convention, ModelShape, layerwise_forwar
 from epas_megatron.metrics.logger import MetricsLogger
 from epas_megatron.model.build_plan import BuildPlan
 from epas_megatron.model.fusions import KernelAvailability, describe, fusion_off_reasons, fusion_settings
+from epas_megatron.model.moc_sizes import MoCSettings
 from epas_megatron.parallel.memory_budget import MemoryLimit
 from epas_megatron.parallel.stage_layouts import describe_schedule_layouts
 from epas_megatron.runtime.distributed import ParallelDims
@@ -60,12 +61,11 @@ def pipeline_note(run: ResolvedRun, dims: ParallelDims) -> str:
 
 def moc_note(m) -> str:
     """The MLP's Mixture-of-Channels setting, where it is on."""
-    if m.moc_topk >= 1.0:
+    moc = MoCSettings.from_flags(m.moc_topk, m.moc_groups)
+    if moc is None:
         return ""
-    from epas_megatron.model.moc import kept_channels
-
-    kept = kept_channels(m.ffn_hidden_size, m.moc_groups, m.moc_topk)
-    return f" (Mixture-of-Channels: top {kept} of {m.ffn_hidden_size // m.moc_groups} channels in each of {m.moc_groups} groups)"
+    return (f" (Mixture-of-Channels: top {moc.kept(m.ffn_hidden_size)} of {m.ffn_hidden_size // moc.groups} channels in "
+            f"each of {moc.groups} groups)")
 
 
 def banner(run: ResolvedRun, dims: ParallelDims) -> str:

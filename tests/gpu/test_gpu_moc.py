@@ -30,6 +30,7 @@ def test_moc_layers_keep_the_models_bytes_on_the_gpu(world):
     from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import build_model
     from epas_megatron.model.fusions import KernelAvailability
+    from epas_megatron.model.moc_sizes import MoCSettings
 
     arch = _arch()
     plan = BuildPlan.for_region(arch, (2, 3), seq_length=S, precision="bf16")
@@ -40,7 +41,7 @@ def test_moc_layers_keep_the_models_bytes_on_the_gpu(world):
     kernels = memory_kernels(KernelAvailability.detect())
     for index in range(arch.num_layers):
         role = "share" if index in (2, 3) else "compute"
-        model_tensors = layer_activation_tensors(shape, role, "qk", 2, moc=(0.2, 8), **kernels)
+        model_tensors = layer_activation_tensors(shape, role, "qk", 2, moc=MoCSettings(0.2, 8), **kernels)
         got = sorted(n for n in saved.tensors[index] if n >= 1024)
         print(f"layer {index} ({role}): saved {got}, model {model_tensors}")
         assert sum(got) == pytest.approx(sum(model_tensors), rel=0.02), (index, role)

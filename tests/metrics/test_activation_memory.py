@@ -23,6 +23,7 @@ from epas_megatron.metrics.memory_model import (
     weight_grad_terms,
 )
 from epas_megatron.metrics.rank_memory import embedding_activation_bytes, head_activation_bytes, head_weight_grad_bytes
+from epas_megatron.model.moc_sizes import MoCSettings
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -143,7 +144,7 @@ def _bytes_per_gemm(terms: dict[str, int]) -> list[int]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("moc", [None, (0.25, 4)], ids=["dense", "moc"])
+@pytest.mark.parametrize("moc", [None, MoCSettings(0.25, 4)], ids=["dense", "moc"])
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
 def test_what_a_split_backward_keeps_until_w_per_tensor_parallel_rank(tp2_launch, sequence_parallel, moc):
     """The qk model (layers 0-1 computing, 2-3 sharing, the LM head) on two ranks, its store armed:
@@ -157,7 +158,7 @@ def test_what_a_split_backward_keeps_until_w_per_tensor_parallel_rank(tp2_launch
     from epas_testing import json_lines
 
     case = [r for r in json_lines(tp2_launch, "DEFERRED")
-            if r["sequence_parallel"] == sequence_parallel and (tuple(r["moc"]) if r["moc"] else None) == moc]
+            if r["sequence_parallel"] == sequence_parallel and (MoCSettings(*r["moc"]) if r["moc"] else None) == moc]
     assert len(case) == 1, case
     kw = dict(tp=2, sequence_parallel=sequence_parallel, moc=moc)
     roles = ("compute", "compute", "share", "share")
@@ -404,7 +405,7 @@ def test_mixture_of_channels_layers_keep_the_models_sparse_term(topk, groups, pr
     plan = BuildPlan.for_region(arch, (2, 3), seq_length=S, precision=precision)
     tokens = torch.randint(0, 512, (B, S), generator=torch.Generator().manual_seed(0))
     got = measure_saved_bytes(build_model(plan, seed=1).chunks[0], tokens, torch.arange(S).expand(B, S), None, labels=tokens)
-    moc = (topk, groups)
+    moc = MoCSettings(topk, groups)
     compute = layer_activation_bytes(SHAPE, "compute", "qk", element_bytes, moc=moc)
     sharing = layer_activation_bytes(SHAPE, "share", "qk", element_bytes, moc=moc)
     assert got.layers == {0: compute, 1: compute, 2: sharing, 3: sharing}

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from epas_megatron.metrics.activation_memory import LiveSavedBytes
+from epas_megatron.model.moc_sizes import MoCSettings
 from epas_megatron.model.weight_grad import WEIGHT_GRAD_STORE, _LinearWithDelayedWgrad
 
 
@@ -84,7 +85,7 @@ S, B = 48, 2
 
 
 @pytest.mark.usefixtures("single_process")
-@pytest.mark.parametrize("share, moc", [("qk", None), ("kv", None), ("qk", (0.25, 4))], ids=["qk", "kv", "qk-moc"])
+@pytest.mark.parametrize("share, moc", [("qk", None), ("kv", None), ("qk", MoCSettings(0.25, 4))], ids=["qk", "kv", "qk-moc"])
 @pytest.mark.parametrize("precision,element_bytes", [("fp32", 4), ("bf16", 2)])
 def test_what_a_split_backward_keeps_until_w_equals_the_models_weight_gradient_terms(share, moc, precision, element_bytes):
     """One process, the whole model (layers 0-1 computing, 2-3 sharing, the LM head), its store
@@ -98,7 +99,7 @@ def test_what_a_split_backward_keeps_until_w_equals_the_models_weight_gradient_t
     from epas_testing import build
 
     arch = LlamaArchitecture(num_layers=4, hidden_size=128, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=352,
-                             vocab_size=512, max_sequence_length=S, **({"moc_topk": moc[0], "moc_groups": moc[1]} if moc else {}))
+                             vocab_size=512, max_sequence_length=S, **({"moc_topk": moc.topk, "moc_groups": moc.groups} if moc else {}))
     shape = LayerShape(128, 8, 2, 352, S, B)
     model = build(arch, (2, 3), share=share, precision=precision)
     tokens = torch.randint(0, 512, (B, S), generator=torch.Generator().manual_seed(0))

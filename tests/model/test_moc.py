@@ -11,7 +11,8 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from epas_megatron.errors import ConfigError
-from epas_megatron.model.moc import MoCMLP, _MoCSwiGLUDown, check_moc_config, kept_channels, moc_saved_bytes_per_token
+from epas_megatron.model.moc import MoCMLP, _MoCSwiGLUDown
+from epas_megatron.model.moc_sizes import check_moc_config, kept_channels, moc_saved_bytes_per_token
 from epas_megatron.model.weight_grad import DelayedWgradColumnParallelLinear, DelayedWgradRowParallelLinear
 
 H, FFN = 16, 48
