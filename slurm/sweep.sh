@@ -47,12 +47,13 @@ read -r -a EXTRA_SBATCH <<< "${SBATCH_ARGS:-}"
 command -v sbatch >/dev/null || { echo "error: sbatch not found; run this on a Slurm login node" >&2; exit 2; }
 mkdir -p "$SWEEP_DIR/logs" "$SWEEP_DIR/runs"
 
-# Check every region against every preset before submitting anything.
-for preset in $PRESETS; do
-    for region in $REGIONS; do
-        "$PYTHON" "$REPO/tools/sweep_record.py" region-flags --preset "$preset" --region "$region" -- "$@" >/dev/null || exit 2
-    done
-done
+# Check every region against every preset before submitting anything (one process for the whole
+# grid); each point gets its region's flags from here (SWEEP_REGION_FLAGS).
+TABLE=$("$PYTHON" "$REPO/tools/sweep_record.py" region-table --presets "$PRESETS" --regions "$REGIONS" -- "$@") || exit 2
+declare -A REGION_FLAGS=()
+while read -r preset region flags; do
+    REGION_FLAGS["$preset $region"]=$flags
+done <<< "$TABLE"
 
 # What every point job needs (sbatch passes the environment on).
 SWEEP_WARMUP="${SWEEP_WARMUP:-5}"
@@ -66,6 +67,7 @@ for preset in $PRESETS; do
       for pp in $PPS; do
         for mbs in $MBS; do
           job=$(SWEEP_PRESET="$preset" SWEEP_REGION="$region" SWEEP_TP="$tp" SWEEP_PP="$pp" SWEEP_MBS="$mbs" \
+                SWEEP_REGION_FLAGS="${REGION_FLAGS["$preset $region"]}" \
                 sbatch --parsable --nodes="$SWEEP_NODES" --job-name="epas-sweep-$preset" \
                        --output="$SWEEP_DIR/logs/%x-%j.out" "${EXTRA_SBATCH[@]}" \
                        "$REPO/slurm/sweep_point.sbatch" "$@")

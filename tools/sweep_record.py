@@ -2,6 +2,8 @@ r"""Helpers for one point of a throughput sweep (``slurm/sweep_point.sbatch``).
 
     python tools/sweep_record.py region-flags --preset 125m --region 0.5
         -> --epas-target-layers 6 --epas-first-switch 1 --epas-interval 1 --epas-growth 6
+    python tools/sweep_record.py region-table --presets "tiny 125m" --regions "0 0.5"
+        -> one line per point: tiny 0 --epas-target-layers 0 / tiny 0.5 --epas-target-layers 2 ...
     python tools/sweep_record.py append --csv sweep.csv --log job.log \
         --metrics runs/sweep/runs/42/metrics.jsonl --warmup 5 --job-id 42 \
         --preset 125m --region 0.5 --tp 1 --pp 1 --mbs 8 --nodes 1
@@ -10,6 +12,10 @@ r"""Helpers for one point of a throughput sweep (``slurm/sweep_point.sbatch``).
 :data:`FIRST_SWITCH` = 1 (``--epas-first-switch 1 --epas-interval 1 --epas-growth <region
 layers>``), before the first step. Region 0 is the baseline (EPAS off). A region is a layer
 count ('6') or a fraction of the layers ('0.5'), resolved with the trainer's own rule.
+
+``region-table`` does the same for every preset and region of a sweep in one process (the
+check imports torch and Megatron-Core: seconds per process), so that slurm/sweep.sh checks the
+whole grid before it submits anything and hands each point its flags (``SWEEP_REGION_FLAGS``).
 
 ``append`` measures the point from the run's ``metrics.jsonl`` (logged every iteration):
 tokens/s = tokens of the timed iterations / their summed ``iteration_time_s``, where the timed
@@ -241,6 +247,10 @@ def main(argv=None) -> int:
     flags.add_argument("--preset", required=True)
     flags.add_argument("--region", required=True)
     flags.add_argument("trainer_args", nargs=argparse.REMAINDER, help="model flags that change the layer count")
+    table = sub.add_parser("region-table", help="print 'preset region flags...' for every preset and region")
+    table.add_argument("--presets", required=True, help="space-separated")
+    table.add_argument("--regions", required=True, help="space-separated")
+    table.add_argument("trainer_args", nargs=argparse.REMAINDER, help="model flags that change the layer count")
     app = sub.add_parser("append", help="append one point's row to the CSV")
     app.add_argument("--csv", required=True, type=Path)
     app.add_argument("--log", required=True, type=Path, help="the point's log with the SUMMARY line")
@@ -268,6 +278,17 @@ def main(argv=None) -> int:
         except ConfigError as e:
             print(f"error: region {args.region!r} for preset {args.preset}: {e}", file=sys.stderr)
             return 2
+        return 0
+    if args.command == "region-table":
+        lines = []
+        for preset in args.presets.split():
+            for region in args.regions.split():
+                try:
+                    lines.append(" ".join([preset, region, *region_flags(preset, region, args.trainer_args)]))
+                except ConfigError as e:
+                    print(f"error: region {region!r} for preset {preset}: {e}", file=sys.stderr)
+                    return 2
+        print("\n".join(lines))
         return 0
     if args.warmup < FIRST_SWITCH:
         parser.error(f"--warmup must be >= {FIRST_SWITCH} (iteration {FIRST_SWITCH} pays for start-up and the switch)")

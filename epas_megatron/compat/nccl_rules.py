@@ -124,9 +124,11 @@ class _Transport:
         except MessageMismatch as error:
             self._fail(error)
         self.read[self.rank] += 1
-        self.store.set(f"call/{self.rank}/{index}", json.dumps(
-            {"group": call.group, "batched": call.batched, "ops": [[op.kind, op.peer, op.label] for op in call.ops]}))
-        self.store.add(f"count/{self.rank}", 1)
+        # one round trip: the call, then the count that makes it visible (a reader that sees the
+        # count before the call's key blocks in get() until it is there)
+        self.store.multi_set([f"call/{self.rank}/{index}", f"count/{self.rank}"], [json.dumps(
+            {"group": call.group, "batched": call.batched, "ops": [[op.kind, op.peer, op.label] for op in call.ops]}),
+            str(index + 1)])
         inner = []
         for k, (op, tensor) in enumerate(zip(call.ops, tensors)):
             tag = 2 * self.progress.slot(self.rank, index, k) + (1 if call.batched else 0)
@@ -136,21 +138,27 @@ class _Transport:
         return _Work(self, index, inner)
 
     def refresh(self) -> None:
+        """Read every other rank's new posts: one round trip per rank for its count, one for all
+        the new calls together."""
+        new = []
         for rank in range(self.world):
-            if rank == self.rank:
-                continue
-            count = int(self.store.add(f"count/{rank}", 0))
-            while self.read[rank] < count:
-                data = json.loads(self.store.get(f"call/{rank}/{self.read[rank]}"))
-                ops = tuple(Op(kind, peer, label) for kind, peer, label in data["ops"])
-                self.read[rank] += 1
-                try:
-                    self.progress.post(rank, Call(ops, data["group"], data["batched"]))
-                except MessageMismatch as error:
-                    self._fail(error)
+            if rank != self.rank:
+                new.extend((rank, i) for i in range(self.read[rank], int(self.store.add(f"count/{rank}", 0))))
+        if not new:
+            return
+        for (rank, _), text in zip(new, self.store.multi_get([f"call/{rank}/{i}" for rank, i in new])):
+            data = json.loads(text)
+            ops = tuple(Op(kind, peer, label) for kind, peer, label in data["ops"])
+            self.read[rank] += 1
+            try:
+                self.progress.post(rank, Call(ops, data["group"], data["batched"]))
+            except MessageMismatch as error:
+                self._fail(error)
 
     # ------------------------------------------------------------------ waiting
     def completed(self, index: int) -> bool:
+        if self.progress.completed(self.rank, index):  # posting more never undoes a completion: no store traffic
+            return True
         self.refresh()
         self.progress.settle()
         return self.progress.completed(self.rank, index)
@@ -162,16 +170,18 @@ class _Transport:
         deadline, pause, announced = start + self.timeout, 1e-4, False
         try:
             while True:
-                if self.completed(index):
-                    return
                 if time.monotonic() - start < 0.05:  # most waits end here, with no more store traffic
+                    # polls at most every millisecond: a peer's post is seen within about 1 ms (a
+                    # longer pause is time the wait outlasts the peer, on every pipeline message)
                     time.sleep(pause)
-                    pause = min(2 * pause, 0.01)
+                    pause = min(2 * pause, 1e-3)
+                    if self.completed(index):
+                        return
                     continue
                 if not announced:  # a wait that lasts: say so, and look for a deadlock
                     self.store.set(f"state/{self.rank}", f"wait {index}")
                     announced = True
-                states = [self.store.get(f"state/{r}").decode() for r in range(self.world)]
+                states = [state.decode() for state in self.store.multi_get([f"state/{r}" for r in range(self.world)])]
                 if self.completed(index):
                     return
                 self._check_failed()

@@ -72,6 +72,17 @@ def test_region_flags_check_the_region_with_the_trainers_other_flags():
     assert record.region_flags("tiny", "2", ["--epas-exclude-last", "1"])[:2] == ["--epas-target-layers", "2"]
 
 
+def test_region_table_gives_each_points_flags_and_refuses_the_grid_naming_a_bad_region(capsys):
+    """sweep.sh checks the whole grid in one process and hands each point these flags."""
+    assert record.main(["region-table", "--presets", "tiny 125m", "--regions", "0 0.5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [" ".join([preset, region, *record.region_flags(preset, region)])
+                     for preset in ("tiny", "125m") for region in ("0", "0.5")]
+    assert record.main(["region-table", "--presets", "tiny", "--regions", "2 3", "--", "--epas-blocks", "2"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "error: region '3' for preset tiny: " in err and "--epas-blocks 2 does not divide" in err
+
+
 # ------------------------------------------------------------------------- throughput
 def write_metrics(path: Path, times: list[float], sharing: int = 2, tokens_per_iteration: int = 128) -> None:
     lines = [json.dumps({"kind": "switch", "iteration": 2, "sharing_layers": list(range(sharing))})]

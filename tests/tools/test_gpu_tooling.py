@@ -388,9 +388,12 @@ def test_wheel_folder_holds_exactly_what_the_check_needs_for_linux_cp312(wheel_f
 
 
 def test_wheel_folder_over_the_size_limit_fails(wheel_folder, tmp_path):
+    """The same gathering, over MAX_MIB: pip download reads the wheels from the folder itself (no
+    index: the fixture's run has shown that PyPI serves them), so the whole script runs offline."""
     copy = tmp_path / "gpu_wheels"
     shutil.copytree(wheel_folder, copy)
-    proc = sh(GPU_WHEELS, copy, env={"PYTHON": sys.executable, "MAX_MIB": "1"}, timeout=600)
+    offline = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(copy), "PIP_CONFIG_FILE": os.devnull}
+    proc = sh(GPU_WHEELS, copy, env={"PYTHON": sys.executable, "MAX_MIB": "1", **offline}, drop=PIP_ENV, timeout=600)
     assert proc.returncode == 1 and "over MAX_MIB=1" in proc.stderr, proc.stderr[-2000:]
 
 
@@ -469,31 +472,44 @@ def test_a_wheel_folder_missing_a_dependency_fails_naming_it(wheel_folder, bare_
 
 
 # ------------------------------------------------------------------------- a system python (PEP 668)
-@pytest.fixture
-def system_python(tmp_path):
-    """A Debian/Ubuntu-like system python3.12: not a venv, its environment externally managed (an
-    EXTERNALLY-MANAGED marker beside the stdlib, PEP 668), no ensurepip (python3.12-venv not
-    installed), pip and the node's CUDA torch in its site-packages. A copy of this venv's base
-    interpreter with its stdlib linked entry by entry (the marker is the copy's own)."""
+def make_system_python(root: Path) -> Path:
+    """A Debian/Ubuntu-like system python3.12 under ``root``: not a venv, its environment
+    externally managed (an EXTERNALLY-MANAGED marker beside the stdlib, PEP 668), no ensurepip
+    (python3.12-venv not installed), pip and the node's CUDA torch in its site-packages. A copy of
+    this venv's base interpreter with its stdlib linked entry by entry (the marker is the copy's own)."""
     base = Path(getattr(sys, "_base_executable", sys.executable)).resolve()
     stdlib, version = Path(sysconfig.get_path("stdlib")), f"python{sys.version_info.major}.{sys.version_info.minor}"
-    lib = tmp_path / "system" / "lib" / version
+    lib = root / "system" / "lib" / version
     lib.mkdir(parents=True)
-    (tmp_path / "system" / "bin").mkdir()
-    shutil.copy2(base, tmp_path / "system" / "bin" / version)
+    (root / "system" / "bin").mkdir()
+    shutil.copy2(base, root / "system" / "bin" / version)
     for shared in base.parent.parent.glob("lib/libpython*"):  # where the interpreter finds it relative to itself
-        (tmp_path / "system" / "lib" / shared.name).symlink_to(shared)
+        (root / "system" / "lib" / shared.name).symlink_to(shared)
     for entry in stdlib.iterdir():
         if entry.name not in ("site-packages", "ensurepip", "EXTERNALLY-MANAGED"):
             (lib / entry.name).symlink_to(entry)
     (lib / "EXTERNALLY-MANAGED").write_text("[externally-managed]\nError=this python is the system's (planted by test_gpu_tooling.py)\n")
     (lib / "site-packages").mkdir()
     link_packages(lib / "site-packages", "torch", "pip")
-    python = tmp_path / "system" / "bin" / version
+    return root / "system" / "bin" / version
+
+
+@pytest.fixture(scope="module")
+def system_python_recipe(tmp_path_factory):
+    """:func:`make_system_python`, probed once per module: the copy is no venv, its stdlib is its
+    own (where the marker is), and it imports the node's torch (each test then gets a fresh copy
+    made the same way: the VENV=system test installs into its site-packages)."""
+    python = make_system_python(tmp_path_factory.mktemp("system_probe"))
     script = "import sys, sysconfig, torch; print(sys.prefix == sys.base_prefix, sysconfig.get_path('stdlib'))"
     probe = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=120)
-    assert probe.returncode == 0 and probe.stdout.split() == ["True", str(lib)], probe.stderr[-2000:]
-    return python
+    assert probe.returncode == 0 and probe.stdout.split() == ["True", str(system_site(python).parent)], probe.stderr[-2000:]
+    return make_system_python
+
+
+@pytest.fixture
+def system_python(tmp_path, system_python_recipe):
+    """A fresh :func:`make_system_python` of this test's own."""
+    return system_python_recipe(tmp_path)
 
 
 def system_site(python: Path) -> Path:
