@@ -62,7 +62,10 @@ class OptimizerShard:
 def hold_distributed_shards(held: HeldState, model_chunks, optimizer) -> None:
     """Record the distributed optimizer's own shards by parameter identity (no gather)."""
     identities = model_identities(model_chunks)
-    for part in distributed_parts(optimizer):
+    parts = distributed_parts(optimizer)
+    half = any(part.config.bf16 or part.config.fp16 for part in parts)
+    held.dist_kinds = tuple(sorted((("param",) if half else ()) + tuple(parts[0].optimizer_state_keys)))
+    for part in parts:
         for param, owned in _owned_ranges(part):
             identity = identities.get(id(param))
             if identity is None:
@@ -70,7 +73,7 @@ def hold_distributed_shards(held: HeldState, model_chunks, optimizer) -> None:
                                    "--epas-switch-mode checkpoint works for any parameter")
             tensors = {k: v.detach().view(-1) for k, v in part._get_main_param_and_optimizer_states(param).items()
                        if torch.is_tensor(v) and v.dim() > 0}
-            if tensors["param"].untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
+            if not half:
                 del tensors["param"]  # fp32: the main weight is the model's own (a view of it), moved with the model
             held.dist_shards[identity] = OptimizerShard(param.numel(), owned.start, owned.end, tensors)
     held.optimizer_common = optimizer.state_dict()  # param groups, step, loss scaler: no parameter state
@@ -306,11 +309,10 @@ def gather_weights(model_chunks) -> None:
 
 
 def state_keys(held: HeldState) -> list[str]:
-    """The optimizer state's kinds (``param``: the fp32 main weights; the Adam moments)."""
-    for shard in held.dist_shards.values():
-        if shard.tensors:
-            return sorted(shard.tensors)
-    return ["exp_avg", "exp_avg_sq", "param"]
+    """The optimizer state's kinds (``param``: the fp32 main weights; the Adam moments), from the
+    optimizer's config: every rank exchanges the same kinds in the same rounds, also one that
+    happens to own no element of any parameter (NCCL would wait forever for a missing round)."""
+    return list(held.dist_kinds)
 
 
 @torch.no_grad()

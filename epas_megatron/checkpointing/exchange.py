@@ -121,6 +121,10 @@ class HeldState:
     and moments (:class:`~epas_megatron.checkpointing.distributed_shards.OptimizerShard`), taken
     without any gather."""
 
+    dist_kinds: tuple = ()
+    """Distributed optimizer: the kinds of state every rank holds (``param``, the fp32 main
+    weights, in half precision; the Adam moments) -- the same on every rank, whatever its shards."""
+
     optimizer_common: Any = None
     """Distributed optimizer: its state dict without parameter state (groups, step, scaler)."""
 

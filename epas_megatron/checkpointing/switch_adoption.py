@@ -110,7 +110,7 @@ class SwitchAdoption:
         # DDP parameter buffer), and Megatron-Core's DDP builds its new parameter buffer in one
         # allocation while the old one still holds them -- the one piece this switch cannot build
         # without allocating (4 bytes per trainable parameter: metrics/switch_memory.py).
-        self.weights_from_main = bool(held.dist_shards) and any(
+        self.weights_from_main = held.optimizer_common is not None and any(
             p.requires_grad and p.dtype in (torch.bfloat16, torch.float16) for chunk in chunks for p in chunk.parameters())
 
         def held_tensor(param):
@@ -135,7 +135,7 @@ class SwitchAdoption:
     def before_optimizer(self, model: list) -> None:
         held = self.held
         self.stash = GradientBufferStash(model)
-        if held.dist_shards:
+        if held.optimizer_common is not None:  # the distributed optimizer, with state (every rank alike)
             self.kinds = state_keys(held)
             self.stashed = stash_distributed(held, ["param"], self.stash, set())
         elif held.main_weights:
@@ -143,7 +143,7 @@ class SwitchAdoption:
 
     def optimizer(self, model: list, optimizer, scheduler) -> None:
         held, stats, stash = self.held, self.stats, self.stash
-        if held.dist_shards:
+        if held.optimizer_common is not None:
             # Kind by kind: the old kind into the gradient buffer and freed, the new kind
             # allocated and filled from there.
             plan = plan_distributed(held, model, optimizer)
@@ -205,7 +205,7 @@ def _restore_optimizer(held: HeldState, model_chunks, optimizer, scheduler, comm
     """The optimizer and LR schedule (or, before the first step, the fp16 loss scale)."""
     model_keys = _model_keys(model_chunks)
     rest = {k: v for k, v in common.items() if k not in model_keys}
-    if held.dist_shards or held.optimizer_common is not None:
+    if held.optimizer_common is not None:
         restore_distributed_shards(held, model_chunks, optimizer, stats)
         scheduler.load_state_dict(held.scheduler_state)
         return
