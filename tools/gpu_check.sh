@@ -2,7 +2,7 @@
 # Prove the GPU paths on a bare, offline GPU node in one command, in under 10 minutes: check the
 # node's own CUDA torch (never replaced), install what the node lacks from a folder of wheels, run
 # the GPU suite (pytest -m gpu tests/gpu) and a short benchmark at the 125m shape, and print a row
-# for the GPU ledger (docs/gpu.md) (device, driver, CUDA, torch, megatron-core, TE, pass/fail/skip with
+# for the GPU ledger (docs/gpu-ledger.md) (device, driver, CUDA, torch, megatron-core, TE, pass/fail/skip with
 # reasons), ready to paste.
 #
 # On the GPU node, with the checkout and the wheel folder side by side (epas-megatron/, gpu_wheels/):
@@ -256,7 +256,7 @@ for name, message in failed:
 for name, reason in skipped:
     print(f"  skipped: {name}: {reason}")
 print()
-print("GPU ledger row (docs/gpu.md, section 'GPU ledger'):")
+print("GPU ledger row (docs/gpu-ledger.md, section 'Runs of the GPU check'):")
 print(row)
 (out / "ledger_row.md").write_text(row + "\n")
 json.dump({"environment": env, "stopped": stopped or None, "passed": passed, "failed": failed, "skipped": skipped,

@@ -19,7 +19,7 @@ the Transformer Engine layers there, and nothing the node already has:
 Read the node's Python, torch, GPU architecture and packages in one command, on the node (the
 command is printed at the end of this help, and quoted in docs/gpu.md), into node.txt;
 then, here (the full build: about 15 CPU-minutes -- 11 minutes on two shared cores -- and 5 GB of
-downloads; docs/gpu.md has the measurements):
+downloads; docs/transformer-engine.md has the measurements):
 
   tools/te_wheels.py build ../te_wheels --node node.txt
   tools/te_wheels.py build ../te_wheels --torch 2.11.0+cu130 --arch sm_90    # without the list

@@ -1,7 +1,7 @@
 """The GPU suite: skipped, with the reason, where no CUDA device is present.
 
 Run on a GPU node with ``pytest -m gpu tests/gpu`` (or ``tools/gpu_check.sh``, which also sets up
-a bare node). Each test says which GPU-only path it proves; the ledger in docs/gpu.md records where
+a bare node). Each test says which GPU-only path it proves; the ledger in docs/gpu-ledger.md records where
 the suite has run.
 """
 

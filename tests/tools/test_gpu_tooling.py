@@ -269,7 +269,7 @@ def ledger_cells(row):
 
 
 def readme_ledger_columns():
-    header = next(line for line in (REPO / "docs" / "gpu.md").read_text().splitlines() if line.startswith("| date | device"))
+    header = next(line for line in (REPO / "docs" / "gpu-ledger.md").read_text().splitlines() if line.startswith("| date | device"))
     return ledger_cells(header)
 
 
