@@ -14,7 +14,8 @@ for its source instead of rebuilding a plan by hand:
 * a **preset** with overrides (benchmarks, which build models without a run) --
   :func:`plan_for_preset`.
 
-A new option then touches its config section, this module and its own module. Precision and
+An option that changes what is built is not named here: the assembly asks the registry of build
+options (:mod:`epas_megatron.model.option_registry`) for a run's or a checkpoint's. Precision and
 layer backend are chosen in :mod:`epas_megatron.model.fusions` (``choose_precision``,
 ``choose_backend``), the architecture in :mod:`epas_megatron.model.architecture`.
 
@@ -30,15 +31,17 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
+from epas_megatron.build_option import BuildOption
 from epas_megatron.checkpointing.metadata import CheckpointMeta, SavedParallel, model_record
 from epas_megatron.config.cli import to_dict
 from epas_megatron.config.presets import get_preset
 from epas_megatron.errors import ConfigError
 from epas_megatron.metrics.rank_memory import RankMemorySettings
 from epas_megatron.model.architecture import architecture_from_config, architecture_from_preset
-from epas_megatron.model.build_plan import BuildPlan, RandomLTDSettings, RecomputeSettings
+from epas_megatron.model.build_plan import BuildPlan, RecomputeSettings
 from epas_megatron.model.fusions import KernelAvailability, activation_kernels, choose_backend, choose_precision, fusion_settings
 from epas_megatron.model.moc_sizes import MoCSettings
+from epas_megatron.model.option_registry import build_options
 from epas_megatron.model.v_placement import even_v_stage_sizes
 from epas_megatron.parallel.memory_budget import MemoryLimit, memory_limit_for
 from epas_megatron.parallel.pipeline_schedule import ScheduleActions
@@ -51,13 +54,6 @@ if TYPE_CHECKING:  # (its module imports Megatron's optimizer: seconds, which ep
 
 
 # ---------------------------------------------------------------------------- a resolved run
-def random_ltd_settings(run: ResolvedRun) -> Optional[RandomLTDSettings]:
-    """The plan's Random-LTD layers and draw settings (None without ``--random-ltd``)."""
-    if run.random_ltd is None:
-        return None
-    return RandomLTDSettings(run.random_ltd.layers, seed=run.cfg.training.seed, kernels=run.cfg.random_ltd.random_ltd_kernels)
-
-
 def plan_for_run(run: ResolvedRun, sharing_layers: Sequence[int] = ()) -> BuildPlan:
     """The plan of a run for ``sharing_layers``, with its fixed layout (``--pipeline-layout``, or
     Megatron's even split); a switch derives the next plans from it with
@@ -81,7 +77,7 @@ def plan_for_run(run: ResolvedRun, sharing_layers: Sequence[int] = ()) -> BuildP
         detach_shared=e.epas_detach_shared,
         shape=run.schedule.shape,
         deterministic=cfg.training.deterministic,
-        random_ltd=random_ltd_settings(run),
+        options=build_options(cfg),
         v_stage_sizes=v_stage_sizes_for_run(run),
     )
 
@@ -127,15 +123,16 @@ def plan_after_switch(run: ResolvedRun, current: BuildPlan, sharing_layers: Sequ
     return current.with_region(sharing_layers, layout), notice
 
 
-def memory_kernels(kernels: KernelAvailability, backend: str = "local", random_ltd: bool = False) -> dict[str, bool]:
+def memory_kernels(kernels: KernelAvailability, backend: str = "local", options: Sequence[BuildOption] = ()) -> dict[str, bool]:
     """The memory model's kernel settings (``fused_norm``, ``fused_swiglu``, ``fused_rope`` of
     :class:`~epas_megatron.metrics.rank_memory.RankMemorySettings`) for a model built with
-    ``kernels`` and ``backend``: :func:`~epas_megatron.model.fusions.activation_kernels`, and RoPE
-    fused where the builder sets ``apply_rope_fusion`` -- the flag of
-    :func:`~epas_megatron.model.fusions.fusion_settings`, off with Random-LTD
-    (:func:`~epas_megatron.model.builder.make_transformer_config`)."""
-    return {**activation_kernels(kernels, backend),
-            "fused_rope": fusion_settings(kernels, backend)["apply_rope_fusion"] and not random_ltd}
+    ``kernels``, ``backend`` and the build ``options``: :func:`~epas_megatron.model.fusions.activation_kernels`,
+    and RoPE fused where the builder sets ``apply_rope_fusion`` -- the flag of
+    :func:`~epas_megatron.model.fusions.fusion_settings`, unless an option turns it off
+    (Random-LTD; :func:`~epas_megatron.model.builder.make_transformer_config`)."""
+    rope = fusion_settings(kernels, backend)["apply_rope_fusion"]
+    rope = rope and all(option.transformer_config().get("apply_rope_fusion", True) for option in options)
+    return {**activation_kernels(kernels, backend), "fused_rope": rope}
 
 
 def recompute_modules(run: ResolvedRun) -> tuple[str, ...]:
@@ -147,15 +144,16 @@ def memory_settings(run: ResolvedRun, vocab_size: int, kernels: Optional[KernelA
     """The memory model's settings for ``run`` on a node with ``kernels`` (default: this
     process's, :meth:`~epas_megatron.model.fusions.KernelAvailability.detect`)."""
     kernels = KernelAvailability.detect() if kernels is None else kernels
-    p, m = run.cfg.parallel, run.cfg.model
+    p = run.cfg.parallel
+    options = build_options(run.cfg)
     return RankMemorySettings(vocab_size=vocab_size, tp=p.tp, dp=run.dp, num_microbatches=run.num_microbatches,
                               precision=run.precision, distributed_optimizer=run.use_distributed_optimizer,
                               sequence_parallel=p.sequence_parallel, recompute=p.recompute if p.recompute != "full" else "none",
                               recompute_modules=recompute_modules(run),
                               share=run.cfg.epas.epas_share, tie_embeddings=not run.cfg.model.untie_embeddings_and_output_weights,
-                              moc=MoCSettings.from_flags(m.moc_topk, m.moc_groups),
+                              moc=MoCSettings.from_config(run.cfg),
                               pipeline_schedule=run.pipeline_schedule.name,
-                              **memory_kernels(kernels, run.backend, run.random_ltd is not None))
+                              **memory_kernels(kernels, run.backend, options))
 
 
 def stage_memory_limit(run: ResolvedRun, plan: BuildPlan, device_memory_gb: Optional[float] = None,
@@ -262,6 +260,7 @@ def plan_for_checkpoint(meta: CheckpointMeta, region: Optional[int] = None, *, f
         backend=backend or choose_backend(cfg.model.transformer_impl, cuda),
         core_attention=cfg.model.core_attention,
         shape=meta.shape,
+        options=build_options(cfg, training=False),
     )
 
 
@@ -276,6 +275,6 @@ def plan_for_preset(preset: str, sharing_layers: Sequence[int] = (), *, seq_leng
     ``(topk, groups)``; ``settings``: any other :class:`BuildPlan` field (tp, pp, layout, share, ...)."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     arch = replace(architecture_from_preset(get_preset(preset), max_length or seq_length), tie_embeddings=tie_embeddings)
-    if moc is not None:
-        arch = replace(arch, moc_topk=moc.topk, moc_groups=moc.groups)
-    return BuildPlan.for_region(arch, sharing_layers, seq_length=seq_length, precision=choose_precision(precision, cuda), **settings)
+    options = tuple(settings.pop("options", ())) + ((moc,) if moc is not None else ())
+    return BuildPlan.for_region(arch, sharing_layers, seq_length=seq_length, precision=choose_precision(precision, cuda),
+                                options=options, **settings)

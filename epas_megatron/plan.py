@@ -32,8 +32,9 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from epas_megatron.errors import ConfigError
-from epas_megatron.metrics.flops import Convention, ModelShape, layer_matmul_flops, lm_head_forward_flops
+from epas_megatron.metrics.flops import Convention, layer_matmul_flops, lm_head_forward_flops
 from epas_megatron.metrics.rank_memory import rank_memory_bytes
+from epas_megatron.model.architecture import ModelShape
 from epas_megatron.model.v_placement import even_v_stage_sizes, v_stage
 from epas_megatron.parallel.pipeline_schedule import PIPELINE_SCHEDULES, ScheduleFacts, build_schedule, megatron_schedule, paper_peak
 from epas_megatron.parallel.schedule_simulation import PassCosts, simulate
@@ -88,7 +89,7 @@ def report(run, gpu_memory_gb: Optional[float]) -> tuple[list[str], bool]:
              f"{run.num_microbatches} micro-batches x {t.micro_batch_size} x DP {run.dp} | {run.precision}"
              f"{', distributed optimizer' if run.use_distributed_optimizer else ''}"
              f"{', recompute ' + p.recompute if p.recompute != 'none' else ''}"]
-    flops = {size: flops_per_iteration(ModelShape.of(first.arch, t.seq_length), t.global_batch_size, size,
+    flops = {size: flops_per_iteration(ModelShape(first.arch, t.seq_length), t.global_batch_size, size,
                                        share=cfg.epas.epas_share, convention=Convention.MEGATRON) for size in (0, len(final))}
     lines.append(f"model FLOPs per iteration: {flops[0] / 1e15:.3f} PFLOP at region 0, {flops[len(final)] / 1e15:.3f} PFLOP at the "
                  f"final region ({len(final)} layers; {flops[0] / flops[len(final)]:.4f}x fewer)")
@@ -101,12 +102,9 @@ def report(run, gpu_memory_gb: Optional[float]) -> tuple[list[str], bool]:
         lines.append(describe_schedule_layouts(first, schedule, memory=limit))
     fits = True
     budget = limit.budget_bytes if limit is not None else None
-    from epas_megatron.metrics.memory_model import LayerShape
     from epas_megatron.parallel.memory_budget import MemoryLimit
 
-    measure = limit or MemoryLimit(LayerShape(first.arch.hidden_size, first.arch.num_attention_heads,
-                                              first.arch.num_query_groups, first.arch.ffn_hidden_size,
-                                              t.seq_length, t.micro_batch_size),
+    measure = limit or MemoryLimit(ModelShape(first.arch, t.seq_length, t.micro_batch_size),
                                    memory_settings(run, first.arch.vocab_size, kernels), p.pp, run.vpp or 1, float("inf"))
     measure = replace(measure, settings=replace(measure.settings, pipeline_schedule=run.pipeline_schedule.name))
     regions = (("first region (0 layers sharing)", ()), (f"final region ({len(final)} layers sharing)", final))
@@ -181,7 +179,7 @@ def layer_and_head_costs(arch, seq_length: int, micro_batch_size: int):
     in FLOPs) of one micro-batch through one computing decoder layer and through the LM head: a
     GEMM's input gradient and its weight gradient each cost its forward; the attention core's
     backward twice its forward, all in ``B``."""
-    shape = ModelShape.of(arch, seq_length)
+    shape = ModelShape(arch, seq_length)
     matmuls = layer_matmul_flops(shape, Convention.MEGATRON)
     core = matmuls.attention_scores + matmuls.attention_values
     gemms = matmuls.total - core

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from epas_megatron.build_option import BuildFacts
 from epas_megatron.checkpointing.metadata import CheckpointMeta
 from epas_megatron.checkpointing.run_sources import resolve_sources
 from epas_megatron.config.cli import flag_name, to_dict
@@ -26,7 +27,7 @@ from epas_megatron.config.schema import EMBEDDED_DATA, RunConfig
 from epas_megatron.errors import ConfigError
 from epas_megatron.model.build_plan import RECOMPUTE_MODULES, normalise_vpp
 from epas_megatron.model.fusions import BackendChoice, choose_layers, choose_precision
-from epas_megatron.model.moc_sizes import check_moc_config
+from epas_megatron.model.option_registry import check_build_options
 from epas_megatron.parallel.pipeline_schedule import (
     PIPELINE_SCHEDULES,
     PipelineSchedule,
@@ -205,7 +206,7 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
     p = cfg.parallel
     dp, vpp, layout = _resolve_parallel(p, m, world_size)
     layers, precision, use_dist_opt = _resolve_devices(cfg, cuda)
-    check_moc_config(m.moc_topk, m.moc_groups, m.ffn_hidden_size, p.tp, layers.backend)
+    option_warnings = check_build_options(replace(cfg, model=m), BuildFacts(p.tp, p.pp, layers.backend, precision, cuda))
     t = _resolve_training(cfg, m, dp)
     m = replace(m, max_position_embeddings=m.max_position_embeddings or t.seq_length)
     schedule, rebalance, warnings = _resolve_epas(cfg, m, t)
@@ -241,7 +242,7 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
         rebalance=rebalance,
         pipeline_schedule=schedule_kind,
         v_layout=v_layout,
-        warnings=tuple(warnings),
+        warnings=tuple(warnings) + tuple(option_warnings),
         eval_regions=eval_regions,
         random_ltd=random_ltd,
         **sources,
@@ -382,9 +383,7 @@ def sharing_schedule(cfg: RunConfig) -> SharingSchedule:
     ``--num-layers``); a ``ConfigError`` naming the flag if they do not make one. Whoever needs a
     run's switches without resolving the run (a recipe's report, a sweep's submission check) takes
     them from here, not from a schedule of its own."""
-    e = cfg.epas
-    return SharingSchedule.from_flags(cfg.model.num_layers, e.epas_interval, e.epas_growth, e.epas_target_layers, e.epas_first_switch,
-                                      exclude_last=e.epas_exclude_last, blocks=e.epas_blocks)
+    return SharingSchedule.from_config(cfg)
 
 
 def _resolve_epas(cfg: RunConfig, m, t) -> tuple[SharingSchedule, bool, list[str]]:

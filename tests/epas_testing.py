@@ -294,21 +294,36 @@ def json_lines(stdout: str, tag: str) -> list[dict]:
     return found
 
 
+def model_shape(num_layers: int, hidden_size: int, num_attention_heads: int, num_query_groups: int, ffn_hidden_size: int,
+                vocab_size: int, seq_length: int, micro_batch_size: int = 1, max_sequence_length: Optional[int] = None):
+    """The FLOP and memory models' :class:`~epas_megatron.model.architecture.ModelShape` of an
+    architecture given by the numbers a test cares about (the others at their defaults), with room
+    for ``max_sequence_length`` tokens (default ``seq_length``)."""
+    from epas_megatron.model.architecture import LlamaArchitecture, ModelShape
+
+    arch = LlamaArchitecture(num_layers, hidden_size, num_attention_heads, num_query_groups, ffn_hidden_size, vocab_size,
+                             seq_length if max_sequence_length is None else max_sequence_length)
+    return ModelShape(arch, seq_length, micro_batch_size)
+
+
 def assert_close(a: dict, b: dict, rel: float = 1e-5, what: str = "") -> None:
     assert a.keys() == b.keys(), f"{what}: iterations differ {sorted(a)} vs {sorted(b)}"
     for k in a:
         assert abs(a[k] - b[k]) <= rel * max(abs(a[k]), abs(b[k]), 1e-12), f"{what} at {k}: {a[k]!r} vs {b[k]!r}"
 
 
-def build(arch, sharing=(), share="qk", seed=11, detach=False, core_attention="sdpa", precision="fp32", exclude_last=0, blocks=1):
+def build(arch, sharing=(), share="qk", seed=11, detach=False, core_attention="sdpa", precision="fp32", exclude_last=0, blocks=1,
+          options=()):
     """One in-process model chunk (needs an initialised world of one); ``sharing`` must be a region
-    of ``blocks`` blocks, the deepest ending ``exclude_last`` layers before the last."""
+    of ``blocks`` blocks, the deepest ending ``exclude_last`` layers before the last; ``options``:
+    build options (:mod:`epas_megatron.build_option`)."""
     from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import build_model
     from epas_megatron.sharing.shape import RegionShape
 
     plan = BuildPlan.for_region(arch, sharing, precision=precision, share=share, detach_shared=detach,
-                                core_attention=core_attention, shape=RegionShape(arch.num_layers, exclude_last, blocks))
+                                core_attention=core_attention, shape=RegionShape(arch.num_layers, exclude_last, blocks),
+                                options=tuple(options))
     return build_model(plan, seed=seed).chunks[0]
 
 
@@ -410,11 +425,9 @@ def reference_weights(model, arch, requires_grad: bool = False):
     the HF mapping (which tests/convert checks against transformers' own LlamaForCausalLM);
     ``requires_grad``: fresh leaves, for comparing gradients."""
     import llama_reference as ref
-    from epas_megatron.convert.hf_llama import LlamaShape, megatron_to_hf, strip_extra_state
+    from epas_megatron.convert.hf_llama import megatron_to_hf, strip_extra_state
 
-    shape = LlamaShape(arch.num_layers, arch.num_attention_heads, arch.num_query_groups,
-                       arch.hidden_size // arch.num_attention_heads, arch.vocab_size)
-    hf = megatron_to_hf(strip_extra_state(model.state_dict()), shape)
+    hf = megatron_to_hf(strip_extra_state(model.state_dict()), arch)
     if requires_grad:
         hf = {k: v.clone().requires_grad_(True) for k, v in hf.items()}
     return hf, ref.weights_from_hf_style(hf, arch.num_layers)

@@ -56,12 +56,10 @@ def tokens(batch: int = 2) -> torch.Tensor:
 
 def reference_logits(state: dict, arch, tokens: torch.Tensor, sharing, share: str) -> torch.Tensor:
     """fp32 CPU logits ``[b, s, v]`` of the reference with our model's weights."""
-    from epas_megatron.convert.hf_llama import LlamaShape, megatron_to_hf, strip_extra_state
+    from epas_megatron.convert.hf_llama import megatron_to_hf, strip_extra_state
 
-    shape = LlamaShape(arch.num_layers, arch.num_attention_heads, arch.num_query_groups,
-                       arch.hidden_size // arch.num_attention_heads, arch.vocab_size)
     hf = megatron_to_hf({k: v.detach().float().cpu() for k, v in strip_extra_state(state).items()
-                         if torch.is_tensor(v)}, shape)
+                         if torch.is_tensor(v)}, arch)
     weights = ref.weights_from_hf_style(hf, arch.num_layers)
     with torch.no_grad():
         return ref.forward(weights, tokens, arch.num_layers, arch.num_attention_heads, arch.num_query_groups,

@@ -82,7 +82,7 @@ def pre_rope_hand_off():
 
     def forward_and_hand_off(self, hidden_states, attention_mask, rotary_pos_emb=None, attention_bias=None,
                              packed_seq_params=None, kept_index=None, incoming=None):
-        assert kept_index is None and self.blend is None, "the pre-RoPE control is for plain sources"
+        assert kept_index is None and getattr(self, "blend", None) is None, "the pre-RoPE control is for plain sources"
         # [sq, b, h] -> [sq, b, np, hn], [sq, b, ng, hn], [sq, b, ng, hn]
         query, key, value = self.get_query_key_value_tensors(hidden_states)
         # (copies: the projection's split views, where a kernel may want contiguous tensors)
@@ -111,11 +111,9 @@ def run_logits(model, batch: torch.Tensor, arch, sample_ids: Optional[torch.Tens
 
 def reference_weights(state: dict, arch) -> dict:
     """``llama_reference`` weights (fp32, CPU) from a local-layer state dict (any precision or device)."""
-    from epas_megatron.convert.hf_llama import LlamaShape, megatron_to_hf, strip_extra_state
+    from epas_megatron.convert.hf_llama import megatron_to_hf, strip_extra_state
 
-    shape = LlamaShape(arch.num_layers, arch.num_attention_heads, arch.num_query_groups,
-                       arch.hidden_size // arch.num_attention_heads, arch.vocab_size)
-    hf = megatron_to_hf({k: v.detach().float().cpu() for k, v in strip_extra_state(state).items() if torch.is_tensor(v)}, shape)
+    hf = megatron_to_hf({k: v.detach().float().cpu() for k, v in strip_extra_state(state).items() if torch.is_tensor(v)}, arch)
     return ref.weights_from_hf_style(hf, arch.num_layers)
 
 
@@ -176,16 +174,17 @@ def check_pre_rope_is_caught(model, arch, sharing, share: str, state: Optional[d
 def build_for_training(arch, sharing, share: str, precision: str, *, recompute=None, random_ltd: bool = False,
                        core_attention: str = "sdpa", blocks: int = 1, seed: int = 5):
     """One model chunk in training mode (Random-LTD: every layer drops, :data:`KEPT` kept)."""
-    from epas_megatron.model.build_plan import BuildPlan, RandomLTDSettings, RecomputeSettings
+    from epas_megatron.model.build_plan import BuildPlan, RecomputeSettings
     from epas_megatron.model.builder import build_model
     from epas_megatron.model.fusions import KernelAvailability
     from epas_megatron.random_ltd.model import set_kept_tokens
+    from epas_megatron.random_ltd.option import RandomLTDSettings
     from epas_megatron.sharing.shape import RegionShape
 
-    ltd = RandomLTDSettings(tuple(range(arch.num_layers)), seed=LTD_SEED, kernels="torch") if random_ltd else None
+    ltd = (RandomLTDSettings(tuple(range(arch.num_layers)), seed=LTD_SEED, kernels="torch"),) if random_ltd else ()
     plan = BuildPlan.for_region(arch, sharing, precision=precision, share=share, core_attention=core_attention,
                                 shape=RegionShape(arch.num_layers, blocks=blocks),
-                                recompute=recompute or RecomputeSettings(), random_ltd=ltd)
+                                recompute=recompute or RecomputeSettings(), options=ltd)
     # No DDP here, so no main_grad for apex's gradient-accumulation fusion to write into (where apex is installed).
     kernels = dataclasses.replace(KernelAvailability.detect(), apex_gradient_accumulation=False)
     model = build_model(plan, seed=seed, kernels=kernels).chunks[0].train()

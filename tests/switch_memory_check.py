@@ -99,9 +99,9 @@ def measure_switch(precision: str, distributed_optimizer: bool, output_dir: Opti
     ``build_peak`` (bytes) and the memory model's terms for the same switch (``model``)."""
     from epas_megatron.assembly import memory_settings
     from epas_megatron.config.cli import parse_config
-    from epas_megatron.metrics.memory_model import LayerShape
     from epas_megatron.metrics.rank_memory import rank_memory_bytes
     from epas_megatron.metrics.switch_memory import switch_transient_terms
+    from epas_megatron.model.architecture import ModelShape
     from epas_megatron.sharing.shape import LayerMode
     from epas_megatron.training.trainer import Trainer
     from epas_megatron.validation import resolve_run
@@ -144,10 +144,10 @@ def measure_switch(precision: str, distributed_optimizer: bool, output_dir: Opti
     finally:
         trainer.close()
     peak, build_peak = (peaks["switch"], peaks["build"]) if cuda else _cpu_peaks(prof)
-    m, t = run.cfg.model, run.cfg.training
-    shape = LayerShape(m.hidden_size, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size, t.seq_length, t.micro_batch_size)
+    t = run.cfg.training
+    shape = ModelShape(plan.arch, t.seq_length, t.micro_batch_size)
     roles = lambda iteration: ["share" if mode == LayerMode.SHARE else "compute" for mode in run.schedule.layer_modes(iteration)]
-    layers = range(m.num_layers)
+    layers = range(plan.arch.num_layers)
     settings = memory_settings(run, plan.arch.vocab_size)
     model = switch_transient_terms(shape, roles(iteration - 1), roles(iteration), layers, layers, 0, 1, settings)
     state = rank_memory_bytes(shape, [roles(iteration - 1)], 0, 1, 1, settings)["parameters"]

@@ -19,7 +19,8 @@ from epas_megatron.assembly import (
 from epas_megatron.checkpointing.metadata import CheckpointMeta
 from epas_megatron.config.cli import parse_config
 from epas_megatron.errors import ConfigError
-from epas_megatron.model.build_plan import RandomLTDSettings, RecomputeSettings
+from epas_megatron.model.build_plan import RecomputeSettings
+from epas_megatron.random_ltd.option import RandomLTDSettings
 from epas_megatron.sharing.shape import LayerMode
 from epas_megatron.validation import resolve_run
 
@@ -46,7 +47,7 @@ def test_plan_for_a_run_carries_every_flag(tmp_path):
     assert plan.precision == "fp32" and plan.backend == "local" and plan.core_attention == "unfused"
     assert plan.recompute == RecomputeSettings("selective") and plan.deterministic
     assert (plan.share, plan.detach_shared, plan.shape.exclude_last) == ("kv", True, 1)
-    assert plan.random_ltd == RandomLTDSettings((1, 2), seed=7, kernels="auto")
+    assert plan.options == (RandomLTDSettings((1, 2), seed=7, kernels="auto"),)
 
 
 def test_optimizer_settings_for_a_run(tmp_path):

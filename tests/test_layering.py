@@ -25,6 +25,9 @@ LAYERS: list[tuple[str, ...]] = [
      "epas_megatron.hf"),
     # 1: the config as data: schema, command line and YAML, presets, the generated reference
     ("epas_megatron.config",),
+    # 1b: what an option that changes the build is (BuildOption: its hooks), read by the packages
+    #    that define options (Random-LTD, the model)
+    ("epas_megatron.build_option",),
     # 2: what the model is made of: the sharing schedule and region grammar, Random-LTD's schedule
     #    and token ops, the data pipeline
     ("epas_megatron.sharing", "epas_megatron.random_ltd", "epas_megatron.data"),

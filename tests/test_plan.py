@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from epas_megatron.metrics.flops import Convention, ModelShape, flops_per_iteration
+from epas_megatron.config.presets import get_preset
+from epas_megatron.metrics.flops import Convention, flops_per_iteration
+from epas_megatron.model.architecture import ModelShape, architecture_from_preset
 from epas_testing import REPO
 
 
@@ -54,7 +56,7 @@ def test_7b_on_one_node_of_80gb_gpus_fits(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert "world 8 = TP 2 x PP 2 x DP 2" in out and "distributed optimizer" in out
-    baseline = flops_per_iteration(ModelShape(32, 4096, 32, 32, 11008, 32000, 2048), 1024, 0, convention=Convention.MEGATRON)
+    baseline = flops_per_iteration(ModelShape(architecture_from_preset(get_preset("7b")), 2048), 1024, 0, convention=Convention.MEGATRON)
     assert f"{baseline / 1e15:.3f} PFLOP at region 0" in out
     assert "iteration 24800: 16 sharing layers" in out  # the layout planned for the last switch
     assert out.count("  pp rank  parameters+grads+Adam") == 2 and "(budget 72.0 GiB)" in out
@@ -84,7 +86,6 @@ def test_launcher_dry_run_shows_the_report(tmp_path):
 def test_a_plan_for_gpus_counts_the_gpus_kernels(tmp_path):
     """--gpu-memory-gb plans for a GPU node from here: the activations are the memory model's with
     the GPU's one-kernel RMSNorm and fused SwiGLU (hand-built settings), not this CPU's kernels."""
-    from epas_megatron.metrics.memory_model import LayerShape
     from epas_megatron.metrics.rank_memory import RankMemorySettings, rank_memory_bytes
 
     proc = plan("--world-size", "1", "--gpu-memory-gb", "80", "--preset", "small", "--micro-batch-size", "16",
@@ -92,7 +93,7 @@ def test_a_plan_for_gpus_counts_the_gpus_kernels(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = next(line for line in proc.stdout.splitlines() if line.strip().startswith("0 "))
     shown = float(row.split("GiB")[1])
-    shape = LayerShape(384, 6, 2, 1024, 256, 16)
+    shape = ModelShape(architecture_from_preset(get_preset("small")), 256, 16)
     activations = {fused: rank_memory_bytes(shape, [["compute"] * 8], 0, 1, 1, RankMemorySettings(
         vocab_size=8192, precision="bf16", distributed_optimizer=True, fused_norm=fused, fused_swiglu=fused))["activations"] / 2**30
         for fused in (True, False)}
@@ -110,20 +111,21 @@ def test_the_memory_models_kernels_are_the_builders(monkeypatch, backend, random
 
     from epas_megatron.assembly import memory_kernels
     from epas_megatron.model.architecture import LlamaArchitecture
-    from epas_megatron.model.build_plan import BuildPlan, RandomLTDSettings
+    from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import make_transformer_config
     from epas_megatron.model.fusions import ASSUMED_GPU, KernelAvailability
+    from epas_megatron.random_ltd.option import RandomLTDSettings
 
     monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", lambda *a, **k: None)  # (TransformerConfig checks it exists)
     arch = LlamaArchitecture(4, 64, 4, 2, 176, 512, 64)
     plan = BuildPlan.for_region(arch, (), seq_length=64, backend=backend,
-                                random_ltd=RandomLTDSettings((1, 2)) if random_ltd else None)
+                                options=(RandomLTDSettings((1, 2)),) if random_ltd else ())
     te_gpu = KernelAvailability(cuda=True, te_rope=True, apex_softmax=False, apex_gradient_accumulation=False)
     cpu = KernelAvailability(cuda=False, te_rope=False, apex_softmax=False, apex_gradient_accumulation=False)
     for kernels in (cpu, ASSUMED_GPU, te_gpu):
         built = make_transformer_config(plan, kernels).apply_rope_fusion
-        assert memory_kernels(kernels, backend, random_ltd)["fused_rope"] == built, kernels
-    assert memory_kernels(te_gpu, backend, random_ltd)["fused_rope"] is not random_ltd
+        assert memory_kernels(kernels, backend, plan.options)["fused_rope"] == built, kernels
+    assert memory_kernels(te_gpu, backend, plan.options)["fused_rope"] is not random_ltd
 
 
 def test_an_in_memory_switch_that_does_not_fit_says_so(tmp_path):
@@ -132,7 +134,6 @@ def test_an_in_memory_switch_that_does_not_fit_says_so(tmp_path):
     one is built (the one whole piece a switch allocates). Exit 3, the switch's rank flagged and
     its peak above the steps around it; the same run switching through a checkpoint fits. The
     shown peak is the parameter state plus the memory model's bound for that switch."""
-    from epas_megatron.metrics.memory_model import LayerShape
     from epas_megatron.metrics.rank_memory import RankMemorySettings, rank_memory_bytes
     from epas_megatron.metrics.switch_memory import switch_transient_terms
 
@@ -148,7 +149,7 @@ def test_an_in_memory_switch_that_does_not_fit_says_so(tmp_path):
     assert proc.stdout.rstrip().endswith("(--epas-switch-mode checkpoint)")
     # The figures: the largest switch is the first (region 0 -> 1: the most trainable
     # parameters before it).
-    shape = LayerShape(384, 6, 2, 1024, 256, 1)
+    shape = ModelShape(architecture_from_preset(get_preset("small")), 256)
     settings = RankMemorySettings(vocab_size=8192, precision="fp32", distributed_optimizer=True, fused_norm=True,
                                   fused_swiglu=True)
     before, after = ["compute"] * 8, ["compute"] * 7 + ["share"]

@@ -20,6 +20,7 @@ from epas_megatron.engine.state import TrainingState, build_training_state
 from epas_megatron.model.build_plan import BuildPlan
 from epas_megatron.model.fusions import choose_backend
 from epas_megatron.random_ltd.model import set_kept_tokens
+from epas_megatron.random_ltd.option import RandomLTDSettings
 
 
 @dataclass
@@ -134,10 +135,11 @@ def bench_variant(plan: BuildPlan, *, micro_batch_size: int, num_microbatches: i
                   kept_tokens: Optional[int] = None) -> BenchVariant:
     """A trainable model of ``plan`` (a benchmark's: :func:`epas_megatron.assembly.plan_for_preset`),
     built from ``seed`` so every variant starts from the same weights, with the distributed
-    optimizer on a GPU. Under Random-LTD (``plan.random_ltd``) its layers keep ``kept_tokens``."""
+    optimizer on a GPU. Under Random-LTD (a :class:`~epas_megatron.random_ltd.option.RandomLTDSettings`
+    option) its layers keep ``kept_tokens``."""
     settings = OptimizerSettings(precision=plan.precision, use_distributed_optimizer=torch.cuda.is_available(), **BENCH_OPTIMIZER)
     state = build_training_state(plan, settings, seed=seed)
-    if plan.random_ltd is not None:
+    if plan.option(RandomLTDSettings) is not None:
         set_kept_tokens(state.model, kept_tokens)
     data = [SyntheticTokens(plan.arch.vocab_size, plan.seq_length, micro_batch_size, seed + 1) for _ in state.model]
     return BenchVariant(state, data, micro_batch_size, num_microbatches)

@@ -74,7 +74,7 @@ import torch
 
 from epas_megatron.config.presets import get_preset
 from epas_megatron.errors import ConfigError
-from epas_megatron.model.moc_sizes import check_moc_config, kept_channels
+from epas_megatron.model.moc_sizes import MoCSettings, check_moc_config, kept_channels
 
 MAX_SERVING_BATCH = 64
 """Upper bound on the serving figure's batch (memory on a CPU machine)."""
@@ -216,18 +216,17 @@ def run_decode_bench(cfg: DecodeBenchConfig, log=print) -> dict:
     mode = resolve_decode_step(cfg.decode_step, torch.device("cuda" if cuda else "cpu"))
     moc = cfg.moc_topk < 1.0
     if moc:  # region 0, the baseline's shape with Mixture-of-Channels MLPs
-        plans["moc"] = replace(plans["baseline"], arch=replace(plans["baseline"].arch, moc_topk=cfg.moc_topk,
-                                                               moc_groups=cfg.moc_groups))
+        plans["moc"] = replace(plans["baseline"], options=(MoCSettings(cfg.moc_topk, cfg.moc_groups),))
     models = {name: build_model(plan, seed=cfg.seed).chunks[0].eval() for name, plan in plans.items()}
     if moc:
         _check_same_mlp_weights(unwrap_model(models["baseline"]), unwrap_model(models["moc"]))
     # Same weights: the first sharing layer's own projection is the baseline layer's rows of it.
     first = sharing[0]
-    hn = arch.hidden_size // arch.num_attention_heads
     baseline, epas = (unwrap_model(models[name]).decoder.layers[first].self_attention for name in ("baseline", "epas"))
     fused = baseline.linear_qkv.weight
     part = "v" if cfg.share == "qk" else "q"
-    rows = split_qkv_rows(fused, ("q", "k", "v"), arch.num_query_groups, arch.num_attention_heads // arch.num_query_groups, hn)[part]
+    rows = split_qkv_rows(fused, ("q", "k", "v"), arch.num_query_groups, arch.num_attention_heads // arch.num_query_groups,
+                          arch.head_dim)[part]
     if not torch.equal(rows, epas.own_projection.weight):
         raise RuntimeError("the baseline and EPAS models were built with different weights")
 
@@ -262,7 +261,7 @@ def run_decode_bench(cfg: DecodeBenchConfig, log=print) -> dict:
     step_bytes = {name: decode_bytes_per_step(arch, modes["baseline" if name == "baseline" else "epas"], cfg.share,
                                               "reuse" if name.startswith("reuse") else "qk", cfg.batch, cfg.context, element)
                   for name in variants if not name.startswith("moc")}
-    per_token = {name: kv_bytes_per_token(modes[name], cfg.share, arch.num_query_groups, hn, element) for name in modes}
+    per_token = {name: kv_bytes_per_token(modes[name], cfg.share, arch.num_query_groups, arch.head_dim, element) for name in modes}
     for name, variant in variants.items():
         allocated = variant.cache.nbytes // (cfg.batch * variant.cache.max_length)
         expected = per_token["baseline" if name == "baseline" or name.startswith("moc") else "epas"]

@@ -93,8 +93,7 @@ def build_model(cfg: HfDecodeBenchConfig, region: int):
     arch = plan_for_preset(cfg.preset, seq_length=cfg.context + cfg.new_tokens, precision="fp32").arch
     layers = arch.num_layers
     config = EpasLlamaConfig(
-        **hf_config_kwargs(layers, arch.hidden_size, arch.num_attention_heads, arch.num_query_groups, arch.ffn_hidden_size,
-                           arch.vocab_size, arch.max_sequence_length, arch.rotary_base, arch.norm_epsilon, arch.tie_embeddings),
+        **hf_config_kwargs(arch),
         epas_share=cfg.share, epas_sharing_layers=list(range(layers - region, layers)), epas_reuse_probs=cfg.reuse_probs,
         eos_token_id=None, bos_token_id=None, pad_token_id=None)
     torch.manual_seed(cfg.seed)

@@ -84,16 +84,15 @@ def run_memory_bench(cfg: MemoryBenchConfig, log=print) -> dict:
     The record's top-level figures are ``cfg.share`` without recompute."""
     from epas_megatron.assembly import memory_kernels
     from epas_megatron.config.presets import get_preset
-    from epas_megatron.metrics.memory_model import LayerShape, layer_activation_terms
-    from epas_megatron.model.architecture import architecture_from_preset
+    from epas_megatron.metrics.memory_model import layer_activation_terms
+    from epas_megatron.model.architecture import ModelShape, architecture_from_preset
     from epas_megatron.model.fusions import KernelAvailability
     from epas_megatron.sharing.shape import region_layers
 
     preset = get_preset(cfg.preset)
     arch = architecture_from_preset(preset, cfg.seq_length)
     sharing = region_layers(arch.num_layers, cfg.region, flag="--region")
-    shape = LayerShape(arch.hidden_size, arch.num_attention_heads, arch.num_query_groups, arch.ffn_hidden_size,
-                       cfg.seq_length, cfg.micro_batch_size)
+    shape = ModelShape(arch, cfg.seq_length, cfg.micro_batch_size)
     e = 4 if cfg.precision == "fp32" else 2
     # The model as the kernels of this device keep it (CPU: composite norm, unfused SwiGLU; with
     # Transformer Engine installed, fused RoPE -- as the builder sets it for these local layers).

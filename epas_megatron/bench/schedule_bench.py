@@ -64,9 +64,9 @@ import torch
 import torch.distributed as dist
 
 from epas_megatron.errors import ConfigError
-from epas_megatron.metrics.flops import Convention, ModelShape, layer_matmul_flops
-from epas_megatron.metrics.memory_model import LayerShape
+from epas_megatron.metrics.flops import Convention, layer_matmul_flops
 from epas_megatron.metrics.rank_memory import RankMemorySettings, rank_memory_bytes
+from epas_megatron.model.architecture import ModelShape, architecture_from_preset
 from epas_megatron.model.v_placement import even_v_stage_sizes, v_stage
 from epas_megatron.parallel.cost_model import P2P_FLOPS_PER_BYTE
 from epas_megatron.parallel.pipeline_schedule import PIPELINE_SCHEDULES, Action, ScheduleActions, build_schedule
@@ -235,7 +235,7 @@ def replay(schedule: ScheduleActions, seconds: Callable[[Action], float]) -> tup
     return 1.0 - sim.busy[longest] / sim.span[longest], sim.busy, sim.span
 
 
-def modelled_activation_bytes(plan, schedule: ScheduleActions, settings: RankMemorySettings, shape: LayerShape) -> list[float]:
+def modelled_activation_bytes(plan, schedule: ScheduleActions, settings: RankMemorySettings, shape: ModelShape) -> list[float]:
     """The memory model's activations per rank of ``plan`` under ``schedule`` (1F1B: Megatron's
     even split, the LM head on the last rank; V: the even V stages, both ends on rank 0), times the
     simulation's in-flight peak of each rank."""
@@ -281,8 +281,7 @@ def run_schedule_bench(cfg: ScheduleBenchConfig, log=print) -> dict:
                                v_stage_sizes=even_v_stage_sizes(arch.num_layers, p) if PIPELINE_SCHEDULES[name].v_placement else None)
         variants[name] = bench_variant(plan, micro_batch_size=cfg.micro_batch_size, num_microbatches=m, seed=cfg.seed)
     precision = next(iter(variants.values())).state.plan.precision
-    layer_shape = LayerShape(arch.hidden_size, arch.num_attention_heads, arch.num_query_groups, arch.ffn_hidden_size,
-                             cfg.seq_length, cfg.micro_batch_size)
+    layer_shape = ModelShape(arch, cfg.seq_length, cfg.micro_batch_size)
     memory_settings = RankMemorySettings(vocab_size=arch.vocab_size, num_microbatches=m, precision=precision, share=cfg.share,
                                          **memory_kernels(KernelAvailability.detect(), default_backend()))
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -407,15 +406,13 @@ def predicted_rows(preset: str = "7b", pps: Sequence[int] = (4, 8), microbatches
 
     pre = get_preset(preset)
     s, b = pre.seq_length, 1
-    shape = ModelShape(pre.num_layers, pre.hidden_size, pre.num_attention_heads, pre.num_query_groups, pre.ffn_hidden_size,
-                       pre.vocab_size, s)
-    layer = LayerShape(pre.hidden_size, pre.num_attention_heads, pre.num_query_groups, pre.ffn_hidden_size, s, b)
-    message = s * b * pre.hidden_size * 2
+    shape = ModelShape(architecture_from_preset(pre, s), s, b)
+    message = s * b * shape.hidden_size * 2
     rows = []
     for p in pps:
         m = microbatches_per_rank * p
-        costs = modelled_pass_costs(shape, pre.num_layers // p, b, p2p_flops_per_byte)
-        settings = RankMemorySettings(vocab_size=pre.vocab_size, num_microbatches=m, precision="bf16",
+        costs = modelled_pass_costs(shape, shape.num_layers // p, b, p2p_flops_per_byte)
+        settings = RankMemorySettings(vocab_size=shape.vocab_size, num_microbatches=m, precision="bf16",
                                       fused_norm=True, fused_swiglu=True)
         base_time = None
         for name in schedules:
@@ -423,12 +420,12 @@ def predicted_rows(preset: str = "7b", pps: Sequence[int] = (4, 8), microbatches
             sim = simulate(schedule, costs)
             base_time = base_time or sim.makespan
             if schedule.v_placement:
-                sizes = even_v_stage_sizes(pre.num_layers, p)
+                sizes = even_v_stage_sizes(shape.num_layers, p)
                 roles = lambda r: [["compute"] * sizes[v_stage(r, c, p)] for c in (0, 1)]  # noqa: E731
-                memory = [rank_memory_bytes(layer, roles(r), r, p, 2, settings, in_flight=sim.peak_in_flight[r], head_rank=0)
+                memory = [rank_memory_bytes(shape, roles(r), r, p, 2, settings, in_flight=sim.peak_in_flight[r], head_rank=0)
                           for r in range(p)]
             else:
-                memory = [rank_memory_bytes(layer, [["compute"] * (pre.num_layers // p)], r, p, 1, settings,
+                memory = [rank_memory_bytes(shape, [["compute"] * (shape.num_layers // p)], r, p, 1, settings,
                                             in_flight=sim.peak_in_flight[r]) for r in range(p)]
             rows.append({"preset": preset, "p": p, "m": m, "schedule": name, "bubble": sim.bubble,
                          "time_vs_1f1b": sim.makespan / base_time, "peak_in_flight": max(sim.peak_in_flight),

@@ -227,17 +227,14 @@ def predict_7b() -> list[dict]:
     """LLaMA-7B (the 7b preset) on 8 and 32 H100s, global batch 1024 x 2048 tokens."""
     from epas_megatron.bench.switch_model import ClusterAssumptions, llama_parameters, predict_switch
     from epas_megatron.config.presets import get_preset
-    from epas_megatron.metrics.flops import Convention, ModelShape, flops_per_iteration
+    from epas_megatron.metrics.flops import Convention, flops_per_iteration
+    from epas_megatron.model.architecture import ModelShape, architecture_from_preset
 
-    p = get_preset("7b")
-    params, layer = llama_parameters(p.num_layers, p.hidden_size, p.num_attention_heads, p.num_query_groups, p.ffn_hidden_size,
-                                     p.vocab_size)
-    shape = ModelShape(num_layers=p.num_layers, hidden_size=p.hidden_size, num_attention_heads=p.num_attention_heads,
-                       num_query_groups=p.num_query_groups, ffn_hidden_size=p.ffn_hidden_size, vocab_size=p.vocab_size,
-                       seq_length=2048)
-    flops = float(flops_per_iteration(shape, 1024, 0, convention=Convention.MEGATRON))
+    arch = architecture_from_preset(get_preset("7b"), 2048)
+    params, layer = llama_parameters(arch)
+    flops = float(flops_per_iteration(ModelShape(arch, 2048), 1024, 0, convention=Convention.MEGATRON))
     a = ClusterAssumptions()
-    qkv = p.hidden_size * (p.hidden_size + 2 * p.num_query_groups * (p.hidden_size // p.num_attention_heads))
+    qkv = arch.hidden_size * (arch.hidden_size + 2 * arch.kv_projection_size)
     return [{**predict_switch(params, layer, tp=2, pp=2, dp=dp, moved_layers=1, qkv_params=qkv, iteration_flops=flops, a=a),
              "params": params, "global_batch": 1024, "seq_length": 2048, "assumptions": vars(a)} for dp in (2, 8)]
 

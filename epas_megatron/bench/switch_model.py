@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from epas_megatron.config.presets import decoder_layer_parameters
+from epas_megatron.model.architecture import LlamaArchitecture
 
 
 @dataclass(frozen=True)
@@ -63,10 +64,12 @@ class ClusterAssumptions:
     """Dense bf16 peak per GPU (H100 SXM)."""
 
 
-def llama_parameters(num_layers: int, hidden: int, heads: int, groups: int, ffn: int, vocab: int) -> tuple[int, int]:
-    """(total parameters, parameters of one decoder layer) of a LLaMA model (untied output)."""
-    layer = decoder_layer_parameters(hidden, heads, groups, ffn)
-    return num_layers * layer + 2 * vocab * hidden + hidden, layer
+def llama_parameters(arch: LlamaArchitecture) -> tuple[int, int]:
+    """(total parameters, parameters of one decoder layer) of ``arch``: its layers, the embedding,
+    the LM head unless it is tied to the embedding, and the final norm."""
+    layer = decoder_layer_parameters(arch.hidden_size, arch.num_attention_heads, arch.num_query_groups, arch.ffn_hidden_size)
+    tables = 1 if arch.tie_embeddings else 2
+    return arch.num_layers * layer + tables * arch.vocab_size * arch.hidden_size + arch.hidden_size, layer
 
 
 def predict_switch(params: int, layer_params: int, *, tp: int, pp: int, dp: int, moved_layers: int = 1,

@@ -38,9 +38,10 @@ def run_train_bench(cfg: BenchConfig, log=print) -> dict:
 
     from epas_megatron.assembly import plan_for_preset
     from epas_megatron.bench.common import alternating_throughput, bench_variant, default_backend
-    from epas_megatron.metrics.flops import Convention, ModelShape, layerwise_forward_flops
-    from epas_megatron.model.build_plan import RandomLTDSettings
+    from epas_megatron.metrics.flops import Convention, layerwise_forward_flops
+    from epas_megatron.model.architecture import ModelShape
     from epas_megatron.model.fusions import choose_precision
+    from epas_megatron.random_ltd.option import RandomLTDSettings
     from epas_megatron.random_ltd.schedule import default_layers
     from epas_megatron.sharing.shape import region_layers
 
@@ -50,12 +51,13 @@ def run_train_bench(cfg: BenchConfig, log=print) -> dict:
     backend = default_backend()
     kept = cfg.kept_tokens or cfg.seq_length // 2
     ltd = RandomLTDSettings(default_layers(arch.num_layers), seed=cfg.seed)
-    variants = {"baseline": ((), None), "epas": (sharing, None), "random-ltd": ((), ltd), "both": (sharing, ltd),
-                "moc": ((), None), "epas-moc": (sharing, None)}
+    variants = {"baseline": ((), ()), "epas": (sharing, ()), "random-ltd": ((), (ltd,)), "both": (sharing, (ltd,)),
+                "moc": ((), ()), "epas-moc": (sharing, ())}  # name -> (sharing layers, build options)
     moc = MoCSettings(cfg.moc_topk, cfg.moc_groups)
     states = {name: bench_variant(plan_for_preset(cfg.preset, variants[name][0], seq_length=cfg.seq_length, tp=cfg.tp, pp=cfg.pp,
                                                   share=cfg.share, backend=backend, core_attention=cfg.core_attention,
-                                                  random_ltd=variants[name][1], moc=moc if "moc" in name else None),
+                                                  options=variants[name][1],
+                                                  moc=moc if "moc" in name else None),
                                   micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches, seed=cfg.seed,
                                   kept_tokens=kept)
               for name in ("baseline", *cfg.methods)}
@@ -73,13 +75,14 @@ def run_train_bench(cfg: BenchConfig, log=print) -> dict:
     tps = alternating_throughput(states, tokens_per_iter, iters=cfg.iters, blocks=cfg.blocks, warmup=cfg.warmup, log=log)
     # Fused kernels (TE, SDPA) skip the causally masked half of the scores; unfused attention does not.
     convention = Convention.PAPER if (backend == "local" and cfg.core_attention == "unfused") else Convention.MEGATRON
-    shape = ModelShape.of(arch, cfg.seq_length)
+    shape = ModelShape(arch, cfg.seq_length)
 
     def forward_flops(name):
-        region, drop = variants[name]
+        region, options = variants[name]
+        dropping = {layer for option in options if isinstance(option, RandomLTDSettings) for layer in option.layers}
         modes = [f"share_{cfg.share}" if i in region else "compute" for i in range(arch.num_layers)]
         source = region[0] - 1 if region else None
-        tokens = [kept if drop is not None and i in drop.layers else cfg.seq_length for i in range(arch.num_layers)]
+        tokens = [kept if i in dropping else cfg.seq_length for i in range(arch.num_layers)]
         qkv_tokens = [cfg.seq_length if i == source else n for i, n in enumerate(tokens)]
         return layerwise_forward_flops(shape, modes, tokens, convention, qkv_tokens)
 

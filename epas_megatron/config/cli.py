@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 import yaml
 
 from epas_megatron.config.presets import PRESETS, get_preset
-from epas_megatron.config.schema import SECTIONS, RunConfig
+from epas_megatron.config.schema import RunConfig, all_sections
 from epas_megatron.errors import ConfigError
 
 
@@ -58,7 +58,7 @@ def _base_type(annotation) -> tuple[type, bool]:
 def _field_table() -> dict[str, tuple[str, dataclasses.Field, type, bool, str]]:
     """flag dest -> (section, field, scalar type, is_list, help)."""
     table = {}
-    for section, cls in SECTIONS.items():
+    for section, cls in all_sections().items():
         hints = typing.get_type_hints(cls)
         docs = field_docstrings(cls)
         for f in dataclasses.fields(cls):
@@ -83,12 +83,10 @@ def build_parser(prog: str = "epas-train", description: str = "") -> argparse.Ar
         argument_default=argparse.SUPPRESS,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--config", help="YAML file with sections " + ", ".join(SECTIONS))
+    sections = all_sections()
+    parser.add_argument("--config", help="YAML file with sections " + ", ".join(sections))
     table = _field_table()
-    groups = {
-        section: parser.add_argument_group(section, (SECTIONS[section].__doc__ or "").strip())
-        for section in SECTIONS
-    }
+    groups = {section: parser.add_argument_group(section, (cls.__doc__ or "").strip()) for section, cls in sections.items()}
     for name, (section, f, scalar, is_list, help_text) in table.items():
         group = groups[section]
         if name == "preset":
@@ -142,7 +140,7 @@ def load_yaml(path: str) -> dict[str, Any]:
         raise ConfigError(f"--config {path}: expected a mapping of sections or fields")
     flat = {}
     for key, value in raw.items():
-        if key in SECTIONS and isinstance(value, dict):
+        if key in all_sections() and isinstance(value, dict):
             flat.update(value)
         else:
             flat[key] = value
@@ -192,8 +190,11 @@ def config_from_mapping(args: dict[str, Any]) -> RunConfig:
 
 
 def to_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:
-    """Sectioned plain dict (for config.yaml and checkpoints)."""
-    return dataclasses.asdict(cfg)
+    """Sectioned plain dict (for config.yaml and checkpoints): the built-in sections, then the
+    enrolled ones."""
+    sectioned = dataclasses.asdict(cfg)
+    sectioned.update(sectioned.pop("enrolled"))
+    return sectioned
 
 
 def from_dict(d: dict[str, dict[str, Any]]) -> RunConfig:

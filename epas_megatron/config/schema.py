@@ -11,7 +11,7 @@ Validation that needs several sections at once lives in :mod:`epas_megatron.vali
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass
@@ -460,6 +460,14 @@ class RandomLTDConfig:
     Random-LTD CUDA kernels), or 'auto' (DeepSpeed's on CUDA when they load)."""
 
 
+ENROLLED_SECTIONS: dict[str, type] = {}
+"""Config sections of build options beyond the built-in ones, by name (:func:`enrol_section`)."""
+
+
+def _enrolled_defaults() -> dict[str, Any]:
+    return {name: cls() for name, cls in ENROLLED_SECTIONS.items()}
+
+
 @dataclass
 class RunConfig:
     """Everything a run needs; sections mirror the YAML file."""
@@ -472,6 +480,38 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     epas: EpasConfig = field(default_factory=EpasConfig)
     random_ltd: RandomLTDConfig = field(default_factory=RandomLTDConfig)
+    enrolled: dict[str, Any] = field(default_factory=_enrolled_defaults, repr=False)
+    """The sections of enrolled build options (:data:`ENROLLED_SECTIONS`), read as attributes
+    (``cfg.<name>``) like the built-in ones."""
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names that are not attributes: an enrolled section (a config made
+        # before its option was enrolled gets the section's defaults).
+        if name in ENROLLED_SECTIONS:
+            return self.__dict__.setdefault("enrolled", {}).setdefault(name, ENROLLED_SECTIONS[name]())
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
 
-SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(RunConfig)}
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(RunConfig) if f.name != "enrolled"}
+"""The built-in sections, by name."""
+
+
+def all_sections() -> dict[str, type]:
+    """Every section a config has now: the built-in ones, then the enrolled ones."""
+    return {**SECTIONS, **ENROLLED_SECTIONS}
+
+
+def enrol_section(name: str, cls: type) -> None:
+    """Add the config section ``name`` (the dataclass ``cls``: one docstring per field, field
+    names unique across every section so flags stay flat) for a build option outside the built-in
+    sections (:func:`epas_megatron.model.option_registry.enrol`); enrolling the same class twice
+    is a no-op."""
+    if ENROLLED_SECTIONS.get(name) is cls:
+        return
+    if name in all_sections() or name == "enrolled":
+        raise ValueError(f"config section {name!r} exists already")
+    taken = {f.name for section in all_sections().values() for f in fields(section)}
+    clash = sorted(taken & {f.name for f in fields(cls)})
+    if clash:
+        raise ValueError(f"config section {name!r}: fields {clash} exist in another section (flags are flat)")
+    ENROLLED_SECTIONS[name] = cls

@@ -72,13 +72,6 @@ def _model_config_from_hf(hf_config):
     )
 
 
-def _shape(model_cfg):
-    from epas_megatron.convert.hf_llama import LlamaShape
-
-    return LlamaShape(model_cfg.num_layers, model_cfg.num_attention_heads, model_cfg.num_query_groups,
-                      model_cfg.hidden_size // model_cfg.num_attention_heads, model_cfg.vocab_size)
-
-
 def hf_import(hf_dir: Path, output: Path) -> Path:
     """Hugging Face directory (plain LLaMA or an EPAS export) -> checkpoint root with iteration 0
     (model weights only; an EPAS export's region is the checkpoint's)."""
@@ -117,7 +110,7 @@ def hf_import(hf_dir: Path, output: Path) -> Path:
         # fp32 local layers at the region it is saved with (the plain state dict loads into any region).
         plan = plan_for_checkpoint(meta, precision="fp32", backend="local", cuda=False)
         model = build_model(plan).chunks[0]
-        model.load_state_dict(hf_to_megatron(hf_state, _shape(model_cfg), plan.arch.vocab_size), strict=False)
+        model.load_state_dict(hf_to_megatron(hf_state, plan.arch), strict=False)
         output.mkdir(parents=True, exist_ok=True)
         if tokenizer.is_file():
             shutil.copy(tokenizer, output / "tokenizer.model")
@@ -183,12 +176,10 @@ def hf_export(load: Path, output: Path, region: Optional[str] = None) -> Path:
         plan = plan_for_checkpoint(meta, precision="fp32", backend="local")
         model = build_model(plan).chunks[0]
         load_checkpoint(checkpoint, [model], restore_rng=False)
-        hf_state = megatron_to_hf(strip_extra_state(model.state_dict()), _shape(m))
+        hf_state = megatron_to_hf(strip_extra_state(model.state_dict()), plan.arch, m.vocab_size)
     finally:
         destroy_distributed()
-    kwargs = hf_config_kwargs(m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size,
-                              m.vocab_size, m.max_position_embeddings, m.rotary_base, m.norm_epsilon,
-                              not m.untie_embeddings_and_output_weights)
+    kwargs = hf_config_kwargs(plan.arch, m.vocab_size)
     if moc is not None:
         kwargs.update(moc_topk=float(moc.topk), moc_groups=int(moc.groups))
     if size is not None:

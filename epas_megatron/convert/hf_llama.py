@@ -17,63 +17,47 @@ for share 'qk', ``q_proj`` for 'kv') and the frozen rows as ``frozen_{q,k}_proj`
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
+from epas_megatron.model.architecture import LlamaArchitecture
 from epas_megatron.model.attention import fuse_qkv_rows, split_qkv_rows
 
 _OWN_FROZEN = {"linear_v": ("v", ("q", "k")), "linear_q": ("q", ("k", "v"))}
 
 
-@dataclass(frozen=True)
-class LlamaShape:
-    """The shape facts the mapping needs."""
-
-    num_layers: int
-    """Decoder layers."""
-
-    num_attention_heads: int
-    """Query heads."""
-
-    num_query_groups: int
-    """KV heads."""
-
-    head_dim: int
-    """Head size."""
-
-    vocab_size: int
-    """True (unpadded) vocabulary."""
-
-
-def fused_layer_qkv(state: dict, prefix: str, shape: LlamaShape) -> torch.Tensor:
+def fused_layer_qkv(state: dict, prefix: str, arch: LlamaArchitecture) -> torch.Tensor:
     """A layer's fused QKV weight, from a computing layer or rebuilt from a sharing layer."""
     key = f"{prefix}self_attention.linear_qkv.weight"
     if key in state:
         return state[key]
-    qpg = shape.num_attention_heads // shape.num_query_groups
+    qpg = arch.num_attention_heads // arch.num_query_groups
     for own_name, (own, frozen) in _OWN_FROZEN.items():
         own_key = f"{prefix}self_attention.{own_name}.weight"
         if own_key in state:
             frozen_key = f"{prefix}self_attention.linear_{''.join(frozen)}.weight"
-            parts = split_qkv_rows(state[frozen_key], frozen, shape.num_query_groups, qpg, shape.head_dim)
+            parts = split_qkv_rows(state[frozen_key], frozen, arch.num_query_groups, qpg, arch.head_dim)
             parts[own] = state[own_key]
-            return fuse_qkv_rows(parts, ("q", "k", "v"), shape.num_query_groups, qpg, shape.head_dim)
+            return fuse_qkv_rows(parts, ("q", "k", "v"), arch.num_query_groups, qpg, arch.head_dim)
     raise KeyError(f"no attention weights for {prefix}")
 
 
-def megatron_to_hf(state: dict, shape: LlamaShape) -> dict[str, torch.Tensor]:
-    """epas-megatron state dict (any region) -> ``LlamaForCausalLM`` state dict."""
-    qpg = shape.num_attention_heads // shape.num_query_groups
+def megatron_to_hf(state: dict, arch: LlamaArchitecture, vocab_size: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """epas-megatron state dict (any region) of ``arch`` -> ``LlamaForCausalLM`` state dict with
+    the first ``vocab_size`` rows of the embedding and the LM head: the true vocabulary, which the
+    padded one of the architecture (the default) extends."""
+    vocab_size = arch.vocab_size if vocab_size is None else vocab_size
+    qpg = arch.num_attention_heads // arch.num_query_groups
     hf = {
-        "model.embed_tokens.weight": state["embedding.word_embeddings.weight"][: shape.vocab_size],
+        "model.embed_tokens.weight": state["embedding.word_embeddings.weight"][:vocab_size],
         "model.norm.weight": state["decoder.final_layernorm.weight"],
     }
     head = state.get("output_layer.weight", state["embedding.word_embeddings.weight"])
-    hf["lm_head.weight"] = head[: shape.vocab_size]
-    for i in range(shape.num_layers):
+    hf["lm_head.weight"] = head[:vocab_size]
+    for i in range(arch.num_layers):
         p, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        parts = split_qkv_rows(fused_layer_qkv(state, p, shape), ("q", "k", "v"), shape.num_query_groups, qpg, shape.head_dim)
+        parts = split_qkv_rows(fused_layer_qkv(state, p, arch), ("q", "k", "v"), arch.num_query_groups, qpg, arch.head_dim)
         gate, up = state[f"{p}mlp.linear_fc1.weight"].chunk(2, dim=0)
         hf.update({
             f"{h}self_attn.q_proj.weight": parts["q"],
@@ -89,13 +73,14 @@ def megatron_to_hf(state: dict, shape: LlamaShape) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone().contiguous() for k, v in hf.items()}
 
 
-def hf_to_megatron(hf: dict, shape: LlamaShape, padded_vocab_size: int) -> dict[str, torch.Tensor]:
-    """``LlamaForCausalLM`` state dict -> epas-megatron state dict of the plain model (region 0;
-    it loads into any region, see ``SharedAttention._load_from_state_dict``)."""
-    qpg = shape.num_attention_heads // shape.num_query_groups
+def hf_to_megatron(hf: dict, arch: LlamaArchitecture) -> dict[str, torch.Tensor]:
+    """``LlamaForCausalLM`` state dict -> epas-megatron state dict of the plain model of ``arch``
+    (region 0; it loads into any region, see ``SharedAttention._load_from_state_dict``), the
+    embedding and the LM head padded with zero rows to the architecture's vocabulary."""
+    qpg = arch.num_attention_heads // arch.num_query_groups
 
     def pad_vocab(t: torch.Tensor) -> torch.Tensor:
-        padded = t.new_zeros((padded_vocab_size, t.shape[1]))
+        padded = t.new_zeros((arch.vocab_size, t.shape[1]))
         padded[: t.shape[0]] = t
         return padded
 
@@ -104,11 +89,11 @@ def hf_to_megatron(hf: dict, shape: LlamaShape, padded_vocab_size: int) -> dict[
         "decoder.final_layernorm.weight": hf["model.norm.weight"],
         "output_layer.weight": pad_vocab(hf.get("lm_head.weight", hf["model.embed_tokens.weight"])),
     }
-    for i in range(shape.num_layers):
+    for i in range(arch.num_layers):
         p, h = f"decoder.layers.{i}.", f"model.layers.{i}."
         parts = {x: hf[f"{h}self_attn.{x}_proj.weight"] for x in "qkv"}
         out.update({
-            f"{p}self_attention.linear_qkv.weight": fuse_qkv_rows(parts, ("q", "k", "v"), shape.num_query_groups, qpg, shape.head_dim),
+            f"{p}self_attention.linear_qkv.weight": fuse_qkv_rows(parts, ("q", "k", "v"), arch.num_query_groups, qpg, arch.head_dim),
             f"{p}self_attention.linear_proj.weight": hf[f"{h}self_attn.o_proj.weight"],
             f"{p}mlp.linear_fc1.weight": torch.cat((hf[f"{h}mlp.gate_proj.weight"], hf[f"{h}mlp.up_proj.weight"])),
             f"{p}mlp.linear_fc2.weight": hf[f"{h}mlp.down_proj.weight"],
@@ -138,20 +123,20 @@ def from_epas_hf(state: dict) -> dict[str, torch.Tensor]:
     return {re.sub(r"\.frozen_([qkv])_proj\.", r".\1_proj.", key): value for key, value in state.items()}
 
 
-def hf_config_kwargs(num_layers, hidden_size, num_attention_heads, num_query_groups, ffn_hidden_size, vocab_size,
-                     max_position_embeddings, rotary_base, norm_epsilon, tie_embeddings) -> dict:
-    """``LlamaConfig`` keyword arguments for an epas-megatron architecture."""
+def hf_config_kwargs(arch: LlamaArchitecture, vocab_size: Optional[int] = None) -> dict:
+    """``LlamaConfig`` keyword arguments for ``arch`` with a vocabulary of ``vocab_size`` (the
+    true one of an export, :func:`megatron_to_hf`; default: the architecture's, padded)."""
     return dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=ffn_hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_query_groups,
-        max_position_embeddings=max_position_embeddings,
-        rms_norm_eps=norm_epsilon,
-        rope_theta=float(rotary_base),
-        tie_word_embeddings=tie_embeddings,
+        vocab_size=arch.vocab_size if vocab_size is None else vocab_size,
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.ffn_hidden_size,
+        num_hidden_layers=arch.num_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_query_groups,
+        max_position_embeddings=arch.max_sequence_length,
+        rms_norm_eps=arch.norm_epsilon,
+        rope_theta=float(arch.rotary_base),
+        tie_word_embeddings=arch.tie_embeddings,
         attention_bias=False,
         mlp_bias=False,
         hidden_act="silu",

@@ -1,8 +1,9 @@
 """Sharing-aware FLOPs model for a LLaMA decoder, and MFU.
 
 Model: RMSNorm, RoPE, SwiGLU MLP with ffn size ``F``, grouped-query attention with ``n`` query
-heads and ``g`` KV heads (query groups), head dim ``d = h / n``, vocab ``V``, sequence ``s``.
-Only matrix multiplications are counted, at 2 FLOPs per multiply-add; norms, RoPE, softmax,
+heads and ``g`` KV heads (query groups), head dim ``d = h / n``, vocab ``V``, sequence ``s``:
+a :class:`~epas_megatron.model.architecture.ModelShape` (the architecture at ``s``). Only
+matrix multiplications are counted, at 2 FLOPs per multiply-add; norms, RoPE, softmax,
 SwiGLU's elementwise product and the embedding lookup are left out (each is O(s·h) or
 O(s²·n), under 1% of a layer at the shapes we train). Per layer and sequence, forward:
 
@@ -37,8 +38,9 @@ The only knob on which published formulas disagree is causal halving of the ``s�
   ``num_floating_point_operations`` before it learnt about causal masks.
 * :attr:`Convention.MEGATRON`: both ``s²`` terms halved for the causal mask, as Megatron-Core
   0.19's ``megatron.training.training.num_floating_point_operations`` does (the version this
-  project pins). With ``num_sharing_layers=0`` our number equals Megatron's; pass the *padded*
-  vocab size to match its log exactly.
+  project pins). With ``num_sharing_layers=0`` our number equals Megatron's, and matches its log
+  exactly with the same padded vocabulary (the architecture's is padded to 128, Megatron's to
+  128 x TP).
 
 Reproducing the paper's Table 1 (FLOPs per sample, seq 2048, 50% of layers sharing)
 -----------------------------------------------------------------------------------
@@ -84,12 +86,12 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from epas_megatron.errors import ConfigError
+from epas_megatron.model.architecture import ModelShape
 
 __all__ = [
     "PEAK_TFLOPS",
     "Convention",
     "LayerMatmulFlops",
-    "ModelShape",
     "flop_limit_ratio",
     "flops_per_iteration",
     "forward_flops_per_sequence",
@@ -122,68 +124,6 @@ class Convention(enum.Enum):
     def causal_halving(self) -> bool:
         """Whether the ``s²`` terms are halved."""
         return self is Convention.MEGATRON
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The dimensions of a LLaMA decoder that its FLOPs depend on."""
-
-    num_layers: int
-    """Decoder layers (``--num-layers``)."""
-    hidden_size: int
-    """Model width ``h`` (``--hidden-size``)."""
-    num_attention_heads: int
-    """Query heads ``n`` (``--num-attention-heads``); head dim is ``h / n``."""
-    num_query_groups: int
-    """KV heads ``g`` (``--num-query-groups``); equal to ``num_attention_heads`` for MHA."""
-    ffn_hidden_size: int
-    """SwiGLU inner size ``F`` (``--ffn-hidden-size``)."""
-    vocab_size: int
-    """Vocabulary ``V`` of the LM head; pass the padded size to match Megatron's log."""
-    seq_length: int
-    """Tokens per sequence ``s`` (``--seq-length``)."""
-
-    def __post_init__(self) -> None:
-        flags = {
-            "num_layers": "--num-layers",
-            "hidden_size": "--hidden-size",
-            "num_attention_heads": "--num-attention-heads",
-            "num_query_groups": "--num-query-groups",
-            "ffn_hidden_size": "--ffn-hidden-size",
-            "vocab_size": "--vocab-size",
-            "seq_length": "--seq-length",
-        }
-        for name, flag in flags.items():
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(
-                f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
-                f"{self.num_attention_heads}"
-            )
-        if self.num_attention_heads % self.num_query_groups:
-            raise ConfigError(
-                f"--num-attention-heads {self.num_attention_heads} is not divisible by "
-                f"--num-query-groups {self.num_query_groups}"
-            )
-
-    @classmethod
-    def of(cls, arch, seq_length: int) -> "ModelShape":
-        """The shape of a :class:`~epas_megatron.model.architecture.LlamaArchitecture` at ``seq_length``."""
-        return cls(num_layers=arch.num_layers, hidden_size=arch.hidden_size, num_attention_heads=arch.num_attention_heads,
-                   num_query_groups=arch.num_query_groups, ffn_hidden_size=arch.ffn_hidden_size, vocab_size=arch.vocab_size,
-                   seq_length=seq_length)
-
-    @property
-    def head_dim(self) -> int:
-        """``d = h / n``."""
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def kv_projection_size(self) -> int:
-        """Output width of the K (and of the V) projection, ``g · d``."""
-        return self.num_query_groups * self.head_dim
 
 
 @dataclass(frozen=True)

@@ -88,42 +88,15 @@ A whole pipeline rank (parameter state, in-flight activations) is
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal, Optional, Sequence
 
+from epas_megatron.model.architecture import ModelShape
 from epas_megatron.model.moc_sizes import MoCSettings, index_bytes, moc_saved_bytes_per_token
 
 Role = Literal["compute", "share"]
 
 
-@dataclass(frozen=True)
-class LayerShape:
-    """What a layer's activations depend on."""
-
-    hidden_size: int
-    """h."""
-
-    num_attention_heads: int
-    """a (query heads)."""
-
-    num_query_groups: int
-    """g (KV heads)."""
-
-    ffn_hidden_size: int
-    """F (SwiGLU width)."""
-
-    seq_length: int
-    """s."""
-
-    micro_batch_size: int
-    """b."""
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-
-def layer_activation_terms(shape: LayerShape, role: Role, share: str = "qk", element_bytes: int = 4, *,
+def layer_activation_terms(shape: ModelShape, role: Role, share: str = "qk", element_bytes: int = 4, *,
                            tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
                            recompute_modules: Sequence[str] = ("core_attn",),
                            fused_norm: bool = False, fused_swiglu: bool = False, fused_rope: bool = False,
@@ -188,14 +161,14 @@ TENSORS_PER_TERM = {"rope_tables": None, "swiglu": 3}
 computing layer, 2 for a ``kv`` sharing layer: ``None`` = one per ``s·d`` block), SwiGLU's 3."""
 
 
-def rotary_table_bytes(shape: LayerShape) -> int:
+def rotary_table_bytes(shape: ModelShape) -> int:
     """The rotary embedding's fp32 ``[s, 1, 1, d]`` table (``freqs``), one per model chunk: held by
     Megatron's ``RotaryEmbedding`` cache for the run, fused RoPE or not; the only tensor the fused
     kernel keeps for backward (module doc), shared by every layer and micro-batch."""
     return shape.seq_length * shape.head_dim * 4
 
 
-def layer_activation_tensors(shape: LayerShape, role: Role, share: str = "qk", element_bytes: int = 4, **parallel) -> list[int]:
+def layer_activation_tensors(shape: ModelShape, role: Role, share: str = "qk", element_bytes: int = 4, **parallel) -> list[int]:
     """The bytes of each tensor behind :func:`layer_activation_terms`, sorted: what the
     measurement sees storage by storage."""
     sizes = []
@@ -211,12 +184,12 @@ def layer_activation_tensors(shape: LayerShape, role: Role, share: str = "qk", e
     return sorted(sizes)
 
 
-def layer_activation_bytes(shape: LayerShape, role: Role, share: str = "qk", element_bytes: int = 4, **parallel) -> int:
+def layer_activation_bytes(shape: ModelShape, role: Role, share: str = "qk", element_bytes: int = 4, **parallel) -> int:
     """Total of :func:`layer_activation_terms` (same arguments)."""
     return sum(layer_activation_terms(shape, role, share, element_bytes, **parallel).values())
 
 
-def weight_grad_terms(shape: LayerShape, role: Role, share: str = "qk", element_bytes: int = 4, *, tp: int = 1,
+def weight_grad_terms(shape: ModelShape, role: Role, share: str = "qk", element_bytes: int = 4, *, tp: int = 1,
                       sequence_parallel: bool = False, moc: Optional[MoCSettings] = None) -> dict[str, int]:
     """Bytes per term that one layer keeps from the end of its input-gradient backward (``B``) to
     its weight-gradient backward (``W``) under a split-backward schedule (v-half, v-min), per
@@ -262,15 +235,14 @@ def weight_grad_terms(shape: LayerShape, role: Role, share: str = "qk", element_
             "fc2_grad_output": sn * b * h * e}
 
 
-def weight_grad_bytes(shape: LayerShape, role: Role, share: str = "qk", element_bytes: int = 4, **parallel) -> int:
+def weight_grad_bytes(shape: ModelShape, role: Role, share: str = "qk", element_bytes: int = 4, **parallel) -> int:
     """Total of :func:`weight_grad_terms` (same arguments)."""
     return sum(weight_grad_terms(shape, role, share, element_bytes, **parallel).values())
 
 
-def region_saving_bytes(shape: LayerShape, num_layers: int, region: int, share: str = "qk", element_bytes: int = 4,
-                        **parallel) -> tuple[int, int]:
+def region_saving_bytes(shape: ModelShape, region: int, share: str = "qk", element_bytes: int = 4, **parallel) -> tuple[int, int]:
     """(decoder activation bytes with no layer sharing, with ``region`` layers sharing), per
     micro-batch: what EPAS saves on the layers' activations at that region."""
     compute = layer_activation_bytes(shape, "compute", share, element_bytes, **parallel)
     sharing = layer_activation_bytes(shape, "share", share, element_bytes, **parallel)
-    return num_layers * compute, (num_layers - region) * compute + region * sharing
+    return shape.num_layers * compute, (shape.num_layers - region) * compute + region * sharing

@@ -23,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-from epas_megatron.metrics.memory_model import LayerShape, Role, layer_activation_bytes, layer_activation_terms, weight_grad_bytes
+from epas_megatron.metrics.memory_model import Role, layer_activation_bytes, layer_activation_terms, weight_grad_bytes
+from epas_megatron.model.architecture import ModelShape
 from epas_megatron.model.moc_sizes import MoCSettings
 from epas_megatron.model.v_placement import v_stage
 from epas_megatron.parallel.pipeline_p2p import sends_in_flight
@@ -31,7 +32,7 @@ from epas_megatron.parallel.pipeline_schedule import PipelineSchedule, build_sch
 from epas_megatron.parallel.schedule_simulation import peak_in_flight, rank_peak_bytes
 
 
-def head_activation_bytes(shape: LayerShape, vocab_size: int, element_bytes: int = 4, *, tp: int = 1,
+def head_activation_bytes(shape: ModelShape, vocab_size: int, element_bytes: int = 4, *, tp: int = 1,
                           sequence_parallel: bool = False, fused_norm: bool = False) -> int:
     """The final norm, the LM head's fp32 logits and the loss's integer targets and mask, per
     micro-batch (the last pipeline stage)."""
@@ -41,7 +42,7 @@ def head_activation_bytes(shape: LayerShape, vocab_size: int, element_bytes: int
     return sum(norm.values()) + s * b * (vocab_size // tp) * 4 + s * b * 9
 
 
-def head_weight_grad_bytes(shape: LayerShape, vocab_size: int, element_bytes: int = 4, *, tp: int = 1,
+def head_weight_grad_bytes(shape: ModelShape, vocab_size: int, element_bytes: int = 4, *, tp: int = 1,
                            sequence_parallel: bool = False) -> int:
     """What the LM head's deferred weight-gradient GEMM keeps from ``B`` to ``W`` (split
     backward): its input (the final norm's output; a column-parallel GEMM, so the sequence shard
@@ -51,18 +52,18 @@ def head_weight_grad_bytes(shape: LayerShape, vocab_size: int, element_bytes: in
     return (sn * b * shape.hidden_size + s * b * (vocab_size // tp)) * element_bytes
 
 
-def loss_mask_bytes(shape: LayerShape) -> int:
+def loss_mask_bytes(shape: ModelShape) -> int:
     """The training loss function's fp32 copy of the loss mask (``losses * mask``), per
     micro-batch on the stage with the loss."""
     return shape.seq_length * shape.micro_batch_size * 4
 
 
-def embedding_activation_bytes(shape: LayerShape) -> int:
+def embedding_activation_bytes(shape: ModelShape) -> int:
     """The token ids the embedding's backward needs (the first pipeline stage)."""
     return shape.seq_length * shape.micro_batch_size * 8
 
 
-def layer_parameters(shape: LayerShape, role: Role, share: str = "qk", tp: int = 1) -> tuple[int, int]:
+def layer_parameters(shape: ModelShape, role: Role, share: str = "qk", tp: int = 1) -> tuple[int, int]:
     """(trainable, frozen) parameters of one layer on one tensor-parallel rank: a sharing layer
     keeps its Q/K (``qk``) or K/V (``kv``) rows frozen -- weights without gradients or
     optimizer state."""
@@ -191,7 +192,7 @@ class RankMemorySettings:
         return 4 if self.precision == "fp32" else 2
 
 
-def layer_memory(shape: LayerShape, role: Role, settings: RankMemorySettings) -> tuple[int, int]:
+def layer_memory(shape: ModelShape, role: Role, settings: RankMemorySettings) -> tuple[int, int]:
     """(parameter-state bytes, activation bytes per micro-batch) of one layer on one rank."""
     trainable, frozen = layer_parameters(shape, role, settings.share, settings.tp)
     static = parameter_state_bytes(trainable, frozen, settings.precision, settings.distributed_optimizer, settings.dp)
@@ -202,7 +203,7 @@ def layer_memory(shape: LayerShape, role: Role, settings: RankMemorySettings) ->
     return static, activations
 
 
-def p2p_message_bytes(shape: LayerShape, settings: RankMemorySettings, handoff_crosses: bool) -> int:
+def p2p_message_bytes(shape: ModelShape, settings: RankMemorySettings, handoff_crosses: bool) -> int:
     """One pipeline message: ``[rows, b, h]`` in the activation dtype, ``rows`` the sequence (its
     shard under sequence parallelism) plus the hand-off's rows while the sharing region crosses a
     stage boundary (every message of a pipeline has that one shape:
@@ -231,7 +232,7 @@ def sent_messages_held(schedule: Optional[str], pp_rank: int, pp: int, num_micro
     return 1
 
 
-def rank_memory_bytes(shape: LayerShape, roles_by_chunk: list[list[Role]], pp_rank: int, pp: int, vpp: int,
+def rank_memory_bytes(shape: ModelShape, roles_by_chunk: list[list[Role]], pp_rank: int, pp: int, vpp: int,
                       settings: RankMemorySettings, *, in_flight: Optional[float] = None, head_rank: Optional[int] = None,
                       handoff_crosses: Optional[bool] = None) -> dict[str, float]:
     """Peak bytes of one pipeline rank, by kind: ``parameters`` (weights, gradients, optimizer
@@ -292,12 +293,12 @@ def rank_memory_bytes(shape: LayerShape, roles_by_chunk: list[list[Role]], pp_ra
 
 
 # ---------------------------------------------------------------- parameters of a rank
-def qkv_parameters(shape: LayerShape, tp: int = 1) -> int:
+def qkv_parameters(shape: ModelShape, tp: int = 1) -> int:
     """A computing layer's fused QKV weight on one tensor-parallel rank: ``h·(a + 2g)·d / t``."""
     return shape.hidden_size * (shape.num_attention_heads + 2 * shape.num_query_groups) * shape.head_dim // tp
 
 
-def rank_parameters(shape: LayerShape, roles: Iterable[Role], pp_rank: int, pp: int, settings: RankMemorySettings) -> tuple[int, int]:
+def rank_parameters(shape: ModelShape, roles: Iterable[Role], pp_rank: int, pp: int, settings: RankMemorySettings) -> tuple[int, int]:
     """(trainable, frozen) parameters of one pipeline rank holding layers of ``roles``: theirs,
     the embedding on the first rank, the LM head (unless tied to the embedding on the same rank)
     and final norm on the last -- on the first too under a V schedule

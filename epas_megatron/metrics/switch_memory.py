@@ -40,8 +40,9 @@ from __future__ import annotations
 
 from typing import Collection, Sequence
 
-from epas_megatron.metrics.memory_model import LayerShape, Role
+from epas_megatron.metrics.memory_model import Role
 from epas_megatron.metrics.rank_memory import RankMemorySettings, layer_parameters, qkv_parameters, rank_parameters
+from epas_megatron.model.architecture import ModelShape
 
 
 def optimizer_state_bytes_per_parameter(settings: RankMemorySettings) -> float:
@@ -51,7 +52,7 @@ def optimizer_state_bytes_per_parameter(settings: RankMemorySettings) -> float:
     return per / settings.dp if settings.distributed_optimizer else per
 
 
-def switch_transient_terms(shape: LayerShape, roles_before: Sequence[Role], roles_after: Sequence[Role],
+def switch_transient_terms(shape: ModelShape, roles_before: Sequence[Role], roles_after: Sequence[Role],
                            layers_before: Collection[int], layers_after: Collection[int], pp_rank: int, pp: int,
                            settings: RankMemorySettings) -> dict[str, float]:
     """The bytes one pipeline rank allocates during an in-memory switch above the state it held

@@ -4,7 +4,8 @@
   decides which modules a rank builds for one sharing region (layer modes, TP/PP/VPP, stage
   layout, kernels); the one meaning of "plan" in the project;
 - :mod:`.builder`: build plan -> Megatron ``TransformerConfig`` -> this rank's model chunks;
-- :mod:`.architecture`: the decoder's shape (:class:`~epas_megatron.model.architecture.LlamaArchitecture`);
+- :mod:`.architecture`: the decoder's shape (:class:`~epas_megatron.model.architecture.LlamaArchitecture`;
+  :class:`~epas_megatron.model.architecture.ModelShape`, it at a sequence length, for the FLOP and memory models);
 - :mod:`.specs`, :mod:`.attention`, :mod:`.core_attention`, :mod:`.layer`, :mod:`.block`,
   :mod:`.gpt`, :mod:`.norm`: the layer specs per backend and EPAS mode, computing and sharing
   self-attention, and the layer, block and GPT model that thread the Q/K hand-off through;

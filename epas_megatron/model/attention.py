@@ -3,10 +3,9 @@
 * :class:`ComputingAttention` is Megatron-Core's ``SelfAttention`` (its own fused ``linear_qkv``).
   When it is the *source* of a sharing region (the last computing layer before it) it also hands
   its post-RoPE Q and K (``share='qk'``) or K and V (``share='kv'``) on, through
-  :meth:`ComputingAttention.forward_and_hand_off`; otherwise the stock forward runs. While a
-  switch ramps in (``--epas-switch-ramp``) a layer about to share also *blends*: it attends with
-  ``(1 - a)`` times its own pair plus ``a`` times the incoming hand-off and hands that on
-  (:attr:`ComputingAttention.blend`, set before each step by :mod:`epas_megatron.training.ramp`).
+  :meth:`ComputingAttention.forward_and_hand_off`; otherwise the stock forward runs. A subclass
+  may change the pair it hands on (:meth:`ComputingAttention.before_hand_off`: the switch ramp's
+  blending, :mod:`epas_megatron.model.blending`).
 * :class:`SharedAttention` is a layer in *sharing mode*: it projects only its own part (V for
   ``'qk'``, Q for ``'kv'``) with a TP-sharded ``linear_v`` / ``linear_q`` whose rows are exactly
   the V (Q) rows of the fused QKV it replaces, takes the other two from the hand-off, and runs
@@ -196,12 +195,13 @@ class ComputingAttention(_AttentionOps, SelfAttention):
             raise ValueError(f"hand_off must be one of {SHARE_MODES} or None, got {hand_off!r}")
         self.hand_off = hand_off
         """None, or what this layer hands on to the sharing region after it ('qk' or 'kv')."""
-        self.built_hand_off = hand_off
-        """:attr:`hand_off` as the spec built it (a blended switch sets and restores the other)."""
-        self.blend: Optional[float] = None
-        """While a switch ramps in (``--epas-switch-ramp``, :mod:`epas_megatron.sharing.ramp`): the
-        incoming hand-off's weight ``a`` in this layer's Q/K (K/V); None: its own only."""
         self.detach_shared = detach_shared
+
+    def before_hand_off(self, query: Tensor, key: Tensor, value: Tensor,
+                        incoming: Optional[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
+        """The post-RoPE ``query``, ``key``, ``value`` (``[s, b, heads, hn]``) this layer attends
+        with and hands on, given the hand-off ``incoming`` to it (None: none enters): its own."""
+        return query, key, value
 
     def forward_and_hand_off(
         self,
@@ -217,8 +217,8 @@ class ComputingAttention(_AttentionOps, SelfAttention):
 
         ``kept_index`` (Random-LTD, ``[b, r]``): Q, K and V are computed for every token (the
         hand-off covers the whole sequence) and the layer's own attention runs on the kept
-        tokens only: the output is ``[r, b, h]``. ``incoming``: the hand-off entering the layer,
-        read only while it blends (:attr:`blend`)."""
+        tokens only: the output is ``[r, b, h]``. ``incoming``: the hand-off entering the layer
+        (read by :meth:`before_hand_off` only)."""
         assert self.hand_off is not None
         # [sq, b, h] -> [sq, b, np, hn], [sq, b, ng, hn], [sq, b, ng, hn]
         query, key, value = self.get_query_key_value_tensors(hidden_states)
@@ -226,17 +226,7 @@ class ComputingAttention(_AttentionOps, SelfAttention):
         if pos is not None:
             query = self._rope(query, pos[0])
             key = self._rope(key, pos[1])
-        if self.blend is not None:
-            if incoming is None:
-                raise RuntimeError(f"layer {self.layer_number} blends toward its source's Q/K (--epas-switch-ramp) "
-                                   "but received no hand-off")
-            first, second = (t.detach() for t in incoming) if self.detach_shared else incoming
-            a = self.blend
-            # (1 - a) own + a incoming, elementwise [s, b, heads, hn]; at a = 1 exactly the incoming pair.
-            if self.hand_off == "qk":
-                query, key = (1 - a) * query + a * first, (1 - a) * key + a * second
-            else:
-                key, value = (1 - a) * key + a * first, (1 - a) * value + a * second
+        query, key, value = self.before_hand_off(query, key, value, incoming)
         # The hand-off is these very tensors: no copy, the sharing layers read them as they are.
         shared = (query, key) if self.hand_off == "qk" else (key, value)
         if kept_index is not None:

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence, TypeVar
 
+from epas_megatron.build_option import BuildOption
 from epas_megatron.model.architecture import LlamaArchitecture
 from epas_megatron.model.fusions import PRECISIONS
 from epas_megatron.model.v_placement import v_layout_string
@@ -30,6 +31,9 @@ from epas_megatron.sharing.shape import LayerMode, RegionShape
 
 if TYPE_CHECKING:  # (parallel sits above model; the layout is only carried here)
     from epas_megatron.parallel.layout import StageLayout
+
+O = TypeVar("O", bound=BuildOption)
+
 
 def normalise_vpp(vpp: Optional[int], layout: Optional["StageLayout"] = None) -> Optional[int]:
     """Chunks per pipeline rank, or None without interleaving. A layout decides (its virtual
@@ -59,21 +63,6 @@ class RecomputeSettings:
 
     modules: tuple[str, ...] = ("core_attn",)
     """With 'selective': Megatron-Core's ``recompute_modules`` (among :data:`RECOMPUTE_MODULES`)."""
-
-
-@dataclass(frozen=True)
-class RandomLTDSettings:
-    """Which layers drop tokens in training (:mod:`epas_megatron.random_ltd`); how many they keep
-    is set per step on the built chunks (:func:`epas_megatron.random_ltd.model.set_kept_tokens`)."""
-
-    layers: tuple[int, ...]
-    """Global (0-based) ids of the Random-LTD layers."""
-
-    seed: int = 0
-    """Keys the kept-token draws (with each sample's stream position and the layer)."""
-
-    kernels: str = "auto"
-    """Gather/scatter: 'torch', 'deepspeed' (DeepSpeed's CUDA kernels) or 'auto'."""
 
 
 @dataclass(frozen=True)
@@ -137,8 +126,9 @@ class BuildPlan:
     derived and validated from it. None: the paper's regions (one block ending at the last
     layer)."""
 
-    random_ltd: Optional[RandomLTDSettings] = None
-    """Random-LTD layers (None: every layer sees every token)."""
+    options: tuple[BuildOption, ...] = ()
+    """The build options this plan has on (:mod:`epas_megatron.build_option`: Mixture-of-Channels,
+    Random-LTD, ...), at most one of each kind, in the order the builder applies them."""
 
     def __post_init__(self):
         if self.shape is None:
@@ -154,6 +144,9 @@ class BuildPlan:
             raise ValueError(
                 f"BuildPlan: layer modes {[str(m) for m in self.modes]} are not those of their sharing region ({expected})"
             )
+        kinds = [type(option) for option in self.options]
+        if len(set(kinds)) != len(kinds):
+            raise ValueError(f"BuildPlan: one option of each kind, got {[kind.__name__ for kind in kinds]}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.vpp != normalise_vpp(self.vpp, self.layout):
@@ -200,6 +193,10 @@ class BuildPlan:
             shape=shape,
             **settings,
         )
+
+    def option(self, kind: type[O]) -> Optional[O]:
+        """The plan's option of ``kind`` (None: off)."""
+        return next((option for option in self.options if type(option) is kind), None)
 
     def _modes(self, sharing_layers: Sequence[int]) -> list[LayerMode]:
         return self.shape.modes(sharing_layers)

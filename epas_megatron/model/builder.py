@@ -95,10 +95,8 @@ def make_transformer_config(plan: BuildPlan, kernels: Optional[KernelAvailabilit
         deterministic_mode=plan.deterministic,
         **fusion_settings(kernels, plan.backend),
     )
-    if plan.random_ltd is not None:
-        # Kept tokens rotate by per-sequence positions ([r, b, 1, d]); the fused RoPE kernel
-        # takes one [s, 1, 1, d] table for the whole batch.
-        kwargs["apply_rope_fusion"] = False
+    for option in plan.options:  # what the build options need (Random-LTD: no fused RoPE)
+        kwargs.update(option.transformer_config())
     recompute = plan.recompute
     if recompute.granularity == "full":
         kwargs.update(
@@ -241,8 +239,8 @@ def build_model(plan: BuildPlan, seed: Optional[int] = None, kernels: Optional[K
     config = make_transformer_config(plan, kernels, megatron_init=not load_follows, meta_device=parameters_on_meta)
     hidden_rows, total_rows, schedule_seq = pipeline_handoff_rows(config, plan.modes, plan.seq_length, plan.share)
     layers_backend = get_backend(plan.backend, plan.core_attention)
-    moc = plan.arch.moc
-    specs = decoder_layer_specs(plan.modes, layers_backend, plan.share, plan.detach_shared, moc)
+    specs = [_configured(spec, mode, plan) for spec, mode in
+             zip(decoder_layer_specs(plan.modes, layers_backend, plan.share, plan.detach_shared), plan.modes)]
     device = compute_device()
     chunks = []
     for placement in chunk_placements(config, plan.modes):
@@ -250,6 +248,13 @@ def build_model(plan: BuildPlan, seed: Optional[int] = None, kernels: Optional[K
             chunks.append(_build_chunk(plan, config, placement, specs, layers_backend, kernels, seed, device,
                                        hidden_rows, total_rows, move=not parameters_on_meta))
     return BuiltModel(plan, chunks, config, schedule_seq)
+
+
+def _configured(spec, mode, plan: BuildPlan):
+    """A decoder layer's spec as the plan's build options configure it, in their order."""
+    for option in plan.options:
+        spec = option.layer_spec(spec, mode, plan.backend)
+    return spec
 
 
 def _build_chunk(plan: BuildPlan, config: TransformerConfig, placement, specs, layers_backend, kernels, seed, device,
@@ -279,6 +284,6 @@ def _build_chunk(plan: BuildPlan, config: TransformerConfig, placement, specs, l
     if seed is not None and device.type != "meta":  # meta tensors hold no values to draw
         initialize_model(model, seed, arch.init_method_std, arch.num_layers)
     model.decoder.set_p2p_rows(hidden_rows, total_rows)
-    if plan.random_ltd is not None:
-        model.decoder.configure_random_ltd(plan.random_ltd.layers, plan.random_ltd.seed, plan.random_ltd.kernels)
+    for option in plan.options:
+        option.configure_chunk(model)
     return StageFloat16Module(config, model) if (config.bf16 or config.fp16) else model

@@ -36,6 +36,8 @@ the weight-gradient split of the split-backward pipeline schedules
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -45,7 +47,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.transformer.mlp import MLP
 
-from epas_megatron.model.moc_sizes import index_bytes, kept_channels, moc_saved_bytes_per_token  # noqa: F401 -- re-exported
+from epas_megatron.model.moc_channels import index_bytes, kept_channels, moc_saved_bytes_per_token  # noqa: F401 -- re-exported
 from epas_megatron.model.weight_grad import WEIGHT_GRAD_STORE, gather_sequence, sequence_shard
 from epas_megatron.model.weight_grad import _accumulate as accumulate_weight_grad
 
@@ -164,6 +166,12 @@ class MoCMLP(MLP):
         self.moc_topk, self.moc_groups = topk, groups
         self.groups_local = groups // tp
         self.kept = kept_channels(ffn, groups, topk)
+
+    @classmethod
+    def slot(cls, submodules, moc) -> functools.partial:
+        """A layer spec's ``mlp`` slot for the Mixture-of-Channels MLP ``moc``
+        (:class:`~epas_megatron.model.moc_sizes.MoCSettings`) with the linears ``submodules``."""
+        return functools.partial(cls.as_moc_submodule, submodules=submodules, topk=moc.topk, groups=moc.groups)
 
     @classmethod
     def as_moc_submodule(cls, submodules, config, pg_collection, is_mtp_layer, *, topk: float, groups: int,

@@ -1,19 +1,31 @@
-"""Mixture-of-Channels as a value (:class:`MoCSettings`, :mod:`epas_megatron.model.moc`) and its
-sizes, pure arithmetic: how many channels a token keeps per group, the index width, and what a
-token keeps for backward -- carried from the config to the layer, the memory model, conversion
-and reporting without importing torch."""
+"""Mixture-of-Channels as a value and a build option (:class:`MoCSettings`, :mod:`epas_megatron.model.moc`)
+and its sizes, pure arithmetic: how many channels a token keeps per group, the index width, and
+what a token keeps for backward -- carried from the config to the layer, the memory model,
+conversion and reporting without importing torch.
+
+As a :class:`~epas_megatron.build_option.BuildOption` it checks its flags (``--moc-topk``,
+``--moc-groups``, in the model's config section: a checkpoint records them with the model), rides
+on the build plan (``plan.option(MoCSettings)``) and puts :class:`~epas_megatron.model.moc.MoCMLP`
+in every decoder layer's ``mlp`` slot.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Optional
 
+from epas_megatron.build_option import BuildFacts, BuildOption
+from epas_megatron.config.schema import RunConfig
 from epas_megatron.errors import ConfigError
+from epas_megatron.model.moc_channels import index_bytes, kept_channels, moc_saved_bytes_per_token  # noqa: F401 -- re-exported
 
 
 @dataclass(frozen=True)
-class MoCSettings:
+class MoCSettings(BuildOption):
     """The Mixture-of-Channels MLPs of a model (None where the MLPs are dense)."""
+
+    name: ClassVar[str] = "moc"
+    flag: ClassVar[str] = "--moc-topk"
 
     topk: float
     """Kept fraction of the SwiGLU channels, in (0, 1) (``--moc-topk``)."""
@@ -39,6 +51,26 @@ class MoCSettings:
         if backend != "local":
             raise ConfigError("--moc-topk < 1 is built for the local layers: use --transformer-impl local (or --moc-topk 1)")
 
+    @classmethod
+    def check_config(cls, cfg: RunConfig, facts: BuildFacts) -> list[str]:
+        m = cfg.model
+        check_moc_config(m.moc_topk, m.moc_groups, m.ffn_hidden_size, facts.tp, facts.backend)
+        return []
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> Optional["MoCSettings"]:
+        return cls.from_flags(cfg.model.moc_topk, cfg.model.moc_groups)
+
+    def layer_spec(self, spec: Any, mode: Any, backend: str) -> Any:
+        """The layer's ``mlp`` slot (Megatron's ``MLP.as_mlp_submodule`` with the backend's linears)
+        becomes :class:`~epas_megatron.model.moc.MoCMLP`'s, with the same linears."""
+        from epas_megatron.model.moc import MoCMLP  # torch and Megatron-Core's MLP: seconds that epas-plan never needs
+
+        if backend != "local":
+            raise ValueError("Mixture-of-Channels MLPs are built for the local layers only")
+        mlp_submodules = spec.submodules.mlp.keywords["submodules"]
+        return replace(spec, submodules=replace(spec.submodules, mlp=MoCMLP.slot(mlp_submodules, self)))
+
     def kept(self, ffn_hidden_size: int) -> int:
         """Channels kept per token in each group (:func:`kept_channels`)."""
         return kept_channels(ffn_hidden_size, self.groups, self.topk)
@@ -50,24 +82,3 @@ def check_moc_config(topk: float, groups: int, ffn_hidden_size: int, tp: int, ba
     settings = MoCSettings.from_flags(topk, groups)
     if settings is not None:
         settings.check(ffn_hidden_size, tp, backend)
-
-
-def kept_channels(ffn_hidden_size: int, groups: int, topk: float) -> int:
-    """Channels kept per token in each group: ``round(topk * ffn / groups)``, at least 1."""
-    per_group = ffn_hidden_size // groups
-    return max(1, min(per_group, round(topk * per_group)))
-
-
-def index_bytes(per_group: int) -> int:
-    """Bytes of the narrowest integer type that holds a channel's index within its group
-    (uint8, int16, int32)."""
-    return 1 if per_group <= 256 else 2 if per_group <= 32768 else 4
-
-
-def moc_saved_bytes_per_token(ffn_local: int, groups_local: int, topk: float, value_bytes: int) -> int:
-    """Bytes one token keeps for backward in a MoC activation + ``linear_fc2`` (one TP rank):
-    ``k`` indices and ``k`` values of ``G`` and of ``U`` per group. (``linear_fc1``'s input is
-    kept by ``linear_fc1``, as in the dense MLP.)"""
-    per_group = ffn_local // groups_local
-    k = kept_channels(ffn_local, groups_local, topk)
-    return groups_local * k * (2 * value_bytes + index_bytes(per_group))

@@ -1,12 +1,29 @@
 """Layer specs: which module fills each slot of a decoder layer, per backend and per EPAS role.
 
-A :class:`Backend` names the classes of one implementation (local pure-PyTorch Megatron-Core
-modules, or Transformer Engine). :func:`layer_spec` builds the ``ModuleSpec`` of a layer for a
-:class:`~epas_megatron.sharing.shape.LayerMode` -- ``compute``, ``source`` (computing, and
-hands its Q/K on) or ``share`` -- from any backend,
-so local and TE paths share everything but the classes. Transformer Engine classes are named by
-import path (``ModuleSpec(module=(path, name))``): building a TE spec imports nothing, the class is
-imported when the layer is built (on a GPU node).
+A backend is a Megatron-Core ``BackendSpecProvider`` (``megatron/core/models/backends.py``):
+:func:`layer_spec` builds the ``ModuleSpec`` of a layer for a
+:class:`~epas_megatron.sharing.shape.LayerMode` -- ``compute``, ``source`` (computing, and hands
+its Q/K on) or ``share`` -- by asking the provider for each slot (``fuse_layernorm_and_linear``,
+``column_parallel_layer_norm_linear``, ``column_parallel_linear``, ``row_parallel_linear``,
+``core_attention``, ``layer_norm(rms_norm=True)``), so local and TE layers share everything but
+the provider, and upstream fixes to Megatron's providers reach our layers. :func:`get_backend`
+chooses one per ``--transformer-impl`` and ``--core-attention``:
+
+* local: :class:`EpasLocalSpecProvider`, Megatron's ``LocalSpecProvider`` with three overrides --
+  the linears are :class:`~epas_megatron.model.weight_grad.DelayedWgradColumnParallelLinear` /
+  :class:`~epas_megatron.model.weight_grad.DelayedWgradRowParallelLinear` (Megatron's, subclassed
+  for the weight-gradient split of the split-backward pipeline schedules); the RMSNorm is
+  :class:`~epas_megatron.model.norm.RMSNorm` (Megatron's local norm refuses sequence
+  parallelism); the core attention is :class:`~epas_megatron.model.core_attention.SDPAttention`
+  or Megatron's ``DotProductAttention`` per ``--core-attention``. Everything else is Megatron's.
+* transformer_engine: Megatron's ``TESpecProvider``, unchanged (a subclass adds only
+  :attr:`norm`, below). Its module is imported when the TE backend is chosen, as Megatron's own
+  ``get_backend`` does; without Transformer Engine installed its classes are Megatron's
+  placeholders, the same objects Megatron's own TE layer spec holds, so building a TE spec imports
+  no ``transformer_engine`` (the layer itself is built on a GPU node).
+
+Both providers also have ``norm`` (:class:`_BlockNorm`), the RMSNorm after the last layer that the
+builder puts in the transformer block.
 
 Where a backend fuses the norm into the following GEMM (TE's ``LayerNormColumnParallelLinear``),
 the input norm lives in ``linear_qkv`` (computing) or ``linear_v``/``linear_q`` (sharing) and the
@@ -16,17 +33,18 @@ variants save the norm under the same key, ``self_attention.linear_qkv.layer_nor
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from functools import partial
-from typing import Optional, Sequence
+from functools import cache, partial
+from typing import Sequence
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import LayerNormBuilder
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 from epas_megatron.model.attention import (
@@ -38,89 +56,107 @@ from epas_megatron.model.attention import (
 )
 from epas_megatron.model.core_attention import CORE_ATTENTION_CHOICES, SDPAttention
 from epas_megatron.model.layer import EpasTransformerLayer
-from epas_megatron.model.moc import MoCMLP
-from epas_megatron.model.moc_sizes import MoCSettings
 from epas_megatron.model.norm import RMSNorm
 from epas_megatron.model.weight_grad import DelayedWgradColumnParallelLinear, DelayedWgradRowParallelLinear
 from epas_megatron.sharing.shape import LayerMode
 
-
-@dataclass(frozen=True)
-class Backend:
-    """The module classes of one implementation."""
-
-    name: str
-    """'local' or 'transformer_engine'."""
-
-    column_parallel_linear: object
-    """Column-parallel GEMM (output features sharded over TP)."""
-
-    row_parallel_linear: object
-    """Row-parallel GEMM (input features sharded over TP)."""
-
-    norm_column_parallel_linear: Optional[object]
-    """Norm fused into a column-parallel GEMM, or None if the backend does not fuse them."""
-
-    core_attention: object
-    """softmax(QK^T)V kernel."""
-
-    norm: object
-    """RMSNorm module (used where the norm is not fused)."""
-
-
-_TE = "megatron.core.extensions.transformer_engine"
-
-LOCAL = Backend(
-    name="local",
-    column_parallel_linear=DelayedWgradColumnParallelLinear,
-    row_parallel_linear=DelayedWgradRowParallelLinear,
-    norm_column_parallel_linear=None,
-    core_attention=SDPAttention,
-    norm=RMSNorm,
-)
-
-TRANSFORMER_ENGINE = Backend(
-    name="transformer_engine",
-    column_parallel_linear=ModuleSpec(module=(_TE, "TEColumnParallelLinear")),
-    row_parallel_linear=ModuleSpec(module=(_TE, "TERowParallelLinear")),
-    norm_column_parallel_linear=ModuleSpec(module=(_TE, "TELayerNormColumnParallelLinear")),
-    core_attention=ModuleSpec(module=(_TE, "TEDotProductAttention")),
-    norm=ModuleSpec(module=(_TE, "TENorm")),
-)
-
-BACKENDS = {b.name: b for b in (LOCAL, TRANSFORMER_ENGINE)}
+BACKEND_NAMES = ("local", "transformer_engine")
+"""The values of ``--transformer-impl`` that :func:`get_backend` knows."""
 
 # Core attention of local layers per --core-attention (Transformer Engine chooses its own kernel).
 _LOCAL_CORE_ATTENTION = {"sdpa": SDPAttention, "unfused": DotProductAttention}
 assert set(_LOCAL_CORE_ATTENTION) == set(CORE_ATTENTION_CHOICES)
 
 
-def get_backend(name: str, core_attention: str = "sdpa") -> Backend:
-    """The backend ``name`` ('local' or 'transformer_engine'); for local layers with the core
-    attention ``core_attention`` ('sdpa': PyTorch's fused kernels, 'unfused': Megatron-Core's
-    ``DotProductAttention``, which materialises the scores)."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; expected one of {sorted(BACKENDS)}")
+class _BlockNorm:
+    """What the builder asks of a provider beyond Megatron's protocol: :attr:`norm`."""
+
+    @property
+    def norm(self) -> LayerNormBuilder:
+        """The RMSNorm after the last layer (the transformer block's ``layer_norm``), the same
+        module as an unfused layer norm: ``layer_norm(rms_norm=True)``."""
+        return self.layer_norm(rms_norm=True)
+
+
+class EpasLocalSpecProvider(_BlockNorm, LocalSpecProvider):
+    """Megatron-Core's ``LocalSpecProvider`` with EPAS's linears, RMSNorm and core attention
+    (see the module doc for why each differs); every other answer is Megatron's."""
+
+    def __init__(self, core_attention: str = "sdpa"):
+        """``core_attention``: 'sdpa' (PyTorch's fused kernels, :class:`SDPAttention`) or
+        'unfused' (Megatron-Core's ``DotProductAttention``, which materialises the scores)."""
+        if core_attention not in _LOCAL_CORE_ATTENTION:
+            raise ValueError(f"unknown core attention {core_attention!r}; expected one of {CORE_ATTENTION_CHOICES}")
+        self.core_attention_name = core_attention
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(core_attention={self.core_attention_name!r})"
+
+    def column_parallel_linear(self) -> type:
+        """Megatron's ``ColumnParallelLinear`` with the weight-gradient split."""
+        return DelayedWgradColumnParallelLinear
+
+    def row_parallel_linear(self) -> type:
+        """Megatron's ``RowParallelLinear`` with the weight-gradient split."""
+        return DelayedWgradRowParallelLinear
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False) -> LayerNormBuilder:
+        """RMSNorm: ours, which allows sequence parallelism; LayerNorm: Megatron's."""
+        if rms_norm:
+            return RMSNorm
+        return super().layer_norm(rms_norm, for_qk, has_residual)
+
+    def core_attention(self) -> type:
+        """:class:`SDPAttention` or Megatron's ``DotProductAttention``, per ``--core-attention``."""
+        return _LOCAL_CORE_ATTENTION[self.core_attention_name]
+
+
+LOCAL = EpasLocalSpecProvider()
+"""The local provider with the default core attention (SDPA)."""
+
+
+@cache
+def _transformer_engine_provider_class() -> type:
+    """Megatron's ``TESpecProvider`` plus :attr:`_BlockNorm.norm`, defined (and Megatron's
+    provider module imported) on first use."""
+    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+    class EpasTESpecProvider(_BlockNorm, TESpecProvider):
+        """Megatron-Core's ``TESpecProvider``, every answer unchanged. The subclass exists only
+        for :attr:`norm` (the transformer block's final norm, which the builder asks every
+        backend for: TENorm here)."""
+
+    return EpasTESpecProvider
+
+
+def get_backend(name: str, core_attention: str = "sdpa") -> BackendSpecProvider:
+    """The spec provider of backend ``name`` ('local' or 'transformer_engine'); for local layers
+    with the core attention ``core_attention`` ('sdpa': PyTorch's fused kernels, 'unfused':
+    Megatron-Core's ``DotProductAttention``, which materialises the scores)."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown backend {name!r}; expected one of {sorted(BACKEND_NAMES)}")
     if core_attention not in _LOCAL_CORE_ATTENTION:
         raise ValueError(f"unknown core attention {core_attention!r}; expected one of {CORE_ATTENTION_CHOICES}")
-    backend = BACKENDS[name]
     if name == "local":
-        backend = replace(backend, core_attention=_LOCAL_CORE_ATTENTION[core_attention])
-    return backend
+        return EpasLocalSpecProvider(core_attention)
+    return _transformer_engine_provider_class()()
 
 
-def layer_spec(mode: LayerMode | str, backend: Backend = LOCAL, share: str = "qk", detach_shared: bool = False,
-               moc: Optional[MoCSettings] = None) -> ModuleSpec:
-    """The spec of one decoder layer in ``mode`` (a :class:`LayerMode` or its value); ``moc``:
-    the Mixture-of-Channels MLP (:class:`~epas_megatron.model.moc_sizes.MoCSettings`) (:mod:`epas_megatron.model.moc`), local
-    layers only."""
+def layer_spec(mode: LayerMode | str, backend: BackendSpecProvider = LOCAL, share: str = "qk",
+               detach_shared: bool = False) -> ModuleSpec:
+    """The spec of one decoder layer in ``mode`` (a :class:`LayerMode` or its value), its modules
+    from ``backend`` (a provider from :func:`get_backend`). Build options change it afterwards
+    (:meth:`~epas_megatron.build_option.BuildOption.layer_spec`: Mixture-of-Channels' MLP, the
+    switch ramp's blending attention)."""
     try:
         role = LayerMode(mode)
     except ValueError:
         raise ValueError(f"unknown layer mode {mode!r}; expected one of {[str(m) for m in LayerMode]}") from None
-    fused = backend.norm_column_parallel_linear is not None
-    norm = IdentityOp if fused else backend.norm
-    input_linear = backend.norm_column_parallel_linear if fused else backend.column_parallel_linear
+    fused = backend.fuse_layernorm_and_linear()
+    norm = IdentityOp if fused else backend.layer_norm(rms_norm=True)
+    input_linear = backend.column_parallel_layer_norm_linear() if fused else backend.column_parallel_linear()
+    output_linear = backend.row_parallel_linear()
+    core_attention = backend.core_attention()
     if role == LayerMode.SHARE:
         attention = ModuleSpec(
             module=SharedAttention,
@@ -128,8 +164,8 @@ def layer_spec(mode: LayerMode | str, backend: Backend = LOCAL, share: str = "qk
             submodules=SharedAttentionSubmodules(
                 linear_own=input_linear,
                 linear_frozen=FrozenProjection,
-                core_attention=backend.core_attention,
-                linear_proj=backend.row_parallel_linear,
+                core_attention=core_attention,
+                linear_proj=output_linear,
             ),
         )
     else:
@@ -142,8 +178,8 @@ def layer_spec(mode: LayerMode | str, backend: Backend = LOCAL, share: str = "qk
             },
             submodules=SelfAttentionSubmodules(
                 linear_qkv=input_linear,
-                core_attention=backend.core_attention,
-                linear_proj=backend.row_parallel_linear,
+                core_attention=core_attention,
+                linear_proj=output_linear,
                 q_layernorm=IdentityOp,
                 k_layernorm=IdentityOp,
             ),
@@ -165,29 +201,19 @@ def layer_spec(mode: LayerMode | str, backend: Backend = LOCAL, share: str = "qk
             self_attention=attention,
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
-            mlp=_mlp(MLPSubmodules(linear_fc1=input_linear, linear_fc2=backend.row_parallel_linear), backend, moc),
+            mlp=partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=input_linear, linear_fc2=output_linear)),
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map=keys_map,
         ),
     )
 
 
-def _mlp(submodules: MLPSubmodules, backend: Backend, moc: Optional[MoCSettings]):
-    """The ``mlp`` slot: Megatron-Core's MLP, or the Mixture-of-Channels one."""
-    if moc is None:
-        return partial(MLP.as_mlp_submodule, submodules=submodules)
-    if backend.name != "local":
-        raise ValueError("Mixture-of-Channels MLPs are built for the local layers only")
-    return partial(MoCMLP.as_moc_submodule, submodules=submodules, topk=moc.topk, groups=moc.groups)
-
-
 def decoder_layer_specs(
     modes: Sequence[LayerMode],
-    backend: Backend = LOCAL,
+    backend: BackendSpecProvider = LOCAL,
     share: str = "qk",
     detach_shared: bool = False,
-    moc: Optional[MoCSettings] = None,
 ) -> list[ModuleSpec]:
     """Specs of all decoder layers of the model, one per mode (global, not yet sliced per
     pipeline stage); the modes come from :func:`epas_megatron.sharing.shape.layer_modes`."""
-    return [layer_spec(mode, backend, share, detach_shared, moc) for mode in modes]
+    return [layer_spec(mode, backend, share, detach_shared) for mode in modes]

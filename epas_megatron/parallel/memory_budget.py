@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from epas_megatron.metrics.memory_model import LayerShape
 from epas_megatron.metrics.rank_memory import RankMemorySettings, layer_memory, rank_memory_bytes
 from epas_megatron.metrics.switch_memory import switch_transient_terms
+from epas_megatron.model.architecture import ModelShape
 from epas_megatron.sharing.shape import LayerMode
 
 GIB = 2**30
@@ -29,8 +29,8 @@ GIB = 2**30
 class MemoryLimit:
     """Which pipeline ranks fit ``budget_bytes`` (see module doc)."""
 
-    shape: LayerShape
-    """Layer shape (one micro-batch)."""
+    shape: ModelShape
+    """The model at the run's sequence length and micro-batch size."""
 
     settings: RankMemorySettings
     """Precision, TP/DP, optimizer, recompute, micro-batches."""
@@ -123,8 +123,5 @@ def memory_limit_for(plan, settings: RankMemorySettings, micro_batch_size: int, 
     """The limit for a :class:`~epas_megatron.model.build_plan.BuildPlan` (None: no budget)."""
     if budget_gb is None:
         return None
-    arch = plan.arch
-    shape = LayerShape(arch.hidden_size, arch.num_attention_heads, arch.num_query_groups, arch.ffn_hidden_size,
-                       plan.seq_length, micro_batch_size)
-    return MemoryLimit(shape, settings, plan.pp, plan.vpp or 1, budget_gb * GIB)
+    return MemoryLimit(ModelShape(plan.arch, plan.seq_length, micro_batch_size), settings, plan.pp, plan.vpp or 1, budget_gb * GIB)
 

@@ -39,10 +39,11 @@ def flops_layer_costs(
     """Relative costs from the sharing-aware FLOPs model (see module doc), plus the hand-off's
     extra p2p rows (``LayerCosts.handoff_p2p``) in FLOP units at ``p2p_flops_per_byte``, with
     ``bytes_per_element`` bytes per element in the p2p tensor (bf16 by default)."""
-    from epas_megatron.metrics.flops import Convention, ModelShape, layer_forward_flops, lm_head_forward_flops
+    from epas_megatron.metrics.flops import Convention, layer_forward_flops, lm_head_forward_flops
+    from epas_megatron.model.architecture import ModelShape
     from epas_megatron.sharing.handoff import extra_p2p_rows
 
-    shape = ModelShape.of(arch, seq_length)
+    shape = ModelShape(arch, seq_length)
     # Hand-off elements per token: Q and K heads, or K and V (at TP=1; under TP both the rows
     # and a rank's FLOPs shrink by TP, so the ratio holds).
     first = shape.num_attention_heads if share == "qk" else shape.num_query_groups

@@ -62,6 +62,14 @@ def parse_layer_set(spec: str, num_layers: int, flag: str = "--random-ltd-layers
     return tuple(sorted(layers))
 
 
+def layer_ids(num_layers: int, layers: Optional[str] = None) -> tuple[int, ...]:
+    """The layers that drop tokens: ``--random-ltd-layers`` parsed, default every layer but the
+    first and last."""
+    if num_layers < 3 and layers is None:
+        raise ConfigError(f"--random-ltd: a {num_layers}-layer model has no middle layers; name the layers with --random-ltd-layers")
+    return default_layers(num_layers) if layers is None else parse_layer_set(layers, num_layers)
+
+
 def default_layers(num_layers: int) -> tuple[int, ...]:
     """Every layer but the first and the last (DeepSpeed's GPT examples)."""
     return tuple(range(1, num_layers - 1))
@@ -119,9 +127,7 @@ class RandomLTDSchedule:
         """The schedule of the ``--random-ltd-*`` flags, defaults filled in: every layer but the
         first and last, ``seq_per_step`` 16 (less for sequences under 256 tokens), a start at
         1/16 of the sequence, the full sequence at the end, reached after 70% of ``train_iters``."""
-        if num_layers < 3 and layers is None:
-            raise ConfigError(f"--random-ltd: a {num_layers}-layer model has no middle layers; name the layers with --random-ltd-layers")
-        ids = default_layers(num_layers) if layers is None else parse_layer_set(layers, num_layers)
+        ids = layer_ids(num_layers, layers)
         step = seq_per_step if seq_per_step is not None else max(1, min(16, seq_length // 16))
         low = min_value if min_value is not None else max(step, seq_length // 16 - (seq_length // 16) % step)
         return cls(

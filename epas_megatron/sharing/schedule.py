@@ -230,6 +230,14 @@ class SharingSchedule:
             )
 
     @classmethod
+    def from_config(cls, cfg) -> "SharingSchedule":
+        """The schedule a run of ``cfg`` (a ``RunConfig``) trains with: its ``--epas-*`` flags and
+        ``--num-layers``; a ``ConfigError`` naming the flag if they do not make one."""
+        e = cfg.epas
+        return cls.from_flags(cfg.model.num_layers, e.epas_interval, e.epas_growth, e.epas_target_layers, e.epas_first_switch,
+                              exclude_last=e.epas_exclude_last, blocks=e.epas_blocks)
+
+    @classmethod
     def from_flags(
         cls,
         num_layers: int,

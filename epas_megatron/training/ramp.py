@@ -6,7 +6,8 @@ the iteration and the sharing schedule). This object applies it to the built mod
 step (``before_step``): inside a ramp, the blending layers and the sources the switch will make
 hand Q/K (K/V) on, and the blending layers get their weight ``a``; outside, every layer is as its
 spec built it. Nothing else changes -- no parameters, no optimizer state, no rebuild: the layers
-of a ramp are computing layers, and the switch at the end of it is the ordinary one. It also
+of a ramp are computing layers (built able to blend by the ramp's build option,
+:mod:`epas_megatron.model.blending`), and the switch at the end of it is the ordinary one. It also
 says so in the start-up banner, records ``a`` in the metrics, and stores ``N`` in the checkpoint
 metadata so that a resume with another value is refused.
 """
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Sequence
 
 from epas_megatron.errors import ConfigError
+from epas_megatron.model.blending import BlendingAttention
+from epas_megatron.runtime.wrapping import unwrap_model
 from epas_megatron.sharing.ramp import SwitchRamp
 from epas_megatron.training.features import TrainingFeature
 from epas_megatron.validation import ResolvedRun
@@ -24,16 +27,13 @@ from epas_megatron.validation import ResolvedRun
 
 def apply_ramp(model: Sequence, ramp: SwitchRamp, iteration: int, share: str) -> None:
     """Set every decoder layer of the chunks ``model`` for the step of ``iteration`` (1-based)."""
-    from epas_megatron.model.attention import ComputingAttention
-    from epas_megatron.runtime.wrapping import unwrap_model
-
     step = ramp.step(iteration)
     weights = {layer: step.weight for layer in step.blending} if step is not None else {}
     hands_off = set(step.hand_off) if step is not None else set()
     for chunk in model:
         for layer in unwrap_model(chunk).decoder.layers:
             attention, index = layer.self_attention, layer.layer_number - 1
-            if not isinstance(attention, ComputingAttention):
+            if not isinstance(attention, BlendingAttention):  # a sharing layer (the option builds every other)
                 continue
             attention.hand_off = share if index in hands_off else attention.built_hand_off
             attention.blend = weights.get(index)

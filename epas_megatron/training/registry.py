@@ -1,8 +1,8 @@
 """The training features a run may turn on: the one list the trainer reads
 (:class:`~epas_megatron.training.features.TrainingFeatures`). A new feature is its own module of
 hooks (a :class:`~epas_megatron.training.features.TrainingFeature`, whose ``check_config``
-checks its own flags), its config section, its line here, and the assembly if it changes what is
-built."""
+checks its own flags), its config section and its line here; what it changes in the built model
+is a build option's (:mod:`epas_megatron.model.option_registry`)."""
 
 from __future__ import annotations
 

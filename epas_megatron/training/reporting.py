@@ -24,8 +24,9 @@ from epas_megatron.assembly import v_stage_sizes_for_run
 from epas_megatron.config.cli import dump_yaml, to_dict
 from epas_megatron.engine.progress import TrainingProgress, perplexity
 from epas_megatron.errors import NonFiniteError
-from epas_megatron.metrics.flops import Convention, ModelShape, layerwise_forward_flops, peak_name_for_device
+from epas_megatron.metrics.flops import Convention, layerwise_forward_flops, peak_name_for_device
 from epas_megatron.metrics.logger import MetricsLogger
+from epas_megatron.model.architecture import ModelShape
 from epas_megatron.model.build_plan import BuildPlan
 from epas_megatron.model.fusions import KernelAvailability, describe, fusion_off_reasons, fusion_settings
 from epas_megatron.model.moc_sizes import MoCSettings
@@ -182,7 +183,7 @@ class Reporter:
         and the tokens the features keep in each layer."""
         t = self.cfg.training
         modes = plan.with_region(self.run.schedule.sharing_layers(iteration), plan.layout).modes
-        return iteration_flops(ModelShape.of(plan.arch, t.seq_length), modes, plan.share, t.global_batch_size,
+        return iteration_flops(ModelShape(plan.arch, t.seq_length), modes, plan.share, t.global_batch_size,
                                self.features.flop_tokens(iteration))
 
     def flops_per_iteration(self, plan: BuildPlan, first: int, last: int) -> float:

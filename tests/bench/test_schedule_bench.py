@@ -76,11 +76,12 @@ def test_modelled_pass_costs_by_hand():
     3 x 2·s·h·F) and the attention core (two s² matmuls, 2·s²·h each, halved); F = GEMMs + core,
     B = GEMMs + 2 x core, W = GEMMs; a message s·h bf16 bytes."""
     from epas_megatron.bench.schedule_bench import modelled_pass_costs
-    from epas_megatron.metrics.flops import ModelShape
+    from epas_megatron.config.presets import get_preset
+    from epas_megatron.model.architecture import ModelShape, architecture_from_preset
 
     s, h, f = 2048, 4096, 11008
     gemms, core = 4 * 2 * s * h * h + 3 * 2 * s * h * f, 2 * s * s * h
-    costs = modelled_pass_costs(ModelShape(32, h, 32, 32, f, 32000, s), layers_per_rank=8, p2p_flops_per_byte=10.0)
+    costs = modelled_pass_costs(ModelShape(architecture_from_preset(get_preset("7b")), s), layers_per_rank=8, p2p_flops_per_byte=10.0)
     assert (costs.forward, costs.input_grad, costs.weight_grad) == (8 * (gemms + core), 8 * (gemms + 2 * core), 8 * gemms)
     assert costs.p2p == s * h * 2 * 10.0
 

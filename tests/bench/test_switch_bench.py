@@ -12,13 +12,14 @@ from epas_megatron.bench.switch_model import ClusterAssumptions, llama_parameter
 
 def test_llama_parameter_count_matches_llama2_7b_and_a_built_model(single_process):
     # LLaMA-2-7B: 6,738,415,616 parameters (32 layers, h 4096, ffn 11008, vocab 32000, untied).
-    assert llama_parameters(32, 4096, 32, 32, 11008, 32000)[0] == 6_738_415_616
-    from epas_megatron.model.architecture import LlamaArchitecture
+    from epas_megatron.config.presets import get_preset
+    from epas_megatron.model.architecture import LlamaArchitecture, architecture_from_preset
     from epas_testing import build
 
+    assert llama_parameters(architecture_from_preset(get_preset("7b")))[0] == 6_738_415_616
     arch = LlamaArchitecture(4, 64, 4, 2, 176, 512, 64)
     model = build(arch)
-    total, layer = llama_parameters(4, 64, 4, 2, 176, 512)
+    total, layer = llama_parameters(arch)
     assert total == sum(p.numel() for p in model.parameters())
     assert layer == sum(p.numel() for p in model.decoder.layers[0].parameters())
 

@@ -114,13 +114,14 @@ def test_a_memory_budget_changes_the_layout_not_the_losses(runs, tmp_path):
     """--epas-memory-budget-gb just under what the FLOP-optimal region-0 layout needs on rank 0
     (it holds 5 layers and 2 of the 4 micro-batches in flight): the run plans another layout
     there and says so, and its losses still equal PP=1's."""
-    from epas_megatron.metrics.memory_model import LayerShape
     from epas_megatron.metrics.rank_memory import RankMemorySettings
+    from epas_megatron.model.architecture import ModelShape
     from epas_megatron.parallel.memory_budget import GIB, MemoryLimit
     from epas_megatron.sharing.shape import layer_modes
 
-    costs = flops_layer_costs(LlamaArchitecture(8, 128, 4, 4, 64, 1024, 64), 64)
-    limit = MemoryLimit(LayerShape(128, 4, 4, 64, 64, 1), RankMemorySettings(vocab_size=1024, num_microbatches=4), 2, 1, 1e18)
+    arch = LlamaArchitecture(8, 128, 4, 4, 64, 1024, 64)
+    costs = flops_layer_costs(arch, 64)
+    limit = MemoryLimit(ModelShape(arch, 64), RankMemorySettings(vocab_size=1024, num_microbatches=4), 2, 1, 1e18)
     optimal = region_layout(costs, 8, 2, None, ())
     need = limit.layout_bytes(optimal, layer_modes(8, ()))[0]["total"]
     single, _ = runs

@@ -79,12 +79,13 @@ def test_random_ltd_draw_needs_no_sync_and_equals_the_host_draw():
 
 
 def test_random_ltd_block_draws_without_sync_and_trains(world):
-    from epas_megatron.model.build_plan import BuildPlan, RandomLTDSettings
+    from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import build_model
     from epas_megatron.random_ltd.keyed_draw import kept_token_indices
     from epas_megatron.random_ltd.model import set_kept_tokens
+    from epas_megatron.random_ltd.option import RandomLTDSettings
 
-    plan = BuildPlan.for_region(_arch(), (3,), random_ltd=RandomLTDSettings((1, 2, 3), seed=5, kernels="torch"))
+    plan = BuildPlan.for_region(_arch(), (3,), options=(RandomLTDSettings((1, 2, 3), seed=5, kernels="torch"),))
     model = build_model(plan, seed=3, kernels=_kernels_without_grad_accumulation_fusion()).chunks[0]
     set_kept_tokens([model], 48)
     sample_ids = torch.tensor([40, 41])  # on the host, as forward_step passes them

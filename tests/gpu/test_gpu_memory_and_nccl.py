@@ -55,9 +55,8 @@ def _setup(sharing):
     from epas_megatron.assembly import memory_kernels
     from epas_megatron.engine.optimizer import OptimizerSettings
     from epas_megatron.engine.state import build_training_state
-    from epas_megatron.metrics.memory_model import LayerShape
     from epas_megatron.metrics.rank_memory import RankMemorySettings
-    from epas_megatron.model.architecture import LlamaArchitecture
+    from epas_megatron.model.architecture import LlamaArchitecture, ModelShape
     from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.fusions import KernelAvailability
 
@@ -69,7 +68,7 @@ def _setup(sharing):
                                   clip_grad=1.0, use_distributed_optimizer=False, overlap_grad_reduce=False,
                                   warmup_iters=1, decay_iters=10, decay_style="cosine", precision="bf16")
     state = build_training_state(plan, optimizer, seed=1)
-    shape = LayerShape(arch.hidden_size, arch.num_attention_heads, arch.num_query_groups, arch.ffn_hidden_size, s, b)
+    shape = ModelShape(arch, s, b)
     settings = RankMemorySettings(vocab_size=arch.vocab_size, precision="bf16", **memory_kernels(KernelAvailability.detect(), plan.backend))
     return arch, plan, state, shape, settings
 

@@ -18,7 +18,13 @@ def _arch():
     from epas_megatron.model.architecture import LlamaArchitecture
 
     return LlamaArchitecture(num_layers=4, hidden_size=256, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=704,
-                             vocab_size=512, max_sequence_length=S, init_method_std=0.05, moc_topk=0.2, moc_groups=8)
+                             vocab_size=512, max_sequence_length=S, init_method_std=0.05)
+
+
+def _moc():
+    from epas_megatron.model.moc_sizes import MoCSettings
+
+    return (MoCSettings(0.2, 8),)  # the build option: Mixture-of-Channels MLPs
 
 
 def test_moc_layers_keep_the_models_bytes_on_the_gpu(world):
@@ -26,18 +32,19 @@ def test_moc_layers_keep_the_models_bytes_on_the_gpu(world):
     with the GPU's kernels) equal the memory model's, with the sparse MLP term."""
     from epas_megatron.assembly import memory_kernels
     from epas_megatron.metrics.activation_memory import measure_saved_bytes
-    from epas_megatron.metrics.memory_model import LayerShape, layer_activation_tensors
+    from epas_megatron.metrics.memory_model import layer_activation_tensors
+    from epas_megatron.model.architecture import ModelShape
     from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import build_model
     from epas_megatron.model.fusions import KernelAvailability
     from epas_megatron.model.moc_sizes import MoCSettings
 
     arch = _arch()
-    plan = BuildPlan.for_region(arch, (2, 3), seq_length=S, precision="bf16")
+    plan = BuildPlan.for_region(arch, (2, 3), seq_length=S, precision="bf16", options=_moc())
     model = build_model(plan, seed=1).chunks[0]
     tokens = torch.randint(0, arch.vocab_size, (B, S), device="cuda")
     saved = measure_saved_bytes(model, tokens, torch.arange(S, device="cuda").expand(B, S), None, labels=tokens)
-    shape = LayerShape(256, 4, 2, 704, S, B)
+    shape = ModelShape(arch, S, B)
     kernels = memory_kernels(KernelAvailability.detect())
     for index in range(arch.num_layers):
         role = "share" if index in (2, 3) else "compute"
@@ -55,7 +62,7 @@ def test_sparse_decode_in_a_cuda_graph_equals_the_masked_eager_step(world):
     from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import build_model
 
-    plan = BuildPlan.for_region(_arch(), (2, 3), seq_length=64, precision="bf16")
+    plan = BuildPlan.for_region(_arch(), (2, 3), seq_length=64, precision="bf16", options=_moc())
     model = build_model(plan, seed=2).chunks[0].eval()
     prompt = torch.randint(0, 512, (2, 16), device="cuda")
     fed = torch.randint(0, 512, (2, 8), device="cuda")

@@ -3,11 +3,16 @@ model's own loss, gradient checkpointing on): loss and every gradient equal thos
 framework's model at the same region on the same batch, mapped to Hugging Face names; the step
 then changes the sharing layers' V and the source's Q/K, and no frozen row."""
 
+from dataclasses import replace
+
 import torch
 
-from epas_megatron.convert.hf_llama import LlamaShape, megatron_to_hf
+from epas_megatron.config.presets import get_preset
+from epas_megatron.convert.hf_llama import megatron_to_hf
+from epas_megatron.model.architecture import architecture_from_preset
 
-SHAPE = LlamaShape(4, 4, 2, 16, 512)
+ARCH = replace(architecture_from_preset(get_preset("tiny")), vocab_size=512)
+"""The fixture run's model: the tiny preset with its 512-piece vocabulary."""
 SOURCE, SHARING = 1, (2, 3)
 
 
@@ -19,7 +24,7 @@ def test_a_training_step_at_region_r_has_the_framework_gradients(checkpoint, exp
     expected_loss = losses.float().mean()
     expected_loss.backward()
     state = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in ours.named_parameters()}
-    expected = megatron_to_hf(state, SHAPE)  # frozen rows: zeros
+    expected = megatron_to_hf(state, ARCH)  # frozen rows: zeros
 
     model = load_export(exported).train()
     model.activation_checkpointing_enable()

@@ -5,7 +5,6 @@ greedy tokens against full forwards of the model (no cache); on planted ties at 
 (tests/moc_reference.py) the decode reads exactly the channels of the reference rule (the lower
 index wins a tie), as the masked forward keeps them; the bytes by hand; refusals."""
 
-from dataclasses import replace
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from epas_megatron.inference.decode_step import StaticDecodeStep
 from epas_megatron.inference.engine import DecodeEngine
 from epas_megatron.inference.moc_decode import MoCRowReader, down_bytes_per_step
 from epas_megatron.model.moc import MoCMLP
+from epas_megatron.model.moc_sizes import MoCSettings
 from epas_testing import build
 from moc_reference import (
     assert_close_to_reference,
@@ -34,9 +34,17 @@ TOPK, GROUPS = 0.25, 4  # tiny: ffn 176 -> 4 groups of 44 channels, 11 kept per 
 KEPT = 11
 
 
+MOC = (MoCSettings(TOPK, GROUPS),)  # the build option: Mixture-of-Channels MLPs
+
+
 @pytest.fixture(scope="module")
 def moc_arch(tiny_arch):
-    return replace(tiny_arch, moc_topk=TOPK, moc_groups=GROUPS)
+    return tiny_arch
+
+
+def build_moc(arch, *args, **kwargs):
+    """A tiny model chunk with Mixture-of-Channels MLPs (``build``'s arguments)."""
+    return build(arch, *args, options=MOC, **kwargs)
 
 
 def masked_reference(x, fc1, fc2):
@@ -51,7 +59,7 @@ def masked_reference(x, fc1, fc2):
 
 
 def test_the_row_read_equals_a_masked_swiglu_and_reads_only_the_kept_rows(moc_arch):
-    model = build(moc_arch).eval()
+    model = build_moc(moc_arch).eval()
     mlp = model.decoder.layers[1].mlp
     assert isinstance(mlp, MoCMLP) and mlp.kept == KEPT
     reader = MoCRowReader(mlp)
@@ -75,7 +83,7 @@ def test_the_row_read_equals_a_masked_swiglu_and_reads_only_the_kept_rows(moc_ar
 def test_bf16_row_read_is_close_to_the_dense_masked_mlp(moc_arch):
     from epas_megatron.runtime.wrapping import unwrap_model
 
-    model = unwrap_model(build(moc_arch, precision="bf16")).eval()
+    model = unwrap_model(build_moc(moc_arch, precision="bf16")).eval()
     x = torch.randn(1, 4, moc_arch.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
     for layer in model.decoder.layers:
         with torch.no_grad():
@@ -93,7 +101,7 @@ def test_on_planted_ties_the_row_read_keeps_the_reference_channels(moc_arch, pre
     SwiGLU of the reference's mask; the control mask (ties to the higher index) gives another."""
     from epas_megatron.runtime.wrapping import unwrap_model
 
-    mlp = unwrap_model(build(moc_arch, precision=precision)).eval().decoder.layers[0].mlp
+    mlp = unwrap_model(build_moc(moc_arch, precision=precision)).eval().decoder.layers[0].mlp
     dtype = mlp.linear_fc1.weight.dtype
     fc1, fc2 = planted_weights(moc_arch.hidden_size, moc_arch.ffn_hidden_size, GROUPS, KEPT)
     with torch.no_grad():
@@ -149,7 +157,7 @@ def full_forward_greedy(model, ids, new_tokens):
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 def test_sparse_decode_steps_give_the_masked_engines_tokens_and_logits(moc_arch, region, static):
     sharing = tuple(range(moc_arch.num_layers - region, moc_arch.num_layers))
-    model = build(moc_arch, sharing).eval()
+    model = build_moc(moc_arch, sharing).eval()
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, moc_arch.vocab_size, (n,), generator=g).tolist() for n in (5, 2, 7)]
     masked_tokens, masked_logits = greedy(DecodeEngine(model, "reuse", moc_decode="masked"), prompts, 6, static)
@@ -166,7 +174,7 @@ def test_sparse_decode_steps_give_the_masked_engines_tokens_and_logits(moc_arch,
 
 
 def test_bf16_sparse_decode_is_close_to_masked(moc_arch):
-    model = build(moc_arch, precision="bf16").eval()
+    model = build_moc(moc_arch, precision="bf16").eval()
     prompts = [[5, 9, 200, 17], [3, 3]]
     _, masked = greedy(DecodeEngine(model, "qk", moc_decode="masked"), prompts, 4)
     _, sparse = greedy(DecodeEngine(model, "qk", moc_decode="sparse"), prompts, 4)
@@ -178,7 +186,7 @@ def test_refusals(tiny_arch, moc_arch):
     with pytest.raises(ConfigError, match="--moc-decode sparse: this model has no Mixture-of-Channels MLP"):
         DecodeEngine(dense, "qk", moc_decode="sparse")
     with pytest.raises(ConfigError, match="--moc-decode 'rows': choose one of masked, sparse"):
-        DecodeEngine(build(moc_arch).eval(), "qk", moc_decode="rows")
+        DecodeEngine(build_moc(moc_arch).eval(), "qk", moc_decode="rows")
 
 
 def test_down_bytes_by_hand():

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from epas_megatron.metrics.memory_model import (
-    LayerShape,
     layer_activation_bytes,
     layer_activation_tensors,
     layer_activation_terms,
@@ -23,22 +22,22 @@ from epas_megatron.metrics.memory_model import (
     weight_grad_terms,
 )
 from epas_megatron.metrics.rank_memory import embedding_activation_bytes, head_activation_bytes, head_weight_grad_bytes
+from epas_megatron.model.architecture import LlamaArchitecture, ModelShape
 from epas_megatron.model.moc_sizes import MoCSettings
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
 S, B = 48, 2
-SHAPE = LayerShape(hidden_size=128, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=352, seq_length=S, micro_batch_size=B)
+ARCH = LlamaArchitecture(num_layers=4, hidden_size=128, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=352,
+                         vocab_size=512, max_sequence_length=S)
+SHAPE = ModelShape(ARCH, S, B)
 
 
 def measured(share, precision):
     from epas_megatron.metrics.activation_memory import measure_saved_bytes
-    from epas_megatron.model.architecture import LlamaArchitecture
     from epas_testing import build
 
-    arch = LlamaArchitecture(num_layers=4, hidden_size=128, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=352,
-                             vocab_size=512, max_sequence_length=S)
-    model = build(arch, (2, 3), share=share, precision=precision)
+    model = build(ARCH, (2, 3), share=share, precision=precision)
     tokens = torch.randint(0, 512, (B, S), generator=torch.Generator().manual_seed(0))
     return measure_saved_bytes(model, tokens, torch.arange(S).expand(B, S), None, labels=tokens)
 
@@ -64,7 +63,7 @@ def test_sharing_saves_the_qkv_output_rotated_q_k_and_rope_tables_less_its_own_v
     terms = layer_activation_terms(SHAPE, "compute")
     assert terms["norm1_input"] == s * b * 128 * e and terms["attention_lse"] == b * a * s * 4
     assert terms["swiglu"] == 3 * s * b * 352 * e and terms["fc1_output"] == 2 * s * b * 352 * e
-    baseline, epas = region_saving_bytes(SHAPE, 4, 2)
+    baseline, epas = region_saving_bytes(SHAPE, 2)
     assert baseline - epas == 2 * saved
 
 
@@ -92,13 +91,10 @@ def test_memory_bench_prints_measured_and_modelled_bytes():
 @pytest.mark.parametrize("share", ["qk", "kv"])
 def test_selective_recompute_drops_only_the_log_sum_exp(share):
     from epas_megatron.metrics.activation_memory import measure_saved_bytes
-    from epas_megatron.model.architecture import LlamaArchitecture
     from epas_megatron.model.build_plan import BuildPlan, RecomputeSettings
     from epas_megatron.model.builder import build_model
 
-    arch = LlamaArchitecture(num_layers=4, hidden_size=128, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=352,
-                             vocab_size=512, max_sequence_length=S)
-    plan = BuildPlan.for_region(arch, (2, 3), seq_length=S, share=share, recompute=RecomputeSettings("selective"))
+    plan = BuildPlan.for_region(ARCH, (2, 3), seq_length=S, share=share, recompute=RecomputeSettings("selective"))
     tokens = torch.randint(0, 512, (B, S), generator=torch.Generator().manual_seed(0))
     got = measure_saved_bytes(build_model(plan, seed=1).chunks[0], tokens, torch.arange(S).expand(B, S), None, labels=tokens)
     compute = layer_activation_bytes(SHAPE, "compute", share, recompute="selective")
@@ -339,15 +335,12 @@ def test_fused_rope_layers_keep_the_models_fused_rope_tensors(monkeypatch, share
 def test_the_fused_rope_stand_in_is_rope(monkeypatch):
     """The stand-in computes what the unfused path computes -- loss and every gradient -- so the
     layers measured above run RoPE, not something that keeps less."""
-    from epas_megatron.model.architecture import LlamaArchitecture
     from epas_testing import build
 
-    arch = LlamaArchitecture(num_layers=4, hidden_size=128, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=352,
-                             vocab_size=512, max_sequence_length=S)
     tokens = torch.randint(0, 512, (B, S), generator=torch.Generator().manual_seed(0))
 
     def loss_and_grads():
-        model = build(arch, (2, 3))
+        model = build(ARCH, (2, 3))
         loss = model(tokens, torch.arange(S).expand(B, S), None, labels=tokens).float().mean()
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -370,13 +363,10 @@ def test_mlp_recompute_keeps_only_the_mlps_input(modules, precision, element_byt
     MLP keeps its input (the second norm's output, which the layer keeps anyway) and nothing of
     fc1 or SwiGLU -- measured equal to the model, and the model's saving by hand."""
     from epas_megatron.metrics.activation_memory import measure_saved_bytes
-    from epas_megatron.model.architecture import LlamaArchitecture
     from epas_megatron.model.build_plan import BuildPlan, RecomputeSettings
     from epas_megatron.model.builder import build_model
 
-    arch = LlamaArchitecture(num_layers=4, hidden_size=128, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=352,
-                             vocab_size=512, max_sequence_length=S)
-    plan = BuildPlan.for_region(arch, (2, 3), seq_length=S, precision=precision, recompute=RecomputeSettings("selective", modules=modules))
+    plan = BuildPlan.for_region(ARCH, (2, 3), seq_length=S, precision=precision, recompute=RecomputeSettings("selective", modules=modules))
     tokens = torch.randint(0, 512, (B, S), generator=torch.Generator().manual_seed(0))
     got = measure_saved_bytes(build_model(plan, seed=1).chunks[0], tokens, torch.arange(S).expand(B, S), None, labels=tokens)
     kw = dict(recompute="selective", recompute_modules=modules)
@@ -395,14 +385,11 @@ def test_mixture_of_channels_layers_keep_the_models_sparse_term(topk, groups, pr
     kept indices and the k-wide values of G and U: measured equal to the model's ``moc_sparse``
     term per layer role, storage by storage; and MLP recompute still keeps only the input."""
     from epas_megatron.metrics.activation_memory import measure_saved_bytes
-    from epas_megatron.model.architecture import LlamaArchitecture
     from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import build_model
     from epas_megatron.model.moc_sizes import kept_channels
 
-    arch = LlamaArchitecture(num_layers=4, hidden_size=128, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=352,
-                             vocab_size=512, max_sequence_length=S, moc_topk=topk, moc_groups=groups)
-    plan = BuildPlan.for_region(arch, (2, 3), seq_length=S, precision=precision)
+    plan = BuildPlan.for_region(ARCH, (2, 3), seq_length=S, precision=precision, options=(MoCSettings(topk, groups),))
     tokens = torch.randint(0, 512, (B, S), generator=torch.Generator().manual_seed(0))
     got = measure_saved_bytes(build_model(plan, seed=1).chunks[0], tokens, torch.arange(S).expand(B, S), None, labels=tokens)
     moc = MoCSettings(topk, groups)

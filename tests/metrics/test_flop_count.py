@@ -18,7 +18,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from epas_megatron.metrics.flops import Convention, ModelShape, layer_matmul_flops, training_flops_per_sequence
+from epas_megatron.metrics.flops import Convention, layer_matmul_flops, training_flops_per_sequence
+from epas_megatron.model.architecture import ModelShape
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -35,7 +36,7 @@ def counted(share, region, core_attention):
     with FlopCounterMode(display=False) as counter:
         model(tokens, torch.arange(S).expand(B, S), None, labels=tokens).sum().backward()
     ops = {str(op): flops for op, flops in counter.get_flop_counts()["Global"].items()}
-    return counter.get_total_flops(), ops, ModelShape.of(arch, S)
+    return counter.get_total_flops(), ops, ModelShape(arch, S)
 
 
 def _core(shape) -> int:
@@ -81,7 +82,7 @@ def test_deepspeed_profiler_counts_the_models_forward(core_attention, share, reg
         model(tokens, torch.arange(S).expand(B, S), None, labels=tokens)
     total = profiler.get_total_flops()
     profiler.end_profile()
-    expected = B * forward_flops_per_sequence(ModelShape.of(arch, S), region, share, Convention.PAPER)
+    expected = B * forward_flops_per_sequence(ModelShape(arch, S), region, share, Convention.PAPER)
     if core_attention == "unfused":  # baddbmm's addend and the softmax: one FLOP per score each
         expected += arch.num_layers * 2 * B * arch.num_attention_heads * S * S
     assert total == expected
@@ -93,13 +94,14 @@ def test_flop_counter_equals_the_model_under_random_ltd(region, kept):
     attention) equals the layerwise model exactly; the source of a region projects Q/K/V for all."""
     from epas_megatron.metrics.flops import layerwise_forward_flops
     from epas_megatron.model.architecture import LlamaArchitecture
-    from epas_megatron.model.build_plan import BuildPlan, RandomLTDSettings
+    from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import build_model
     from epas_megatron.random_ltd.model import set_kept_tokens
+    from epas_megatron.random_ltd.option import RandomLTDSettings
 
     arch = LlamaArchitecture(4, 64, 4, 2, 176, 512, S)
     sharing = tuple(range(4 - region, 4))
-    plan = BuildPlan.for_region(arch, sharing, core_attention="unfused", random_ltd=RandomLTDSettings((0, 1, 2, 3), kernels="torch"))
+    plan = BuildPlan.for_region(arch, sharing, core_attention="unfused", options=(RandomLTDSettings((0, 1, 2, 3), kernels="torch"),))
     model = build_model(plan, seed=3).chunks[0]
     set_kept_tokens([model], kept)
     tokens = torch.randint(0, 512, (B, S), generator=torch.Generator().manual_seed(0))
@@ -108,6 +110,6 @@ def test_flop_counter_equals_the_model_under_random_ltd(region, kept):
     source = 3 - region if region else None
     modes = ["share_qk" if i in sharing else "compute" for i in range(4)]
     qkv = [S if i == source else kept for i in range(4)]
-    expected = 3 * B * layerwise_forward_flops(ModelShape.of(arch, S), modes, [kept] * 4, Convention.PAPER, qkv)
+    expected = 3 * B * layerwise_forward_flops(ModelShape(arch, S), modes, [kept] * 4, Convention.PAPER, qkv)
     assert counter.get_total_flops() == expected
-    assert expected < 3 * B * layerwise_forward_flops(ModelShape.of(arch, S), modes, None, Convention.PAPER)
+    assert expected < 3 * B * layerwise_forward_flops(ModelShape(arch, S), modes, None, Convention.PAPER)

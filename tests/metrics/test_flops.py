@@ -8,7 +8,6 @@ from epas_megatron.errors import ConfigError
 from epas_megatron.metrics.flops import (
     PEAK_TFLOPS,
     Convention,
-    ModelShape,
     flop_limit_ratio,
     flops_per_iteration,
     forward_flops_per_sequence,
@@ -21,9 +20,10 @@ from epas_megatron.metrics.flops import (
     tflops_per_device,
     training_flops_per_sequence,
 )
+from epas_testing import model_shape
 
 # 2 layers, h 8, 2 heads of dim 4, 1 KV head (GQA), F 16, V 10, s 4.
-TINY = ModelShape(
+TINY = model_shape(
     num_layers=2,
     hidden_size=8,
     num_attention_heads=2,
@@ -75,10 +75,10 @@ def test_tiny_shape_megatron_convention_by_hand():
 # Table 1 of the paper: training FLOPs per sample (TF), seq 2048, 50% of layers sharing.
 # 125M: the paper gives 12 layers and h 768; F = 8h/3 = 2048 and the LLaMA vocab are inferred.
 PAPER_TABLE_1 = {
-    "125M": (ModelShape(12, 768, 12, 12, 2048, 32000, 2048), 1.81, 1.72),
-    "1.1B": (ModelShape(22, 2048, 32, 4, 5632, 32000, 2048), 14.98, 14.34),
+    "125M": (model_shape(12, 768, 12, 12, 2048, 32000, 2048), 1.81, 1.72),
+    "1.1B": (model_shape(22, 2048, 32, 4, 5632, 32000, 2048), 14.98, 14.34),
     # The paper gives no 3B shape; this one is inferred (see the module docstring).
-    "3B": (ModelShape(26, 3072, 24, 24, 8192, 32000, 2048), 41.41, 38.39),
+    "3B": (model_shape(26, 3072, 24, 24, 8192, 32000, 2048), 41.41, 38.39),
 }
 
 
@@ -122,7 +122,7 @@ def test_llama2_7b_from_first_principles():
     head = 2 * s * h * vocab
     baseline = 3 * (layers * layer + head)  # forward + backward (two GEMMs per forward GEMM)
     epas = baseline - 3 * 16 * (2 * s * h * h + 2 * s * h * kv)  # 16 layers skip Q and K
-    shape = ModelShape(layers, h, 32, 32, ffn, vocab, s)
+    shape = model_shape(layers, h, 32, 32, ffn, vocab, s)
     assert training_flops_per_sequence(shape) == baseline
     assert training_flops_per_sequence(shape, 16) == epas
     assert training_flops_per_sequence(shape, 16, convention=Convention.MEGATRON) == epas - 3 * layers * 2 * s * s * h
@@ -148,7 +148,7 @@ def legacy_megatron_flops(batch, s, layers, h, heads, groups, ffn, vocab):
 @pytest.mark.parametrize(
     "shape",
     [TINY, *(row[0] for row in PAPER_TABLE_1.values()),
-     ModelShape(32, 4096, 32, 8, 14336, 32768, 4096)],
+     model_shape(32, 4096, 32, 8, 14336, 32768, 4096)],
 )
 def test_paper_convention_equals_legacy_megatron_formula(shape):
     expected = legacy_megatron_flops(
@@ -248,8 +248,8 @@ def test_ratio_grows_with_the_region():
 
 
 def test_gqa_is_counted_exactly():
-    mha = ModelShape(2, 64, 8, 8, 128, 100, 16)
-    gqa = ModelShape(2, 64, 8, 2, 128, 100, 16)
+    mha = model_shape(2, 64, 8, 8, 128, 100, 16)
+    gqa = model_shape(2, 64, 8, 2, 128, 100, 16)
     # K and V shrink from 2*s*h*h to 2*s*h*(h/4) each
     saved = 2 * (2 * 16 * 64 * 64 - 2 * 16 * 64 * 16)
     assert layer_forward_flops(mha) - layer_forward_flops(gqa) == saved
@@ -265,16 +265,18 @@ def test_gqa_is_counted_exactly():
         (dict(vocab_size=True), "--vocab-size"),
         (dict(num_attention_heads=3), "--num-attention-heads"),
         (dict(num_query_groups=3, num_attention_heads=4), "--num-query-groups"),
+        (dict(max_sequence_length=0), "--max-position-embeddings"),
+        (dict(micro_batch_size=0), "--micro-batch-size"),
     ],
 )
 def test_shape_validation(kwargs, flag):
     fields = dict(
         num_layers=2, hidden_size=8, num_attention_heads=2, num_query_groups=1,
-        ffn_hidden_size=16, vocab_size=10, seq_length=4,
+        ffn_hidden_size=16, vocab_size=10, seq_length=4, max_sequence_length=4,
     )
     fields.update(kwargs)
     with pytest.raises(ConfigError, match=flag):
-        ModelShape(**fields)
+        model_shape(**fields)
 
 
 @pytest.mark.parametrize("n", [-1, 2, 5, 1.0, True])
@@ -343,16 +345,16 @@ def test_tflops_per_device():
 
 
 def test_layerwise_flops_reduce_to_the_region_formula_and_scale_with_kept_tokens():
-    from epas_megatron.metrics.flops import ModelShape, forward_flops_per_sequence, layerwise_forward_flops, lm_head_forward_flops
+    from epas_megatron.metrics.flops import forward_flops_per_sequence, layerwise_forward_flops, lm_head_forward_flops
 
-    shape = ModelShape(6, 256, 8, 2, 704, 1000, 128)
+    shape = model_shape(6, 256, 8, 2, 704, 1000, 128)
     modes = ["compute"] * 3 + ["share_qk"] * 3
     assert layerwise_forward_flops(shape, modes) == forward_flops_per_sequence(shape, 3, "qk")
     # One computing layer on r = 32 of 128 tokens: linear terms x 1/4, attention core x 1/16.
     s, h, kv, F, r = 128, 256, 64, 704, 32
     full_layer = 2 * s * h * (h + 2 * kv) + 2 * 2 * s * s * h + 2 * s * h * h + 6 * s * h * F
     kept_layer = 2 * r * h * (h + 2 * kv) + 2 * 2 * r * r * h + 2 * r * h * h + 6 * r * h * F
-    one = ModelShape(1, 256, 8, 2, 704, 1000, 128)
+    one = model_shape(1, 256, 8, 2, 704, 1000, 128)
     assert layerwise_forward_flops(one, ["compute"], [32]) == kept_layer + lm_head_forward_flops(one)
     assert layerwise_forward_flops(one, ["compute"]) == full_layer + lm_head_forward_flops(one)
     # A dropping source: Q/K/V projections on all 128 tokens, the rest on the 32 kept.

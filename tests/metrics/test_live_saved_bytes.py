@@ -93,15 +93,15 @@ def test_what_a_split_backward_keeps_until_w_equals_the_models_weight_gradient_t
     deferred GEMMs hold -- byte for byte the memory model's weight_grad_bytes per layer role plus
     head_weight_grad_bytes (the embedding's gradient is not deferred). With Mixture-of-Channels
     MLPs, fc2's deferred GEMM holds the sparse form (indices, k-wide G and U), not Z."""
-    from epas_megatron.metrics.memory_model import LayerShape, weight_grad_bytes
+    from epas_megatron.metrics.memory_model import weight_grad_bytes
     from epas_megatron.metrics.rank_memory import head_weight_grad_bytes
-    from epas_megatron.model.architecture import LlamaArchitecture
+    from epas_megatron.model.architecture import LlamaArchitecture, ModelShape
     from epas_testing import build
 
     arch = LlamaArchitecture(num_layers=4, hidden_size=128, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=352,
-                             vocab_size=512, max_sequence_length=S, **({"moc_topk": moc.topk, "moc_groups": moc.groups} if moc else {}))
-    shape = LayerShape(128, 8, 2, 352, S, B)
-    model = build(arch, (2, 3), share=share, precision=precision)
+                             vocab_size=512, max_sequence_length=S)
+    shape = ModelShape(arch, S, B)
+    model = build(arch, (2, 3), share=share, precision=precision, options=(moc,) if moc else ())
     tokens = torch.randint(0, 512, (B, S), generator=torch.Generator().manual_seed(0))
     tracker = LiveSavedBytes(model.parameters())
     with tracker.tracking(), WEIGHT_GRAD_STORE.arming():

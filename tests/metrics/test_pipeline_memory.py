@@ -9,12 +9,11 @@ plus the weight-gradient terms of weight_grad_terms (the deferred GEMMs' operand
 
 import pytest
 
-from epas_megatron.metrics.memory_model import LayerShape
 from epas_megatron.metrics.rank_memory import RankMemorySettings, rank_memory_bytes, sent_messages_held
 from epas_megatron.parallel.pipeline_p2p import sends_in_flight
 from epas_megatron.parallel.pipeline_schedule import build_schedule, paper_peak
 from epas_megatron.parallel.schedule_simulation import simulate
-from epas_testing import REPO, json_lines, run_script
+from epas_testing import REPO, json_lines, model_shape, run_script
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +25,8 @@ def measured():
 def modelled(row, weighed=True):
     """Per rank: the model's peak activation bytes for the run ``row`` describes (one layer per
     V stage, fp32, no sharing); ``weighed=False``: every pass held whole to the end of its W."""
-    shape = LayerShape(row["hidden_size"], row["num_attention_heads"], row["num_query_groups"], row["ffn_hidden_size"],
-                       row["seq"], row["batch"])
+    shape = model_shape(row["layers"], row["hidden_size"], row["num_attention_heads"], row["num_query_groups"],
+                        row["ffn_hidden_size"], row["vocab_size"], row["seq"], row["batch"])
     p, name = row["pp"], row["schedule"]
     settings = RankMemorySettings(vocab_size=row["vocab_size"], num_microbatches=row["microbatches"], pipeline_schedule=name)
     roles = [["compute"], ["compute"]] if name != "1f1b" else [["compute", "compute"]]

@@ -4,7 +4,7 @@ trained one's tensors, in-flight micro-batches and a whole rank by hand."""
 import pytest
 import torch
 
-from epas_megatron.metrics.memory_model import LayerShape, layer_activation_bytes
+from epas_megatron.metrics.memory_model import layer_activation_bytes
 from epas_megatron.metrics.rank_memory import (
     RankMemorySettings,
     in_flight_microbatches,
@@ -12,8 +12,9 @@ from epas_megatron.metrics.rank_memory import (
     parameter_state_bytes,
     rank_memory_bytes,
 )
+from epas_megatron.model.architecture import LlamaArchitecture, ModelShape
 
-SHAPE = LayerShape(hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=176, seq_length=64, micro_batch_size=2)
+SHAPE = ModelShape(LlamaArchitecture(4, 64, 4, 2, 176, 512, 64), seq_length=64, micro_batch_size=2)
 
 
 @pytest.mark.usefixtures("single_process")
@@ -129,7 +130,7 @@ def test_parameter_state_bytes_match_a_trained_model(precision, tmp_path):
                 optim += sum(v.numel() * v.element_size() for v in part.optimizer.state[p].values() if torch.is_tensor(v) and v.dim())
                 if precision != "fp32":
                     optim += p.numel() * p.element_size()  # the fp32 main weight itself
-    shape = LayerShape(64, 4, 2, 176, 64, 2)
+    shape = ModelShape(arch, 64, 2)
     trainable = sum(layer_parameters(shape, role)[0] for role in ("compute", "compute", "compute", "share")) + 2 * 512 * 64 + 64
     frozen = layer_parameters(shape, "share")[1]
     model = parameter_state_bytes(trainable, frozen, precision)

@@ -26,8 +26,8 @@ from torch._C._profiler import _EventType
 
 from epas_megatron.assembly import memory_settings
 from epas_megatron.config.cli import parse_config
-from epas_megatron.metrics.memory_model import LayerShape
 from epas_megatron.metrics.rank_memory import rank_memory_bytes
+from epas_megatron.model.architecture import ModelShape
 from epas_megatron.sharing.shape import LayerMode
 from epas_megatron.training.trainer import Trainer
 from epas_megatron.validation import resolve_run
@@ -149,12 +149,12 @@ def run_switches(precision: str, distributed: bool, mode: str, output_dir, monke
             with contextlib.redirect_stdout(io.StringIO()):
                 trainer.setup()
                 trainer.train()
-        vocab_size = trainer.plan.arch.vocab_size
+        arch = trainer.plan.arch
     finally:
         trainer.close()
-    m, t = run.cfg.model, run.cfg.training
-    shape = LayerShape(m.hidden_size, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size, t.seq_length, t.micro_batch_size)
-    settings = memory_settings(run, vocab_size)
+    t = run.cfg.training
+    shape = ModelShape(arch, t.seq_length, t.micro_batch_size)
+    settings = memory_settings(run, arch.vocab_size)
     states = []
     for iteration, _ in run.schedule.switch_iterations():
         roles = ["share" if layer == LayerMode.SHARE else "compute" for layer in run.schedule.layer_modes(iteration)]

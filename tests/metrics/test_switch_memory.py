@@ -12,9 +12,9 @@ buffer, the same switches allocated 12.0 (fp32), 36.9 (mixed bf16), 44.2 (distri
 
 import pytest
 
-from epas_megatron.metrics.memory_model import LayerShape
 from epas_megatron.metrics.rank_memory import RankMemorySettings, layer_parameters, qkv_parameters, rank_parameters
 from epas_megatron.metrics.switch_memory import switch_transient_terms
+from epas_testing import model_shape
 from switch_memory_check import CONFIGURATIONS, measure_switch
 
 UNMODELLED = 32 * 1024
@@ -35,15 +35,15 @@ def test_switch_stays_within_its_bound_on_the_cpu_allocation_counter(precision, 
     # before its fused QKV goes -- and, fp32 with the distributed optimizer, DDP's new
     # parameter buffer while the old one holds the weights.
     w = 4 if precision == "fp32" else 2
-    assert peak >= max(w * qkv_parameters(LayerShape(256, 8, 2, 704, 16, 1)), model["ddp_parameter_buffer"]), result
+    assert peak >= max(w * qkv_parameters(model_shape(4, 256, 8, 2, 704, 512, 16)), model["ddp_parameter_buffer"]), result
     # No second copy of anything but those: the whole switch costs a few percent of the state.
     assert peak - model["ddp_parameter_buffer"] < 0.03 * state, result
 
 
 def test_switch_terms_by_hand():
     """One rank, 2 layers, layer 1 switches (``qk``), vocab 512, DP 2."""
-    shape = LayerShape(hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=176, seq_length=32,
-                       micro_batch_size=1)
+    shape = model_shape(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=176,
+                        vocab_size=512, seq_length=32)
     compute, _ = layer_parameters(shape, "compute")
     qkv = qkv_parameters(shape)
     assert qkv == 64 * (4 + 2 * 2) * 16
@@ -64,7 +64,7 @@ def test_switch_terms_by_hand():
 def test_a_layer_moving_stage_is_new_on_its_new_rank():
     """PP=2 re-layout at the switch: layer 1 moves from rank 0 to rank 1 while layer 3 switches on
     rank 1. Rank 1 allocates the moved layer's whole state; rank 0 (the sender) only frees."""
-    shape = LayerShape(64, 4, 2, 176, 32, 1)
+    shape = model_shape(4, 64, 4, 2, 176, 512, 32)
     roles_before, roles_after = ["compute"] * 4, ["compute"] * 3 + ["share"]
     compute, _ = layer_parameters(shape, "compute")
     for settings, state in [(RankMemorySettings(vocab_size=512), 8), (RankMemorySettings(vocab_size=512, precision="bf16"), 12),
@@ -80,7 +80,7 @@ def test_a_layer_moving_stage_is_new_on_its_new_rank():
 def test_the_distributed_optimizer_state_that_does_not_fit_the_gradient_buffer_is_counted():
     """DP 1, a rank that gives three of its four layers away: its old shards of one kind (all its
     elements) do not fit the new gradient buffer (a quarter of them)."""
-    shape = LayerShape(64, 4, 2, 176, 32, 1)
+    shape = model_shape(4, 64, 4, 2, 176, 512, 32)
     settings = RankMemorySettings(vocab_size=512, distributed_optimizer=True, precision="bf16")
     roles = ["compute"] * 4
     terms = switch_transient_terms(shape, roles, roles, [0, 1, 2, 3], [0], 0, 2, settings)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import llama_reference as ref
+from epas_megatron.model.blending import SwitchRampSettings
 from epas_megatron.sharing.ramp import SwitchRamp
 from epas_megatron.sharing.schedule import SharingSchedule
 from epas_testing import assert_same_gradient, build, per_token_loss, reference_weights
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.usefixtures("single_process")
 # Switches at 4 (layer 3) and 8 (layer 2); N = 3: a = 1/3, 2/3, 1 at iterations 1-3 and 5-7.
 SCHEDULE = SharingSchedule(num_layers=4, interval=4, growth=1, target_layers=2)
 RAMP = SwitchRamp(SCHEDULE, 3)
+BLENDING = (SwitchRampSettings(3),)  # the ramp's build option: computing layers able to blend
 
 
 def _loss(model, tokens, labels):
@@ -32,7 +34,7 @@ def test_every_ramp_step_matches_the_reference(tiny_arch, share):
     torch.manual_seed(0)
     tokens = torch.randint(0, tiny_arch.vocab_size, (2, 24))
     labels = torch.randint(0, tiny_arch.vocab_size, (2, 24))
-    models = {region: build(tiny_arch, region, share=share) for region in ((), (3,), (2, 3))}
+    models = {region: build(tiny_arch, region, share=share, options=BLENDING) for region in ((), (3,), (2, 3))}
     for iteration in (1, 2, 3, 5, 6, 7):
         step = RAMP.step(iteration)
         region = SCHEDULE.sharing_layers(iteration)
@@ -68,7 +70,7 @@ def test_outside_a_ramp_every_layer_is_as_built(tiny_arch):
 
     torch.manual_seed(1)
     tokens = torch.randint(0, tiny_arch.vocab_size, (2, 16))
-    model = build(tiny_arch, (3,))
+    model = build(tiny_arch, (3,), options=BLENDING)
     plain = _loss(model, tokens, tokens)
     apply_ramp([model], RAMP, 6, "qk")  # layer 2 blends, layer 1 hands on
     assert [layer.epas_mode for layer in model.decoder.layers] == [LayerMode.COMPUTE, LayerMode.SOURCE, LayerMode.SOURCE,

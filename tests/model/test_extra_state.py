@@ -9,7 +9,6 @@ the running GEMM must keep the fused GEMM's extra state.
 """
 
 import itertools
-from dataclasses import replace
 
 import pytest
 import torch
@@ -43,9 +42,14 @@ class ExtraStateColumnParallelLinear(ColumnParallelLinear):
 
 @pytest.fixture
 def te_like_backend(monkeypatch):
+    """The builder's local backend with the stand-in column-parallel GEMM."""
     from epas_megatron.model import specs
 
-    monkeypatch.setitem(specs.BACKENDS, "local", replace(specs.LOCAL, column_parallel_linear=ExtraStateColumnParallelLinear))
+    class ExtraStateSpecProvider(specs.EpasLocalSpecProvider):
+        def column_parallel_linear(self):
+            return ExtraStateColumnParallelLinear
+
+    monkeypatch.setattr(specs, "EpasLocalSpecProvider", ExtraStateSpecProvider)
 
 
 def _model(arch, sharing):

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from epas_megatron.convert.hf_llama import LlamaShape, hf_config_kwargs, hf_to_megatron, megatron_to_hf, strip_extra_state
+from epas_megatron.convert.hf_llama import hf_config_kwargs, hf_to_megatron, megatron_to_hf, strip_extra_state
 from epas_testing import assert_same_gradient, build
 
 pytestmark = pytest.mark.usefixtures("single_process")
@@ -16,24 +16,17 @@ pytestmark = pytest.mark.usefixtures("single_process")
 def hf_model(arch, state):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**hf_config_kwargs(arch.num_layers, arch.hidden_size, arch.num_attention_heads,
-                                           arch.num_query_groups, arch.ffn_hidden_size, arch.vocab_size,
-                                           arch.max_sequence_length, arch.rotary_base, arch.norm_epsilon, arch.tie_embeddings))
+    config = LlamaConfig(**hf_config_kwargs(arch))
     config._attn_implementation = "eager"
     model = LlamaForCausalLM(config).eval()
     model.load_state_dict(state, strict=not arch.tie_embeddings)
     return model
 
 
-def shape_of(arch):
-    return LlamaShape(arch.num_layers, arch.num_attention_heads, arch.num_query_groups,
-                      arch.hidden_size // arch.num_attention_heads, arch.vocab_size)
-
-
 @pytest.mark.parametrize("core_attention", ["sdpa", "unfused"])
 def test_local_model_equals_hugging_face_llama(tiny_arch, core_attention):
     model = build(tiny_arch, core_attention=core_attention).eval()
-    hf = hf_model(tiny_arch, megatron_to_hf(strip_extra_state(model.state_dict()), shape_of(tiny_arch)))
+    hf = hf_model(tiny_arch, megatron_to_hf(strip_extra_state(model.state_dict()), tiny_arch))
     tokens = torch.randint(0, tiny_arch.vocab_size, (2, 32), generator=torch.Generator().manual_seed(3))
     pos = torch.arange(32).unsqueeze(0).expand(2, -1)
     with torch.no_grad():
@@ -52,7 +45,7 @@ def test_tied_embeddings_equal_hugging_face_llama_with_tied_weights(tiny_arch):
     params = dict(model.named_parameters())
     assert "output_layer.weight" not in params
     assert sum(p.numel() for p in untied.parameters()) - sum(p.numel() for p in params.values()) == arch.vocab_size * arch.hidden_size
-    hf = hf_model(arch, megatron_to_hf(strip_extra_state(model.state_dict()), shape_of(arch))).train()
+    hf = hf_model(arch, megatron_to_hf(strip_extra_state(model.state_dict()), arch)).train()
     assert hf.lm_head.weight is hf.model.embed_tokens.weight
     tokens = torch.randint(0, arch.vocab_size, (2, 32), generator=torch.Generator().manual_seed(4))
     ours = model(tokens, torch.arange(32).unsqueeze(0).expand(2, -1), None)
@@ -73,8 +66,8 @@ def test_hf_import_then_export_round_trips_with_a_sharing_region(tiny_arch):
     """Export a model trained with a region, import it into any region: same weights, and the
     region-0 import runs like the exported Hugging Face model."""
     trained = build(tiny_arch, (2, 3), seed=5)
-    hf_state = megatron_to_hf(strip_extra_state(trained.state_dict()), shape_of(tiny_arch))
-    back = hf_to_megatron(hf_state, shape_of(tiny_arch), tiny_arch.vocab_size)
+    hf_state = megatron_to_hf(strip_extra_state(trained.state_dict()), tiny_arch)
+    back = hf_to_megatron(hf_state, tiny_arch)
     again = build(tiny_arch, (2, 3), seed=99)
     again.load_state_dict(back, strict=False)
     for key, value in strip_extra_state(trained.state_dict()).items():

@@ -1,8 +1,9 @@
 """Layer specs: roles, and each layer's spec tree against Megatron-Core's own GPT layer specs
-(the Transformer Engine ones built without TE)."""
+(the Transformer Engine ones built without TE); our backends are Megatron-Core's spec providers."""
 
 import dataclasses
-import importlib
+import inspect
+import subprocess
 import sys
 from functools import partial
 
@@ -14,7 +15,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from epas_megatron.errors import ConfigError
 from epas_megatron.model.attention import FrozenProjection, SharedAttention
-from epas_megatron.model.specs import LOCAL, TRANSFORMER_ENGINE, decoder_layer_specs, get_backend, layer_spec
+from epas_megatron.model.specs import LOCAL, EpasLocalSpecProvider, decoder_layer_specs, get_backend, layer_spec
 from epas_megatron.sharing.shape import RegionShape, layer_modes
 
 
@@ -28,14 +29,9 @@ def test_roles():
 
 
 def _tree(spec, path=""):
-    """{path: leaf} of a layer spec tree (ModuleSpecs, submodule dataclasses, partials). A class
-    named by import path (our TE spec) becomes the object that path names, so it compares equal to
-    the class (or, without Transformer Engine, the placeholder) Megatron-Core's own specs hold."""
+    """{path: leaf} of a layer spec tree (ModuleSpecs, submodule dataclasses, partials)."""
     leaves = {}
-    if isinstance(spec, ModuleSpec) and isinstance(spec.module, tuple):
-        module, name = spec.module
-        leaves[path] = getattr(importlib.import_module(module), name)
-    elif isinstance(spec, ModuleSpec):
+    if isinstance(spec, ModuleSpec):
         leaves[path + ".module"] = spec.module
         leaves[path + ".params"] = spec.params
         if spec.submodules is not None:
@@ -100,7 +96,7 @@ def test_te_computing_layer_is_megatron_cores_te_layer(role, megatron_te_layer_s
     linear_qkv and linear_fc1, identity norms around them). Megatron's key map only renames
     the modules of TE's op fuser, which is not used here; ours is checked in
     test_sharing_layer_differs_from_the_computing_layer_only_in_qk."""
-    ours = _tree(layer_spec(role, TRANSFORMER_ENGINE))
+    ours = _tree(layer_spec(role, get_backend("transformer_engine")))
     reference = _tree(megatron_te_layer_spec)
     _assert_megatron_roles(ours, reference)
     _assert_same_except(ours, reference, skip=[".module", ATTENTION + ".module", ATTENTION + ".params", KEYS_MAP])
@@ -131,20 +127,21 @@ def test_local_computing_layer_is_megatron_cores_local_layer():
     _assert_same_except(ours, reference, skip=[".module", ATTENTION + ".module", ATTENTION + ".params", *norms, *linears])
     assert ours[norms[0]] is ours[norms[1]] is not IdentityOp
 
-    sdpa = _tree(layer_spec("compute", LOCAL))
+    sdpa = _tree(layer_spec("compute", get_backend("local")))
     core = ATTENTION + ".submodules.core_attention"
     assert (reference[core], sdpa[core]) == (DotProductAttention, SDPAttention)
     _assert_same_except(sdpa, ours, skip=[core])
 
 
-@pytest.mark.parametrize("backend", [LOCAL, TRANSFORMER_ENGINE], ids=lambda b: b.name)
+@pytest.mark.parametrize("name", ["local", "transformer_engine"])
 @pytest.mark.parametrize("share, own", [("qk", "v"), ("kv", "q")])
-def test_sharing_layer_differs_from_the_computing_layer_only_in_qk(backend, share, own):
+def test_sharing_layer_differs_from_the_computing_layer_only_in_qk(name, share, own):
     """A sharing layer is the computing layer with its attention's QKV GEMM replaced by a GEMM of
     the same class for its own part alone (V for EPAS, Q for the KV variant; the width is checked
     in test_sharing_layer.py) and a frozen weight holder that never runs; everything else, core
     attention and output projection included, is the computing layer's. Its fused norm (TE) is
     saved under the computing layer's key, so one checkpoint loads into either."""
+    backend = get_backend(name)
     computing = _tree(layer_spec("compute", backend, share=share))
     sharing = _tree(layer_spec("share", backend, share=share))
     _assert_same_except(sharing, computing, skip=[ATTENTION, KEYS_MAP])
@@ -164,18 +161,100 @@ def test_sharing_layer_differs_from_the_computing_layer_only_in_qk(backend, shar
         frozen.forward(None)
 
     norm_key = "self_attention.linear_qkv.layer_norm_"
-    if backend is LOCAL:  # unfused norms: the same map as the computing layer (Megatron's)
+    if name == "local":  # unfused norms: the same map as the computing layer (Megatron's)
         assert sharing[KEYS_MAP] == computing[KEYS_MAP]
         assert computing[KEYS_MAP]["input_layernorm."] == norm_key
     else:
         assert sharing[KEYS_MAP] == {**computing[KEYS_MAP], f"self_attention.linear_{own}.layer_norm_": norm_key}
 
 
+_SPEC_IMPORTS = """
+import sys
+from megatron.core.extensions.transformer_engine import HAVE_TE
+from epas_megatron.model.builder import build_model
+from epas_megatron.model.specs import decoder_layer_specs, get_backend
+
+PROVIDER = "megatron.core.extensions.transformer_engine_spec_provider"
+imported = lambda: (PROVIDER in sys.modules, "transformer_engine" in sys.modules)
+before = imported()
+assert HAVE_TE or before == (False, False), before
+decoder_layer_specs(["compute", "source", "share"], get_backend("local"))
+assert imported() == before, imported()
+decoder_layer_specs(["compute", "source", "share"], get_backend("transformer_engine"))
+assert imported() == (True, before[1]), imported()
+print("ok")
+"""
+
+
 def test_building_a_te_spec_imports_no_transformer_engine():
-    before = "transformer_engine" in sys.modules
-    layer_spec("compute", TRANSFORMER_ENGINE)
-    layer_spec("share", TRANSFORMER_ENGINE)
-    assert ("transformer_engine" in sys.modules) == before
+    """In a fresh interpreter: the model code (the builder) imports neither Megatron's TE spec
+    provider nor, without TE installed, ``transformer_engine``; choosing the local backend and
+    building its specs imports neither; choosing the TE backend imports the provider, and building
+    its specs still no ``transformer_engine`` (its classes are placeholders without TE)."""
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", _SPEC_IMPORTS], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.split() == ["ok"], proc.stderr[-3000:]
+
+
+def _public_methods(cls) -> list[str]:
+    return [n for n, v in inspect.getmembers(cls, inspect.isfunction) if not n.startswith("_")]
+
+
+def test_local_provider_is_megatrons_with_our_modules_only_where_they_must_differ():
+    """Our local provider is Megatron-Core's ``LocalSpecProvider``: it overrides the linears
+    (weight-gradient split), the RMSNorm (sequence parallelism) and the core attention
+    (--core-attention), and every other method is Megatron's own (so an upstream change reaches
+    our layers), answering as Megatron's. The TE provider overrides none of ``TESpecProvider``."""
+    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from epas_megatron.model.core_attention import SDPAttention
+    from epas_megatron.model.norm import RMSNorm
+    from epas_megatron.model.weight_grad import DelayedWgradColumnParallelLinear, DelayedWgradRowParallelLinear
+
+    ours, megatron = get_backend("local", "unfused"), LocalSpecProvider()
+    assert isinstance(ours, LocalSpecProvider) and isinstance(LOCAL, EpasLocalSpecProvider)
+    overridden = {"column_parallel_linear", "row_parallel_linear", "layer_norm", "core_attention"}
+    ours_differ = {n for n in _public_methods(LocalSpecProvider) if getattr(EpasLocalSpecProvider, n) is not getattr(LocalSpecProvider, n)}
+    assert ours_differ == overridden
+    assert (ours.column_parallel_linear(), ours.row_parallel_linear()) == (DelayedWgradColumnParallelLinear, DelayedWgradRowParallelLinear)
+    assert ours.layer_norm(rms_norm=True) is ours.norm is RMSNorm
+    assert (ours.core_attention(), LOCAL.core_attention()) == (DotProductAttention, SDPAttention)
+    assert ours.fuse_layernorm_and_linear() is megatron.fuse_layernorm_and_linear() is False
+    assert ours.column_parallel_layer_norm_linear() is megatron.column_parallel_layer_norm_linear() is None
+    assert ours.activation_func() is megatron.activation_func()
+    for kwargs in ({}, {"for_qk": True}, {"has_residual": True}):  # LayerNorm: Megatron's
+        assert ours.layer_norm(**kwargs) is megatron.layer_norm(**kwargs)
+    for grouped_gemm in (False, True):
+        assert _tree(ours.grouped_mlp_modules(grouped_gemm)) == _tree(megatron.grouped_mlp_modules(grouped_gemm))
+
+    te = get_backend("transformer_engine")
+    assert isinstance(te, TESpecProvider) and not isinstance(te, LocalSpecProvider)
+    assert all(getattr(type(te), n) is getattr(TESpecProvider, n) for n in _public_methods(TESpecProvider))
+    assert te.norm is TESpecProvider().layer_norm(rms_norm=True)
+
+
+def test_mixture_of_channels_is_local_only():
+    from epas_megatron.model.moc import MoCMLP
+    from epas_megatron.model.moc_sizes import MoCSettings
+
+    moc = MoCSettings(0.25, 4)  # a build option: it changes the layer spec's mlp slot, and only that
+    plain = layer_spec("compute", get_backend("local"))
+    ours = moc.layer_spec(plain, "compute", "local")
+    assert ours.submodules.mlp.func.__self__ is MoCMLP and ours.submodules.mlp.keywords["topk"] == 0.25
+    assert ours.submodules.mlp.keywords["submodules"] is plain.submodules.mlp.keywords["submodules"]
+    outside_mlp = [{path: v for path, v in _tree(spec).items() if not path.startswith(".submodules.mlp")} for spec in (ours, plain)]
+    assert outside_mlp[0] == outside_mlp[1]
+    with pytest.raises(ValueError, match="local layers only"):
+        moc.layer_spec(layer_spec("compute", get_backend("transformer_engine")), "compute", "transformer_engine")
+
+
+def test_unknown_backend_and_core_attention():
+    with pytest.raises(ValueError, match="unknown backend 'inference_optimized'"):
+        get_backend("inference_optimized")
+    with pytest.raises(ValueError, match="unknown core attention 'flash'"):
+        get_backend("local", "flash")
 
 
 def test_decoder_specs_follow_roles():

@@ -5,9 +5,8 @@ layout would not have fitted, and says clearly when nothing fits."""
 import pytest
 
 from epas_megatron.errors import ConfigError
-from epas_megatron.metrics.memory_model import LayerShape
 from epas_megatron.metrics.rank_memory import RankMemorySettings
-from epas_megatron.model.architecture import LlamaArchitecture
+from epas_megatron.model.architecture import LlamaArchitecture, ModelShape
 from epas_megatron.parallel.balancer import balance_region, priced_layout
 from epas_megatron.parallel.memory_budget import GIB, MemoryLimit, layout_within_budget
 from epas_megatron.parallel.stage_layouts import flops_layer_costs
@@ -17,7 +16,7 @@ from epas_megatron.sharing.shape import layer_modes
 # layout puts 5 layers on rank 0 (the LM head sits on rank 1), and rank 0 also keeps the most
 # micro-batches in flight (2 of 8 under 1F1B, against rank 1's one).
 ARCH = LlamaArchitecture(8, 128, 4, 4, 64, 1024, 64)
-SHAPE = LayerShape(128, 4, 4, 64, seq_length=64, micro_batch_size=4)
+SHAPE = ModelShape(ARCH, seq_length=64, micro_batch_size=4)
 SETTINGS = RankMemorySettings(vocab_size=1024, num_microbatches=8)
 COSTS = flops_layer_costs(ARCH, 64)
 

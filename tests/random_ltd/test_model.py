@@ -6,10 +6,11 @@ import pytest
 import torch
 
 import llama_reference as ref
-from epas_megatron.model.build_plan import BuildPlan, RandomLTDSettings
+from epas_megatron.model.build_plan import BuildPlan
 from epas_megatron.model.builder import build_model
 from epas_megatron.random_ltd.keyed_draw import kept_token_indices
 from epas_megatron.random_ltd.model import set_kept_tokens
+from epas_megatron.random_ltd.option import RandomLTDSettings
 from epas_megatron.sharing.shape import RegionShape
 from epas_testing import per_token_loss, reference_weights
 
@@ -23,7 +24,7 @@ def build(arch, sharing=(), share="qk", ltd_layers=(0, 1, 2, 3), exclude_last=0,
 
     plan = BuildPlan.for_region(arch, sharing, share=share, shape=RegionShape(arch.num_layers, exclude_last),
                                 recompute=recompute or RecomputeSettings(),
-                                random_ltd=RandomLTDSettings(tuple(ltd_layers), seed=seed, kernels="torch"))
+                                options=(RandomLTDSettings(tuple(ltd_layers), seed=seed, kernels="torch"),))
     return build_model(plan, seed=11).chunks[0]
 
 

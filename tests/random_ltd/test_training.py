@@ -4,7 +4,7 @@ throughput from the FLOPs the kept tokens cost."""
 
 import pytest
 
-from epas_testing import TINY, assert_close, run_trainer
+from epas_testing import TINY, assert_close, model_shape, run_trainer
 
 # seq 64: kept 4, 16, 32, 48 tokens (floor(k/4 * 60 + 4) rounded down to a multiple of 4) at iterations 1-4, then all 64.
 # Switches at 3 (layer 3) and 5 (2-3).
@@ -25,7 +25,7 @@ def records(run):
 
 
 def test_schedule_lr_and_flops_of_the_run(reference):
-    from epas_megatron.metrics.flops import Convention, ModelShape, layerwise_forward_flops
+    from epas_megatron.metrics.flops import Convention, layerwise_forward_flops
 
     recs = records(reference)
     assert {i: r["random_ltd_kept_tokens"] for i, r in recs.items()} == KEPT
@@ -35,7 +35,7 @@ def test_schedule_lr_and_flops_of_the_run(reference):
     assert recs[6]["consumed_layer_tokens"] == 4 * 4 * sum(KEPT.values())
     # TFLOP/s from the FLOPs each iteration ran: kept tokens in dropping layers, whose source of
     # the sharing region (layer 2 at iterations 3-4, layer 1 from 5) projects Q/K/V for all 64.
-    shape = ModelShape(4, 64, 4, 2, 176, 512, 64)
+    shape = model_shape(4, 64, 4, 2, 176, 512, 64)
     for i, rec in recs.items():
         modes = ["compute"] * 4
         source = None

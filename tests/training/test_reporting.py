@@ -5,15 +5,15 @@ MFU peak's name."""
 import pytest
 import torch
 
-from epas_megatron.metrics.flops import ModelShape
 from epas_megatron.sharing.shape import LayerMode
 from epas_megatron.training.reporting import iteration_flops, peak_name, switch_line, switch_record
+from epas_testing import model_shape
 
 # s = 4, h = 8, 2 heads of 4, 1 KV group (K/V width 4), F = 16, V = 32. A computing layer, Megatron's
 # convention: Q 2*4*8*8 = 512, K = V = 2*4*8*4 = 256, scores = probs.V = 2*4*4*8 / 2 = 128,
 # out 512, MLP 3*2*4*8*16 = 3072 -> 4864; LM head 2*4*8*32 = 2048.
-SHAPE = ModelShape(num_layers=2, hidden_size=8, num_attention_heads=2, num_query_groups=1, ffn_hidden_size=16,
-                   vocab_size=32, seq_length=4)
+SHAPE = model_shape(num_layers=2, hidden_size=8, num_attention_heads=2, num_query_groups=1, ffn_hidden_size=16,
+                    vocab_size=32, seq_length=4)
 C, SRC, SH = LayerMode.COMPUTE, LayerMode.SOURCE, LayerMode.SHARE
 
 

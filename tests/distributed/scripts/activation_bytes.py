@@ -19,6 +19,7 @@ from epas_megatron.metrics.activation_memory import LiveSavedBytes, measure_save
 from epas_megatron.model.architecture import LlamaArchitecture
 from epas_megatron.model.build_plan import BuildPlan
 from epas_megatron.model.builder import build_model
+from epas_megatron.model.moc_sizes import MoCSettings
 from epas_megatron.model.weight_grad import WEIGHT_GRAD_STORE
 from epas_megatron.runtime.distributed import init_distributed
 
@@ -122,7 +123,6 @@ def main():
     shape = dict(num_layers=4, hidden_size=128, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=352,
                  vocab_size=512, max_sequence_length=S)
     arch = LlamaArchitecture(**shape)
-    moc_arch = LlamaArchitecture(**shape, moc_topk=MOC[0], moc_groups=MOC[1])
     tokens = torch.randint(0, 512, (B, S), generator=torch.Generator().manual_seed(0))
     for sequence_parallel in (False, True):
         for share in ("qk", "kv"):
@@ -137,7 +137,8 @@ def main():
                 continue
             for moc in (None, MOC):  # the qk model's split backward, its MLPs dense and Mixture-of-Channels
                 if moc is not None:
-                    plan = BuildPlan.for_region(moc_arch, (2, 3), seq_length=S, tp=2, sequence_parallel=sequence_parallel)
+                    plan = BuildPlan.for_region(arch, (2, 3), seq_length=S, tp=2, sequence_parallel=sequence_parallel,
+                                                options=(MoCSettings(*MOC),))
                     model = build_model(plan, seed=1).chunks[0]
                 held, by_gemm, grad_outputs = (everyone(value) for value in deferred_bytes(model, tokens))
                 differ = everyone(deferred_grads_differ(model, tokens))

@@ -16,9 +16,9 @@ from megatron.core import parallel_state
 
 from epas_megatron.assembly import memory_settings
 from epas_megatron.config.cli import parse_config
-from epas_megatron.metrics.memory_model import LayerShape
 from epas_megatron.metrics.rank_memory import rank_memory_bytes
 from epas_megatron.metrics.switch_memory import switch_transient_terms
+from epas_megatron.model.architecture import ModelShape
 from epas_megatron.runtime.wrapping import unwrap_model
 from epas_megatron.sharing.shape import LayerMode
 from epas_megatron.training.trainer import Trainer
@@ -46,15 +46,15 @@ def main(argv):
                 with torch.profiler.record_function("epas_switch_build"):
                     trainer.apply_switch(tuple(run.schedule.sharing_layers(iteration)))
             after = layer_ids(trainer.model)
-        vocab = trainer.plan.arch.vocab_size
+        arch = trainer.plan.arch
         pp_rank, rank = parallel_state.get_pipeline_model_parallel_rank(), dist.get_rank()
     finally:
         trainer.close()
     peak, _ = _cpu_peaks(prof)
-    m, t = run.cfg.model, run.cfg.training
-    shape = LayerShape(m.hidden_size, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size, t.seq_length, t.micro_batch_size)
+    t = run.cfg.training
+    shape = ModelShape(arch, t.seq_length, t.micro_batch_size)
     roles = lambda it: ["share" if mode == LayerMode.SHARE else "compute" for mode in run.schedule.layer_modes(it)]
-    settings = memory_settings(run, vocab)
+    settings = memory_settings(run, arch.vocab_size)
     terms = switch_transient_terms(shape, roles(iteration - 1), roles(iteration), before, after, pp_rank, run.cfg.parallel.pp,
                                    settings)
     state = rank_memory_bytes(shape, [[roles(iteration - 1)[i] for i in before]], pp_rank, run.cfg.parallel.pp, 1,
