@@ -58,7 +58,7 @@ def report(run, gpu_memory_gb: Optional[float]) -> tuple[list[str], bool]:
     from epas_megatron.assembly import memory_settings, plan_after_switch, plan_for_run, stage_memory_limit
     from epas_megatron.metrics.flops import flops_per_iteration
     from epas_megatron.model.fusions import ASSUMED_GPU, KernelAvailability
-    from epas_megatron.parallel.layout import StageLayout
+    from epas_megatron.model.stage_layout import StageLayout
     from epas_megatron.parallel.memory_budget import GIB
     from epas_megatron.runtime.device import device_memory_gb
     from epas_megatron.sharing.shape import RegionShape
@@ -281,7 +281,7 @@ def schedule_options(run, plan, measure, budget: Optional[float], own_rows, own_
     bubble at the first region (:func:`schedule_time`; the run's own on its first region's
     ``own_sizes``, per virtual stage, the others on the even ones), and whether every rank fits
     ``budget``; and notes on the schedules left out."""
-    from epas_megatron.parallel.layout import StageLayout
+    from epas_megatron.model.stage_layout import StageLayout
     from epas_megatron.sharing.shape import RegionShape
 
     pp, n, m = run.cfg.parallel.pp, run.cfg.model.num_layers, run.num_microbatches
@@ -349,7 +349,7 @@ def _switch_peaks(run, base, limit, measure, budget: Optional[float]) -> tuple[l
     between the layouts planned for the regions before and after it): the report's lines and
     whether every rank fits ``budget``."""
     from epas_megatron.assembly import plan_after_switch
-    from epas_megatron.parallel.layout import StageLayout, VStageLayout
+    from epas_megatron.model.stage_layout import StageLayout, VStageLayout
     from epas_megatron.parallel.memory_budget import GIB
     from epas_megatron.sharing.shape import RegionShape
 

@@ -40,7 +40,7 @@ from epas_megatron.sharing.schedule import SharingSchedule
 from epas_megatron.sharing.shape import RegionShape
 
 if TYPE_CHECKING:
-    from epas_megatron.parallel.layout import StageLayout, VStageLayout
+    from epas_megatron.model.stage_layout import StageLayout, VStageLayout
     from epas_megatron.random_ltd.schedule import RandomLTDSchedule
 
 _CHOICES = {
@@ -79,7 +79,7 @@ class ResolvedRun:
     without interleaving: the one normalised value (:func:`~epas_megatron.model.build_plan.normalise_vpp`)."""
 
     layout: Optional["StageLayout"]
-    """--pipeline-layout as a :class:`~epas_megatron.parallel.layout.StageLayout` (None: even split)."""
+    """--pipeline-layout as a :class:`~epas_megatron.model.stage_layout.StageLayout` (None: even split)."""
 
     backend: str
     """'local' or 'transformer_engine'."""
@@ -288,7 +288,7 @@ def _is_v_layout(layout: Optional[str]) -> bool:
 def _resolve_v_layout(cfg: RunConfig, m, schedule: PipelineSchedule) -> Optional["VStageLayout"]:
     """``--pipeline-layout`` under a V schedule, parsed (None without one); a V layout is refused
     under any other schedule, a Megatron layout under a V schedule."""
-    from epas_megatron.parallel.layout import VStageLayout
+    from epas_megatron.model.stage_layout import VStageLayout
 
     layout, pp = cfg.parallel.pipeline_layout, cfg.parallel.pp
     if not schedule.v_placement:
@@ -458,7 +458,7 @@ def _check_layout(layout: str, num_layers: int, pp: int, vpp: Optional[int]) -> 
     """--pipeline-layout checked by Megatron-Core's parser, as a StageLayout."""
     from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
-    from epas_megatron.parallel.layout import StageLayout
+    from epas_megatron.model.stage_layout import StageLayout
 
     if pp < 2:
         raise ConfigError(f"--pipeline-layout {layout!r} splits layers over pipeline stages and needs --pp >= 2 "

@@ -14,7 +14,7 @@
 
 Layering: the model/sharing level (config -> model/sharing -> parallel/checkpointing -> training
 -> entry points): it builds on the sharing package (layer modes, hand-off), Random-LTD's token
-hooks, the stage layout a plan carries (:class:`~epas_megatron.parallel.layout.StageLayout`)
+hooks, the stage layout a plan carries (:class:`~epas_megatron.model.stage_layout.StageLayout`)
 and the runtime; training, inference, evaluation, conversion and the benchmarks build models
 only by making a ``BuildPlan`` and calling :func:`~epas_megatron.model.builder.build_model` (or
 training's ``build_training_state``) with it.

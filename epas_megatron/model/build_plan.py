@@ -13,7 +13,7 @@ Normalised here, once:
 * the virtual-pipeline size: ``None`` without interleaving (``--vpp 1`` and ``--vpp`` unset
   mean the same), otherwise the number of chunks per rank -- taken from the layout when there
   is one, as Megatron-Core does;
-* the pipeline layout, as a :class:`~epas_megatron.parallel.layout.StageLayout` object (it
+* the pipeline layout, as a :class:`~epas_megatron.model.stage_layout.StageLayout` object (it
   becomes Megatron's layout string only where Megatron's ``TransformerConfig`` takes it).
 """
 
@@ -21,21 +21,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence, TypeVar
+from typing import Optional, Sequence, TypeVar
 
 from epas_megatron.build_option import BuildOption
 from epas_megatron.model.architecture import LlamaArchitecture
 from epas_megatron.model.fusions import PRECISIONS
+from epas_megatron.model.stage_layout import StageLayout
 from epas_megatron.model.v_placement import v_layout_string
 from epas_megatron.sharing.shape import LayerMode, RegionShape
-
-if TYPE_CHECKING:  # (parallel sits above model; the layout is only carried here)
-    from epas_megatron.parallel.layout import StageLayout
 
 O = TypeVar("O", bound=BuildOption)
 
 
-def normalise_vpp(vpp: Optional[int], layout: Optional["StageLayout"] = None) -> Optional[int]:
+def normalise_vpp(vpp: Optional[int], layout: Optional[StageLayout] = None) -> Optional[int]:
     """Chunks per pipeline rank, or None without interleaving. A layout decides (its virtual
     stages per rank); otherwise ``--vpp`` values of None and 1 both mean no interleaving."""
     if layout is not None:
@@ -87,7 +85,7 @@ class BuildPlan:
     vpp: Optional[int] = None
     """Model chunks per pipeline rank, None without interleaving (see :func:`normalise_vpp`)."""
 
-    layout: Optional["StageLayout"] = None
+    layout: Optional[StageLayout] = None
     """Explicit split of the layers over (virtual) stages; None: Megatron's even split."""
 
     v_stage_sizes: Optional[tuple[int, ...]] = None
@@ -176,7 +174,7 @@ class BuildPlan:
         *,
         seq_length: Optional[int] = None,
         vpp: Optional[int] = None,
-        layout: Optional["StageLayout"] = None,
+        layout: Optional[StageLayout] = None,
         shape: Optional[RegionShape] = None,
         **settings,
     ) -> BuildPlan:
@@ -201,7 +199,7 @@ class BuildPlan:
     def _modes(self, sharing_layers: Sequence[int]) -> list[LayerMode]:
         return self.shape.modes(sharing_layers)
 
-    def with_region(self, sharing_layers: Sequence[int], layout: Optional["StageLayout"] = None) -> BuildPlan:
+    def with_region(self, sharing_layers: Sequence[int], layout: Optional[StageLayout] = None) -> BuildPlan:
         """The same plan (its region shape included) for another sharing region
         (and pipeline layout), as at a switch."""
         return dataclasses.replace(

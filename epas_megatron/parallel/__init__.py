@@ -1,8 +1,8 @@
 """Pipeline stages under EPAS: where each decoder layer lives, rebalanced at every switch.
 
-- :mod:`.layout`: :class:`~epas_megatron.parallel.layout.StageLayout`, the layers each virtual
-  pipeline stage holds, and Megatron's layout string (:class:`~epas_megatron.parallel.layout.VStageLayout`:
-  the same under V placement);
+- the layout itself, :class:`~epas_megatron.model.stage_layout.StageLayout` (the layers each
+  virtual pipeline stage holds, and Megatron's layout string; ``VStageLayout``: the same under V
+  placement), is the model's: a ``BuildPlan`` carries it;
 - :mod:`.cost_model`: per-layer costs (computing, sharing, LM head, the Q/K hand-off's p2p);
 - :mod:`.partition`: the exact search for the split with the cheapest slowest rank;
 - :mod:`.balancer`: the layout for a sharing region (hand-off priced, ties toward the even split),
@@ -15,6 +15,5 @@
 Layering: the parallel/checkpointing level (config -> model/sharing -> parallel/checkpointing ->
 training -> entry points): it prices layouts with the sharing package's layer modes and the
 metrics package's FLOPs and memory models; the trainer asks it for a layout at start and at
-every switch. Its :class:`~epas_megatron.parallel.layout.StageLayout` is a pure value that a
-``BuildPlan`` carries.
+every switch.
 """

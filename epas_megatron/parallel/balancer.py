@@ -3,7 +3,7 @@
 All chunks of one pipeline rank run on the same GPU, so a rank's time per microbatch is the sum
 of its chunks' costs, and the pipeline runs at the pace of its slowest rank. :func:`balance_layout`
 picks the split of the decoder layers into virtual stages (a
-:class:`~epas_megatron.parallel.layout.StageLayout`) that minimises that slowest rank's cost, the
+:class:`~epas_megatron.model.stage_layout.StageLayout`) that minimises that slowest rank's cost, the
 *bottleneck*, priced by the cost model (:mod:`epas_megatron.parallel.cost_model`):
 
 - every decoder layer by its mode, the embedding on virtual stage 0, the output layer and loss on
@@ -22,7 +22,7 @@ even split; see there).
 
 Under V placement (a V pipeline schedule; Qi et al., "Pipeline Parallelism with Controllable
 Memory", NeurIPS 2024) :func:`balance_v_layout` does the same for the ``2p`` V stages (a
-:class:`~epas_megatron.parallel.layout.VStageLayout`): each rank holds a shallow stage ``r`` and a
+:class:`~epas_megatron.model.stage_layout.VStageLayout`): each rank holds a shallow stage ``r`` and a
 deep one ``2p-1-r``, rank 0 also the embedding, the LM head and the loss; the hand-off is priced
 as above at every point-to-point boundary, the turn on rank ``p-1`` (a local hand-on) excepted.
 
@@ -39,8 +39,8 @@ import math
 from collections.abc import Iterable, Sequence
 
 from epas_megatron.errors import ConfigError
+from epas_megatron.model.stage_layout import StageLayout, VStageLayout
 from epas_megatron.parallel.cost_model import LayerCosts, costs_for_modes
-from epas_megatron.parallel.layout import StageLayout, VStageLayout
 from epas_megatron.parallel.partition import REL_TOL, best_split
 from epas_megatron.sharing.shape import LayerMode, RegionShape, as_shape
 

@@ -7,10 +7,10 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from epas_megatron.model.stage_layout import StageLayout, VStageLayout
 from epas_megatron.model.v_placement import even_v_stage_sizes
 from epas_megatron.parallel.balancer import balance_region, balance_v_region, crosses_region, priced_layout, priced_v_layout
 from epas_megatron.parallel.cost_model import LayerCosts, costs_for_modes
-from epas_megatron.parallel.layout import StageLayout, VStageLayout
 from epas_megatron.sharing.shape import RegionShape, as_shape
 
 

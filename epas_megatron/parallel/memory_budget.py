@@ -67,7 +67,7 @@ class MemoryLimit:
         return fits
 
     def layout_bytes(self, layout, modes: Sequence[LayerMode]) -> list[dict[str, float]]:
-        """Per-rank memory of a :class:`~epas_megatron.parallel.layout.StageLayout`."""
+        """Per-rank memory of a :class:`~epas_megatron.model.stage_layout.StageLayout`."""
         roles = ["share" if m == LayerMode.SHARE else "compute" for m in modes]
         out = []
         for rank in range(self.pp):

@@ -63,7 +63,7 @@ found: up to about half a second on one CPU core."""
 
 def even_ends(num_layers: int, num_stages: int) -> list[int]:
     """Stage ends of Megatron's even split (the first ``num_layers % num_stages`` stages one
-    layer longer), as :meth:`StageLayout.even <epas_megatron.parallel.layout.StageLayout.even>`."""
+    layer longer), as :meth:`StageLayout.even <epas_megatron.model.stage_layout.StageLayout.even>`."""
     base, extra = divmod(num_layers, num_stages)
     return list(itertools.accumulate(base + (k < extra) for k in range(num_stages)))
 

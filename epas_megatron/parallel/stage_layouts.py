@@ -11,7 +11,7 @@ through a staging checkpoint (``--epas-switch-mode checkpoint``). Either way the
 matched by checkpoint shard id, so the layout chosen does not depend on where the layers were
 before. Under a V pipeline schedule (V placement: ``2p`` stages, two per rank) the same happens
 with V stage sizes (:func:`balanced_v_layout`, a
-:class:`~epas_megatron.parallel.layout.VStageLayout`).
+:class:`~epas_megatron.model.stage_layout.VStageLayout`).
 
 Costs are forward matmul FLOPs per sequence (a computing layer, a sharing layer, the LM head and
 loss on the last stage; the embedding gather is free). Backward is ~2x forward for every part,
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from epas_megatron.model.stage_layout import StageLayout, VStageLayout
 from epas_megatron.parallel.balancer import balance_region, balance_v_region
 from epas_megatron.parallel.cost_model import P2P_FLOPS_PER_BYTE, LayerCosts
-from epas_megatron.parallel.layout import StageLayout, VStageLayout
 from epas_megatron.parallel.layout_report import format_layouts
 from epas_megatron.sharing.shape import RegionShape
 

@@ -270,7 +270,7 @@ def test_build_plan_keeps_exclude_last_and_places_the_hand_off():
     from epas_megatron.model.architecture import LlamaArchitecture
     from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import chunk_placements, make_transformer_config, pipeline_handoff_rows
-    from epas_megatron.parallel.layout import StageLayout
+    from epas_megatron.model.stage_layout import StageLayout
 
     arch = LlamaArchitecture(8, 64, 4, 2, 176, 256, 32)
     plan = BuildPlan.for_region(arch, (5,), seq_length=32, pp=2, shape=RegionShape(8, exclude_last=2))

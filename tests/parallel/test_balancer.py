@@ -8,9 +8,9 @@ import random
 import pytest
 
 from epas_megatron.errors import ConfigError
+from epas_megatron.model.stage_layout import StageLayout
 from epas_megatron.parallel.balancer import balance_layout, balance_region
 from epas_megatron.parallel.cost_model import LayerCosts
-from epas_megatron.parallel.layout import StageLayout
 from epas_megatron.parallel.layout_report import PipelineSpeedup, format_layouts, predict_pipeline_speedup
 from epas_megatron.parallel.partition import best_split
 from epas_megatron.sharing.shape import LayerMode, RegionShape, layer_modes

@@ -10,9 +10,9 @@ import random
 import pytest
 
 from epas_megatron.errors import ConfigError
+from epas_megatron.model.stage_layout import VStageLayout
 from epas_megatron.parallel.balancer import balance_layout, balance_v_layout, balance_v_region
 from epas_megatron.parallel.cost_model import LayerCosts
-from epas_megatron.parallel.layout import VStageLayout
 from epas_megatron.parallel.layout_report import even_layout, format_layouts
 from epas_megatron.parallel.partition import best_split
 from epas_megatron.sharing.shape import LayerMode, layer_modes

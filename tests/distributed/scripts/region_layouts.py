@@ -49,7 +49,7 @@ def main():
     from epas_megatron.model.architecture import LlamaArchitecture
     from epas_megatron.model.build_plan import BuildPlan
     from epas_megatron.model.builder import build_model
-    from epas_megatron.parallel.layout import StageLayout
+    from epas_megatron.model.stage_layout import StageLayout
     from epas_megatron.sharing.shape import RegionShape, region_layers
 
     only = sys.argv[1:] or list(LAYOUTS)
