@@ -12,6 +12,12 @@ from typing import Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 
+COMMANDS_BY_SCRIPT = {  # the console scripts of pyproject.toml -> the modules they (and torchrun / python -m) start
+    "epas-train": "epas_megatron.train", "epas-plan": "epas_megatron.plan", "epas-eval": "epas_megatron.evaluate",
+    "epas-bench": "epas_megatron.bench.cli", "epas-preprocess": "epas_megatron.data.preprocess",
+    "epas-convert": "epas_megatron.convert.cli", "epas-generate": "epas_megatron.generate",
+}
+
 TINY = ["--preset", "tiny", "--eval-interval", "0", "--no-tensorboard", "--log-interval", "1"]
 
 

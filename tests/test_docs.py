@@ -11,15 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from epas_testing import COMMANDS_BY_SCRIPT as COMMANDS
 from epas_testing import REPO
 
 PAGES = [REPO / "README.md", REPO / "tests" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
-COMMANDS = {  # the console scripts of pyproject.toml and the modules torchrun / python -m start
-    "epas-train": "epas_megatron.train", "epas-plan": "epas_megatron.plan", "epas-eval": "epas_megatron.evaluate",
-    "epas-bench": "epas_megatron.bench.cli", "epas-preprocess": "epas_megatron.data.preprocess",
-    "epas-convert": "epas_megatron.convert.cli", "epas-generate": "epas_megatron.generate",
-}
 
 
 def _slug(heading: str) -> str:

@@ -1,10 +1,14 @@
 """The README's commands: the main job (shortened by flags) trains with EPAS switching, and its
-loss falls; the test command is what .ci/run runs."""
+loss falls; the commands that read its checkpoint (evaluation, generation, Hugging Face export)
+run as written on it; the pipeline example trains; the test command is what .ci/run runs."""
 
+import json
 import re
 import shlex
 
-from epas_testing import REPO, run_trainer
+import pytest
+
+from epas_testing import COMMANDS_BY_SCRIPT, REPO, _main_in_process, run_trainer
 
 
 def readme_commands() -> list[str]:
@@ -19,7 +23,9 @@ def test_ci_runs_the_readme_test_command():
     assert test_command in (REPO / ".ci" / "run").read_text()
 
 
-def test_main_command_trains_with_epas_switches_and_loss_falls(tmp_path):
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """The README's main job, shortened by flags (24 iterations, a checkpoint at the end)."""
     main_command = readme_commands()[0]
     setup, train = [part.strip() for part in main_command.split("&&")]
     assert setup == "bash tools/setup_env.sh"
@@ -31,7 +37,11 @@ def test_main_command_trains_with_epas_switches_and_loss_falls(tmp_path):
     shorten = ["--train-iters", "24", "--seq-length", "64", "--global-batch-size", "4", "--micro-batch-size", "4",
                "--lr-warmup-iters", "2", "--epas-interval", "4", "--eval-interval", "12", "--log-interval", "1",
                "--save-interval", "24"]
-    run = run_trainer([*args, *shorten], tmp_path / "demo")
+    return run_trainer([*args, *shorten], tmp_path_factory.mktemp("readme") / "demo")
+
+
+def test_main_command_trains_with_epas_switches_and_loss_falls(demo_run):
+    run = demo_run
     # The demo config has EPAS on: 4 of the small model's 8 layers switch, one every 4 iterations here.
     assert [s["sharing_layers"] for s in run.switches] == [[7], [6, 7], [5, 6, 7], [4, 5, 6, 7]]
     assert "EPAS switch at iteration 4: sharing layers [7]" in run.stdout
@@ -65,3 +75,27 @@ def test_the_readme_pipeline_example_runs(tmp_path):
     assert run.summary["iterations"] == 12 and run.returncode == 0
     schedule = args[args.index("--pipeline-schedule") + 1]
     assert f"({schedule}, V placement" in run.stdout, run.stdout[-2000:]
+
+
+def test_the_readme_commands_on_the_demo_checkpoint_run(demo_run, tmp_path):
+    """The README's epas-eval, epas-generate and epas-convert hf-export lines, as written but for
+    the run directory (``runs/demo`` is the test's) and the export's, each run by its command's
+    own ``main``: the evaluation reports every region asked for, generation continues the prompt,
+    the export writes a Hugging Face model."""
+    lines = [line for line in _readme_lines() if "--load runs/demo/checkpoints" in line]
+    assert {shlex.split(line)[0].rsplit("/", 1)[-1] for line in lines} == {"epas-eval", "epas-generate", "epas-convert"}
+    for line in lines:
+        argv = [word.replace("runs/demo", str(demo_run.output_dir)).replace("hf/demo", str(tmp_path / "hf"))
+                for word in shlex.split(line)]
+        script = argv[0].rsplit("/", 1)[-1]
+        returncode, stdout, stderr = _main_in_process(argv[1:], module=COMMANDS_BY_SCRIPT[script])
+        assert returncode == 0, f"{line}\n{stdout[-2000:]}\n{stderr[-2000:]}"
+        if script == "epas-eval":
+            payload = json.loads(next(x for x in stdout.splitlines() if x.startswith("EVAL "))[5:])
+            assert [r["region"] for r in payload["results"]] == [0, 2, 4], payload
+        elif script == "epas-generate":
+            # "N tokens in S s": the prompt continued (a short demo model may stop at its end-of-text)
+            generated = re.search(r"^(\d+) tokens in ", stderr, flags=re.M)
+            assert stdout.startswith(argv[argv.index("--prompt") + 1]) and generated and int(generated.group(1)) >= 1, stderr
+        else:
+            assert (tmp_path / "hf" / "config.json").is_file() and any((tmp_path / "hf").glob("*.safetensors"))
