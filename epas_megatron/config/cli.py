@@ -18,7 +18,8 @@ from typing import Any, Optional, Sequence
 import yaml
 
 from epas_megatron.config.presets import PRESETS, get_preset
-from epas_megatron.config.schema import RunConfig, all_sections
+from epas_megatron.config.schema import RunConfig
+from epas_megatron.config.sections import all_sections
 from epas_megatron.errors import ConfigError
 
 

@@ -461,7 +461,8 @@ class RandomLTDConfig:
 
 
 ENROLLED_SECTIONS: dict[str, type] = {}
-"""Config sections of build options beyond the built-in ones, by name (:func:`enrol_section`)."""
+"""Config sections of build options beyond the built-in ones, by name
+(:func:`epas_megatron.config.sections.enrol_section`)."""
 
 
 def _enrolled_defaults() -> dict[str, Any]:
@@ -494,24 +495,3 @@ class RunConfig:
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(RunConfig) if f.name != "enrolled"}
 """The built-in sections, by name."""
-
-
-def all_sections() -> dict[str, type]:
-    """Every section a config has now: the built-in ones, then the enrolled ones."""
-    return {**SECTIONS, **ENROLLED_SECTIONS}
-
-
-def enrol_section(name: str, cls: type) -> None:
-    """Add the config section ``name`` (the dataclass ``cls``: one docstring per field, field
-    names unique across every section so flags stay flat) for a build option outside the built-in
-    sections (:func:`epas_megatron.model.option_registry.enrol`); enrolling the same class twice
-    is a no-op."""
-    if ENROLLED_SECTIONS.get(name) is cls:
-        return
-    if name in all_sections() or name == "enrolled":
-        raise ValueError(f"config section {name!r} exists already")
-    taken = {f.name for section in all_sections().values() for f in fields(section)}
-    clash = sorted(taken & {f.name for f in fields(cls)})
-    if clash:
-        raise ValueError(f"config section {name!r}: fields {clash} exist in another section (flags are flat)")
-    ENROLLED_SECTIONS[name] = cls
