@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Optional
 
 from epas_megatron.build_option import BuildFacts, BuildOption
-from epas_megatron.config.schema import RunConfig, enrol_section
+from epas_megatron.config.schema import RunConfig
+from epas_megatron.config.sections import enrol_section
 from epas_megatron.model.blending import SwitchRampSettings
 from epas_megatron.model.moc_sizes import MoCSettings
 from epas_megatron.random_ltd.option import RandomLTDSettings
