@@ -28,9 +28,9 @@ from typing import Optional
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 BINARIES = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo", "munged")
 NODES = tuple(f"epas-n{i}" for i in range(1, 7))
-"""Six nodes: the three two-node jobs of test_slurm_pretrain (or the sweep's three one-node
-points) run side by side, so their start-ups and the requeues' cred_expire waits overlap. Every
-node is a slurmd on this machine (NodeAddr 127.0.0.1)."""
+"""Six nodes: the two two-node jobs of test_slurm_pretrain (with room for a requeued one to start
+on other nodes) or the sweep's three one-node points run side by side, so their start-ups and the
+requeues' cred_expire waits overlap. Every node is a slurmd on this machine (NodeAddr 127.0.0.1)."""
 HOSTS_FILE = Path("/etc/hosts")
 CRED_EXPIRE_S = 5
 """Requeued jobs start again after about this many seconds (slurm.conf AuthInfo cred_expire)."""

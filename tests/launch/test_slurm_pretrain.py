@@ -5,12 +5,19 @@ The reference for every job is an independent local run of the same config and s
 which never goes through the launcher or Slurm. Training on CPU is bit-exact, so the per-
 iteration losses of the Slurm jobs (metrics.jsonl) must equal it exactly, including jobs that
 were signalled, saved, requeued and resumed.
+
+Two jobs, each run twice by Slurm (started from scratch, preempted, requeued, resumed to the
+end): every launch of the batch script (srun -> one launcher per node -> torchrun with c10d on
+the allocation's first node -> epas_megatron.train) is checked, the first from scratch and the
+last to the end of the run, so no separate uninterrupted job is launched: the losses of all
+iterations of both jobs, before and after their preemption, are the reference's.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -45,8 +52,9 @@ def switch_iterations(metrics: list[dict]) -> list[int]:
     return [m["iteration"] for m in metrics if m.get("kind") == "switch"]
 
 
-def submit(cluster, work: Path, name: str, *trainer_args: str) -> tuple[str, Path, Path]:
-    """sbatch slurm/pretrain.sbatch on two nodes; returns (job id, output dir, job log)."""
+def submit(cluster, work: Path, name: str, *trainer_args: str, env: dict | None = None) -> tuple[str, Path, Path]:
+    """sbatch slurm/pretrain.sbatch on two nodes (``env``: more of the submitting shell's
+    environment); returns (job id, output dir, job log)."""
     out = work / "run"
     env = {
         "CONFIG": str(CONFIG),
@@ -54,6 +62,7 @@ def submit(cluster, work: Path, name: str, *trainer_args: str) -> tuple[str, Pat
         "OMP_NUM_THREADS": "1",
         "PYTHON": sys.executable,
         "EPAS_CACHE_DIR": os.environ["EPAS_CACHE_DIR"],
+        **(env or {}),
     }
     result = cluster.command(
         "sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0", "--time=15", f"--job-name={name}",
@@ -80,17 +89,55 @@ def summaries(log_text: str) -> list[dict]:
     return [json.loads(line.split("SUMMARY ", 1)[1]) for line in log_text.splitlines() if line.startswith("SUMMARY ")]
 
 
-def wait_for_training(out: Path, cluster, job: str, iterations: int) -> None:
-    """Until rank 0 logged ``iterations`` training steps (both ranks are past setup then)."""
+SEGMENT = re.compile(r"^=== epas-pretrain job (\d+) \(restart (\d+)\) on (\S+) at ", re.M)
 
-    def trained() -> bool:
-        if len(train_losses(read_metrics(out))) >= iterations:
-            return True
-        state = cluster.job_state(job)
-        assert state in ("", "PENDING", "CONFIGURING", "RUNNING"), f"job {job} is {state} before it could be signalled"
-        return False
 
-    wait_until(trained, timeout=JOB_TIMEOUT, poll=0.1, what=f"{iterations} logged iterations")
+def segments(log_text: str) -> list[tuple[str, int, str, str]]:
+    """(job id, restart count, node list, its part of the log) of each run of the batch script,
+    in order (a requeued job appends to its log: --open-mode=append)."""
+    starts = list(SEGMENT.finditer(log_text))
+    ends = [m.start() for m in starts[1:]] + [len(log_text)]
+    return [(m[1], int(m[2]), m[3], log_text[m.start():end]) for m, end in zip(starts, ends)]
+
+
+def assert_one_launcher_per_node(cluster, job: str, log_text: str, restarts: int) -> None:
+    """Every run of the batch script: one launcher per node of that run's allocation, c10d
+    rendezvous on its first node with the job id, a world of 2 = DP 2. The last run's nodes are
+    the ones Slurm reports for the job."""
+    runs = segments(log_text)
+    assert [(j, r) for j, r, _, _ in runs] == [(job, r) for r in range(restarts + 1)], (runs, log_text[-3000:])
+    for _, restart, node_list, text in runs:
+        nodes = cluster.command("scontrol", "show", "hostnames", node_list).stdout.split()
+        assert len(nodes) == 2, (restart, nodes)
+        commands = re.findall(r"^\[launch (\S+)\] command: (.*)$", text, re.M)
+        assert sorted(node for node, _ in commands) == sorted(nodes), (restart, nodes, text[-3000:])
+        for node, command in commands:
+            assert f"--rdzv-backend c10d --rdzv-endpoint {nodes[0]}:" in command, (restart, node, command)
+            assert f"--rdzv-id {job} " in command, (restart, node, command)
+        assert "world 2 = TP 1 x PP 1 x DP 2" in text, restart
+    assert cluster.command("scontrol", "show", "hostnames", runs[-1][2]).stdout.split() == cluster.job_nodes(job)
+
+
+def preempt_once_training(cluster, submitted: dict, iterations: int) -> None:
+    """Preempt each job (:data:`PREEMPTIONS`) as soon as rank 0 logged ``iterations`` training
+    steps (both ranks are past setup then), each on its own: one that starts sooner must not
+    train to its end while the other one starts."""
+    waiting = dict(submitted)
+
+    def preempted_all() -> bool:
+        for how, (job, out, _) in list(waiting.items()):
+            if len(train_losses(read_metrics(out))) >= iterations:
+                if how == "usr1":
+                    cluster.command("scancel", "--signal=USR1", job)
+                else:
+                    cluster.command("scontrol", "requeue", job)
+                del waiting[how]
+                continue
+            state = cluster.job_state(job)
+            assert state in ("", "PENDING", "CONFIGURING", "RUNNING"), f"job {job} is {state} before it could be signalled"
+        return not waiting
+
+    wait_until(preempted_all, timeout=JOB_TIMEOUT, poll=0.1, what=f"{iterations} logged iterations of every job")
 
 
 def wait_for_requeue(cluster, job: str) -> None:
@@ -106,29 +153,28 @@ def wait_for_requeue(cluster, job: str) -> None:
 PREEMPTIONS = {"usr1": "signal 10", "requeue": "signal 15"}
 """How a job is preempted -> the exit reason of its first segment's SUMMARY."""
 
+LAUNCH_ENV = {"usr1": {}, "requeue": {"LAUNCH_VALIDATE": "0"}}
+"""The USR1 job launches as a user would (the launcher validates the run config, importing
+Megatron-Core, on every node before torchrun starts: on a resumed run too); the requeue job skips
+that check (LAUNCH_VALIDATE=0, a documented launcher knob; test_launcher.py tests the check), which
+saves four Megatron-Core imports on the two shared cores."""
+
 
 @pytest.fixture(scope="module")
 def jobs(slurm_cluster, tmp_path_factory):
-    """The module's three two-node jobs, submitted together so that they run side by side on
-    the six nodes: a plain one ("plain"), and two preempted after 3 logged iterations. USR1 (as
-    --signal=USR1@T sends it): the trainer saves and exits 0, the batch script sees the run
-    unfinished and requeues itself. ``scontrol requeue`` (what preemption with
-    PreemptMode=REQUEUE does): Slurm sends SIGTERM, the trainer saves, Slurm requeues.
+    """The module's two two-node jobs, submitted together so that they run side by side, both
+    preempted after 3 logged iterations. USR1 (as --signal=USR1@T sends it): the trainer saves
+    and exits 0, the batch script sees the run unfinished and requeues itself. ``scontrol
+    requeue`` (what preemption with PreemptMode=REQUEUE does): Slurm sends SIGTERM, the trainer
+    saves, Slurm requeues. Each job then resumes and runs to the end.
     {name: (job id, output dir, job log)}; the jobs are cancelled when the module ends."""
     work = tmp_path_factory.mktemp("slurm-jobs")
-    names = {"plain": "epas-a", **{how: f"epas-b-{how}" for how in PREEMPTIONS}}
     try:
         submitted = {}
-        for key, name in names.items():
-            (work / key).mkdir()
-            submitted[key] = submit(slurm_cluster, work / key, name)
         for how in PREEMPTIONS:
-            job, out, _ = submitted[how]
-            wait_for_training(out, slurm_cluster, job, iterations=3)
-            if how == "usr1":
-                slurm_cluster.command("scancel", "--signal=USR1", job)
-            else:
-                slurm_cluster.command("scontrol", "requeue", job)
+            (work / how).mkdir()
+            submitted[how] = submit(slurm_cluster, work / how, f"epas-b-{how}", env=LAUNCH_ENV[how])
+        preempt_once_training(slurm_cluster, submitted, iterations=3)
         yield submitted
     finally:
         slurm_cluster.cancel_all()
@@ -137,8 +183,8 @@ def jobs(slurm_cluster, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(jobs, tmp_path_factory):
     """The uninterrupted local run (2 processes, never through the launcher or Slurm) of the same
-    config; it trains while the jobs run (after they were preempted: its CPU time would delay
-    their signals past the end of training)."""
+    config; it trains while the jobs wait out their requeue (after they were preempted: its CPU
+    time would delay their signals past the end of training)."""
     out = tmp_path_factory.mktemp("reference") / "run"
     run = run_trainer(["--config", str(CONFIG), *ARGS], out, nproc=2, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -148,40 +194,37 @@ def reference(jobs, tmp_path_factory):
     return losses
 
 
-def test_two_node_job_matches_local_torchrun(slurm_cluster, jobs, reference):
+@pytest.fixture(scope="module")
+def finished(slurm_cluster, jobs, reference):
+    """The jobs, once requeued and run to the end (the reference trained meanwhile)."""
+    for job, _, _ in jobs.values():
+        wait_for_requeue(slurm_cluster, job)
+    slurm_cluster.wait_for([job for job, _, _ in jobs.values()], timeout=JOB_TIMEOUT)
+    return jobs
+
+
+def test_two_node_job_matches_local_torchrun(slurm_cluster, finished, reference):
+    """Every launch of both jobs: one launcher per node, c10d rendezvous on the first node of
+    that launch's allocation; the finished run has the reference's losses at every iteration,
+    its switches and its final checkpoint; its last segment completed and was not requeued again."""
     cluster = slurm_cluster  # not the `cluster` fixture: it cancels every job, this module's included, when a test ends
-    job, out, log = jobs["plain"]
-    cluster.wait_for([job], timeout=JOB_TIMEOUT)
-    assert_completed(cluster, job, log, restarts=0)
-    text = job_log(log)
+    for how, (job, out, log) in finished.items():
+        assert_completed(cluster, job, log, restarts=1)
+        text = job_log(log)
+        assert_one_launcher_per_node(cluster, job, text, restarts=1)
+        assert [s["exit_reason"] for s in summaries(text)][-1:] == ["completed"], (how, text[-3000:])
 
-    # One launcher per node, c10d rendezvous on the first node of the allocation.
-    nodes = cluster.job_nodes(job)
-    assert len(nodes) == 2, nodes
-    first = nodes[0]
-    for node in nodes:
-        assert f"[launch {node}] command: " in text, text[-3000:]
-    assert f"--rdzv-backend c10d --rdzv-endpoint {first}:" in text
-    assert f"--rdzv-id {job}" in text
-    assert "world 2 = TP 1 x PP 1 x DP 2" in text
-    assert [s["exit_reason"] for s in summaries(text)] == ["completed"]
-
-    metrics = read_metrics(out)
-    assert switch_iterations(metrics) == SWITCHES
-    assert train_losses(metrics) == reference
-    assert (out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(TRAIN_ITERS)
+        metrics = read_metrics(out)
+        assert switch_iterations(metrics) == SWITCHES, how
+        assert train_losses(metrics) == reference, how
+        assert (out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(TRAIN_ITERS), how
 
 
-def test_preempted_jobs_resume_to_the_same_losses(slurm_cluster, jobs, reference):
+def test_preempted_jobs_resume_to_the_same_losses(slurm_cluster, finished, reference):
     """Either way of preemption (:func:`jobs`), the requeued job resumes from
     <output-dir>/checkpoints and ends where an uninterrupted run ends."""
     cluster = slurm_cluster
-    preempted = {how: jobs[how] for how in PREEMPTIONS}
-    for job, _, _ in preempted.values():
-        wait_for_requeue(cluster, job)
-    cluster.wait_for([job for job, _, _ in preempted.values()], timeout=JOB_TIMEOUT)
-
-    for how, (job, out, log) in preempted.items():
+    for how, (job, out, log) in finished.items():
         assert_completed(cluster, job, log, restarts=1)
         text = job_log(log)
         runs = summaries(text)
