@@ -140,17 +140,17 @@ def recompute_modules(run: ResolvedRun) -> tuple[str, ...]:
     return tuple(run.cfg.parallel.recompute_modules or ("core_attn",))
 
 
-def memory_settings(run: ResolvedRun, vocab_size: int, kernels: Optional[KernelAvailability] = None) -> RankMemorySettings:
+def memory_settings(run: ResolvedRun, kernels: Optional[KernelAvailability] = None) -> RankMemorySettings:
     """The memory model's settings for ``run`` on a node with ``kernels`` (default: this
     process's, :meth:`~epas_megatron.model.fusions.KernelAvailability.detect`)."""
     kernels = KernelAvailability.detect() if kernels is None else kernels
     p = run.cfg.parallel
     options = build_options(run.cfg)
-    return RankMemorySettings(vocab_size=vocab_size, tp=p.tp, dp=run.dp, num_microbatches=run.num_microbatches,
+    return RankMemorySettings(tp=p.tp, dp=run.dp, num_microbatches=run.num_microbatches,
                               precision=run.precision, distributed_optimizer=run.use_distributed_optimizer,
                               sequence_parallel=p.sequence_parallel, recompute=p.recompute if p.recompute != "full" else "none",
                               recompute_modules=recompute_modules(run),
-                              share=run.cfg.epas.epas_share, tie_embeddings=not run.cfg.model.untie_embeddings_and_output_weights,
+                              share=run.cfg.epas.epas_share,
                               moc=MoCSettings.from_config(run.cfg),
                               pipeline_schedule=run.pipeline_schedule.name,
                               **memory_kernels(kernels, run.backend, options))
@@ -169,7 +169,7 @@ def stage_memory_limit(run: ResolvedRun, plan: BuildPlan, device_memory_gb: Opti
     if p.recompute == "full":
         raise ConfigError("--epas-memory-budget-gb: the memory model does not cover --recompute full yet "
                           "(use --recompute selective or none, or drop the budget)")
-    return memory_limit_for(plan, memory_settings(run, plan.arch.vocab_size, kernels), run.cfg.training.micro_batch_size, budget)
+    return memory_limit_for(plan, memory_settings(run, kernels), run.cfg.training.micro_batch_size, budget)
 
 
 def optimizer_settings_for_run(run: ResolvedRun, lr_schedule_units=None) -> "OptimizerSettings":

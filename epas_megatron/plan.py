@@ -105,7 +105,7 @@ def report(run, gpu_memory_gb: Optional[float]) -> tuple[list[str], bool]:
     from epas_megatron.parallel.memory_budget import MemoryLimit
 
     measure = limit or MemoryLimit(ModelShape(first.arch, t.seq_length, t.micro_batch_size),
-                                   memory_settings(run, first.arch.vocab_size, kernels), p.pp, run.vpp or 1, float("inf"))
+                                   memory_settings(run, kernels), p.pp, run.vpp or 1, float("inf"))
     measure = replace(measure, settings=replace(measure.settings, pipeline_schedule=run.pipeline_schedule.name))
     regions = (("first region (0 layers sharing)", ()), (f"final region ({len(final)} layers sharing)", final))
     own_rows, own_sizes = [], []  # per region: every rank's memory under the run's own schedule, its stage sizes

@@ -148,7 +148,7 @@ def measure_switch(precision: str, distributed_optimizer: bool, output_dir: Opti
     shape = ModelShape(plan.arch, t.seq_length, t.micro_batch_size)
     roles = lambda iteration: ["share" if mode == LayerMode.SHARE else "compute" for mode in run.schedule.layer_modes(iteration)]
     layers = range(plan.arch.num_layers)
-    settings = memory_settings(run, plan.arch.vocab_size)
+    settings = memory_settings(run)
     model = switch_transient_terms(shape, roles(iteration - 1), roles(iteration), layers, layers, 0, 1, settings)
     state = rank_memory_bytes(shape, [roles(iteration - 1)], 0, 1, 1, settings)["parameters"]
     return {"precision": precision, "distributed_optimizer": distributed_optimizer, "device": "cuda" if cuda else "cpu",

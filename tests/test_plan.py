@@ -95,7 +95,7 @@ def test_a_plan_for_gpus_counts_the_gpus_kernels(tmp_path):
     shown = float(row.split("GiB")[1])
     shape = ModelShape(architecture_from_preset(get_preset("small")), 256, 16)
     activations = {fused: rank_memory_bytes(shape, [["compute"] * 8], 0, 1, 1, RankMemorySettings(
-        vocab_size=8192, precision="bf16", distributed_optimizer=True, fused_norm=fused, fused_swiglu=fused))["activations"] / 2**30
+        precision="bf16", distributed_optimizer=True, fused_norm=fused, fused_swiglu=fused))["activations"] / 2**30
         for fused in (True, False)}
     assert f"{shown:.2f}" == f"{activations[True]:.2f}" != f"{activations[False]:.2f}", (row, activations)
 
@@ -150,7 +150,7 @@ def test_an_in_memory_switch_that_does_not_fit_says_so(tmp_path):
     # The figures: the largest switch is the first (region 0 -> 1: the most trainable
     # parameters before it).
     shape = ModelShape(architecture_from_preset(get_preset("small")), 256)
-    settings = RankMemorySettings(vocab_size=8192, precision="fp32", distributed_optimizer=True, fused_norm=True,
+    settings = RankMemorySettings(precision="fp32", distributed_optimizer=True, fused_norm=True,
                                   fused_swiglu=True)
     before, after = ["compute"] * 8, ["compute"] * 7 + ["share"]
     parameters = rank_memory_bytes(shape, [before], 0, 1, 1, settings)["parameters"]
@@ -201,7 +201,7 @@ def test_mlp_recompute_in_the_plan(tmp_path):
     assert rows["mlp"][1] < 0.75 * rows["attention"][1]  # activations: the MLP's terms are most of a layer's
     run = resolve_run(parse_config(["--config", "launch/configs/7b.yaml", "--recompute", "selective", "--recompute-modules", "mlp",
                                     "--output-dir", str(tmp_path / "r")]), world_size=8, cuda=True, planning_only=True)
-    assert memory_settings(run, 32000).recompute_modules == ("mlp",)
+    assert memory_settings(run).recompute_modules == ("mlp",)
 
 
 def test_v_placement_in_the_plan(tmp_path):
@@ -362,4 +362,4 @@ def test_mixture_of_channels_in_the_plan(tmp_path):
     assert rows["moc"][1] < 0.75 * rows["dense"][1]  # activations
     run = resolve_run(parse_config([*common[4:], "--moc-topk", "0.2", "--output-dir", str(tmp_path / "r")]), world_size=8, cuda=True,
                       planning_only=True)
-    assert memory_settings(run, 32000).moc == MoCSettings(0.2, 8)
+    assert memory_settings(run).moc == MoCSettings(0.2, 8)

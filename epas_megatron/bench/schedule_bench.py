@@ -282,7 +282,7 @@ def run_schedule_bench(cfg: ScheduleBenchConfig, log=print) -> dict:
         variants[name] = bench_variant(plan, micro_batch_size=cfg.micro_batch_size, num_microbatches=m, seed=cfg.seed)
     precision = next(iter(variants.values())).state.plan.precision
     layer_shape = ModelShape(arch, cfg.seq_length, cfg.micro_batch_size)
-    memory_settings = RankMemorySettings(vocab_size=arch.vocab_size, num_microbatches=m, precision=precision, share=cfg.share,
+    memory_settings = RankMemorySettings(num_microbatches=m, precision=precision, share=cfg.share,
                                          **memory_kernels(KernelAvailability.detect(), default_backend()))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     log(f"bench pipeline --schedule: {cfg.preset} ({arch.num_layers} layers, h {arch.hidden_size}), p {p} (one rank per process), "
@@ -412,7 +412,7 @@ def predicted_rows(preset: str = "7b", pps: Sequence[int] = (4, 8), microbatches
     for p in pps:
         m = microbatches_per_rank * p
         costs = modelled_pass_costs(shape, shape.num_layers // p, b, p2p_flops_per_byte)
-        settings = RankMemorySettings(vocab_size=shape.vocab_size, num_microbatches=m, precision="bf16",
+        settings = RankMemorySettings(num_microbatches=m, precision="bf16",
                                       fused_norm=True, fused_swiglu=True)
         base_time = None
         for name in schedules:

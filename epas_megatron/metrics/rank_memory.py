@@ -32,24 +32,24 @@ from epas_megatron.parallel.pipeline_schedule import PipelineSchedule, build_sch
 from epas_megatron.parallel.schedule_simulation import peak_in_flight, rank_peak_bytes
 
 
-def head_activation_bytes(shape: ModelShape, vocab_size: int, element_bytes: int = 4, *, tp: int = 1,
+def head_activation_bytes(shape: ModelShape, element_bytes: int = 4, *, tp: int = 1,
                           sequence_parallel: bool = False, fused_norm: bool = False) -> int:
     """The final norm, the LM head's fp32 logits and the loss's integer targets and mask, per
     micro-batch (the last pipeline stage)."""
     norm = {k: v for k, v in layer_activation_terms(shape, "compute", "qk", element_bytes, tp=tp, sequence_parallel=sequence_parallel,
                                                       fused_norm=fused_norm).items() if k.startswith("norm1")}
     s, b = shape.seq_length, shape.micro_batch_size
-    return sum(norm.values()) + s * b * (vocab_size // tp) * 4 + s * b * 9
+    return sum(norm.values()) + s * b * (shape.vocab_size // tp) * 4 + s * b * 9
 
 
-def head_weight_grad_bytes(shape: ModelShape, vocab_size: int, element_bytes: int = 4, *, tp: int = 1,
+def head_weight_grad_bytes(shape: ModelShape, element_bytes: int = 4, *, tp: int = 1,
                            sequence_parallel: bool = False) -> int:
     """What the LM head's deferred weight-gradient GEMM keeps from ``B`` to ``W`` (split
     backward): its input (the final norm's output; a column-parallel GEMM, so the sequence shard
     under sequence parallelism) and the logits' gradient (the whole sequence), per micro-batch."""
     s, b = shape.seq_length, shape.micro_batch_size
     sn = s // tp if sequence_parallel else s
-    return (sn * b * shape.hidden_size + s * b * (vocab_size // tp)) * element_bytes
+    return (sn * b * shape.hidden_size + s * b * (shape.vocab_size // tp)) * element_bytes
 
 
 def loss_mask_bytes(shape: ModelShape) -> int:
@@ -126,10 +126,9 @@ def schedule_activation_peak(schedule: str, pp_rank: int, pp: int, num_microbatc
 
 @dataclass(frozen=True)
 class RankMemorySettings:
-    """What a rank's memory depends on besides the model's shape and the layout."""
-
-    vocab_size: int
-    """Padded vocabulary."""
+    """What a rank's memory depends on besides the model's shape (its
+    :class:`~epas_megatron.model.architecture.ModelShape`: the vocabulary and a tied head included)
+    and the layout."""
 
     tp: int = 1
     """Tensor parallel size."""
@@ -161,10 +160,6 @@ class RankMemorySettings:
 
     share: str = "qk"
     """What sharing layers reuse."""
-
-    tie_embeddings: bool = False
-    """The LM head uses the embedding's weight: one table where one rank holds both (PP = 1);
-    with PP > 1 the last stage keeps Megatron's copy of it, a table of its own."""
 
     fused_norm: bool = False
     """RMSNorm is one kernel keeping its input and 1 / rms (torch's CUDA ``rms_norm``), not the
@@ -267,15 +262,15 @@ def rank_memory_bytes(shape: ModelShape, roles_by_chunk: list[list[Role]], pp_ra
             static += layer_static
             full[c] += layer_activation
             deferred[c] += weight_grad_bytes(shape, role, settings.share, e, moc=settings.moc, **parallel)
-    table = settings.vocab_size // settings.tp * shape.hidden_size
+    table = shape.vocab_size // settings.tp * shape.hidden_size
     if pp_rank == 0:
         static += parameter_state_bytes(table, 0, settings.precision, settings.distributed_optimizer, settings.dp)
         full[0] += embedding_activation_bytes(shape)
     if pp_rank == head_rank:
         static += parameter_state_bytes(table + shape.hidden_size, 0, settings.precision, settings.distributed_optimizer, settings.dp)
-        full[-1] += head_activation_bytes(shape, settings.vocab_size, e, tp=tp, sequence_parallel=settings.sequence_parallel,
+        full[-1] += head_activation_bytes(shape, e, tp=tp, sequence_parallel=settings.sequence_parallel,
                                           fused_norm=settings.fused_norm) + loss_mask_bytes(shape)
-        deferred[-1] += head_weight_grad_bytes(shape, settings.vocab_size, e, **parallel)
+        deferred[-1] += head_weight_grad_bytes(shape, e, **parallel)
     activation = sum(full)
     if in_flight is not None:
         peak = activation * in_flight
@@ -307,7 +302,9 @@ def rank_parameters(shape: ModelShape, roles: Iterable[Role], pp_rank: int, pp: 
     for role in roles:
         layer_trainable, layer_frozen = layer_parameters(shape, role, settings.share, settings.tp)
         trainable, frozen = trainable + layer_trainable, frozen + layer_frozen
-    table = settings.vocab_size // settings.tp * shape.hidden_size
-    head = 0 if (settings.tie_embeddings and pp == 1) else table
+    table = shape.vocab_size // settings.tp * shape.hidden_size
+    # A tied LM head uses the embedding's weight: one table where one rank holds both (PP = 1);
+    # with PP > 1 the last stage keeps Megatron's copy of it, a table of its own.
+    head = 0 if (shape.arch.tie_embeddings and pp == 1) else table
     head_rank = 0 if _schedule(settings.pipeline_schedule).v_placement else pp - 1
     return trainable + table * (pp_rank == 0) + (head + shape.hidden_size) * (pp_rank == head_rank), frozen

@@ -121,7 +121,7 @@ def test_a_memory_budget_changes_the_layout_not_the_losses(runs, tmp_path):
 
     arch = LlamaArchitecture(8, 128, 4, 4, 64, 1024, 64)
     costs = flops_layer_costs(arch, 64)
-    limit = MemoryLimit(ModelShape(arch, 64), RankMemorySettings(vocab_size=1024, num_microbatches=4), 2, 1, 1e18)
+    limit = MemoryLimit(ModelShape(arch, 64), RankMemorySettings(num_microbatches=4), 2, 1, 1e18)
     optimal = region_layout(costs, 8, 2, None, ())
     need = limit.layout_bytes(optimal, layer_modes(8, ()))[0]["total"]
     single, _ = runs

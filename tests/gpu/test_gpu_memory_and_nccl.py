@@ -69,7 +69,7 @@ def _setup(sharing):
                                   warmup_iters=1, decay_iters=10, decay_style="cosine", precision="bf16")
     state = build_training_state(plan, optimizer, seed=1)
     shape = ModelShape(arch, s, b)
-    settings = RankMemorySettings(vocab_size=arch.vocab_size, precision="bf16", **memory_kernels(KernelAvailability.detect(), plan.backend))
+    settings = RankMemorySettings(precision="bf16", **memory_kernels(KernelAvailability.detect(), plan.backend))
     return arch, plan, state, shape, settings
 
 
@@ -155,7 +155,7 @@ def test_memory_model_against_the_cuda_allocator(world, sharing):
     kept = torch.cuda.memory_allocated() - before
     assert settings.fused_norm and settings.fused_swiglu, settings  # the GPU's kernels (torch >= 2.8, the jit fuser)
     modelled = (sum(layer_activation_bytes(shape, role, "qk", 2, **settings.kernels) for role in roles)
-                + head_activation_bytes(shape, arch.vocab_size, 2, fused_norm=settings.fused_norm)
+                + head_activation_bytes(shape, 2, fused_norm=settings.fused_norm)
                 + embedding_activation_bytes(shape))
     print(f"region {len(sharing)}: kept for backward {kept / 2**20:.1f} MiB, model {modelled / 2**20:.1f} MiB "
           f"(model / measured {modelled / kept:.4f})")

@@ -58,7 +58,7 @@ def _setup(sharing):
                                   warmup_iters=1, decay_iters=10, decay_style="cosine", precision="bf16")
     state = build_training_state(plan, optimizer, seed=1)
     shape = ModelShape(arch, s, b)
-    settings = RankMemorySettings(vocab_size=arch.vocab_size, precision="bf16",
+    settings = RankMemorySettings(precision="bf16",
                                   **memory_kernels(KernelAvailability.detect(), plan.backend))
     return arch, state, shape, settings
 
@@ -99,7 +99,7 @@ def _measure(sharing) -> dict:
     saved = measure_saved_bytes(state.model[0], inputs["tokens"], inputs["position_ids"], None, labels=inputs["labels"])
     kernels = settings.kernels
     modelled = (sum(layer_activation_bytes(shape, role, "qk", 2, **kernels) for role in roles)
-                + head_activation_bytes(shape, arch.vocab_size, 2, fused_norm=settings.fused_norm)
+                + head_activation_bytes(shape, 2, fused_norm=settings.fused_norm)
                 + embedding_activation_bytes(shape))
     result = {"kept": kept, "modelled": modelled, "layers": dict(saved.layers), "tensors": dict(saved.tensors),
               "model_tensors": {i: layer_activation_tensors(shape, role, "qk", 2, **kernels) for i, role in enumerate(roles)},

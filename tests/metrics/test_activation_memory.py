@@ -50,7 +50,7 @@ def test_measured_bytes_equal_the_model_per_layer_role(share, precision, element
     sharing = layer_activation_bytes(SHAPE, "share", share, element_bytes)
     assert got.layers == {0: compute, 1: compute, 2: sharing, 3: sharing}
     # Outside the layers: the embedding's token ids, the final norm, fp32 logits, the loss's targets.
-    assert got.outside == embedding_activation_bytes(SHAPE) + head_activation_bytes(SHAPE, 512, element_bytes)
+    assert got.outside == embedding_activation_bytes(SHAPE) + head_activation_bytes(SHAPE, element_bytes)
     # Term by term: the storages each layer kept are the model's tensors, one for one.
     for index, role in ((1, "compute"), (3, "share")):
         assert sorted(got.tensors[index]) == layer_activation_tensors(SHAPE, role, share, element_bytes), (index, role)
@@ -158,7 +158,7 @@ def test_what_a_split_backward_keeps_until_w_per_tensor_parallel_rank(tp2_launch
     assert len(case) == 1, case
     kw = dict(tp=2, sequence_parallel=sequence_parallel, moc=moc)
     roles = ("compute", "compute", "share", "share")
-    head = head_weight_grad_bytes(SHAPE, 512, 4, tp=2, sequence_parallel=sequence_parallel)
+    head = head_weight_grad_bytes(SHAPE, 4, tp=2, sequence_parallel=sequence_parallel)
     modelled = sum(weight_grad_bytes(SHAPE, role, "qk", 4, **kw) for role in roles) + head
     per_gemm = sorted([head] + [b for role in roles for b in _bytes_per_gemm(weight_grad_terms(SHAPE, role, "qk", 4, **kw))])
     for held, gemms, grad_outputs in zip(case[0]["held_per_rank"], case[0]["gemms_per_rank"],
@@ -256,7 +256,7 @@ def test_fused_norm_keeps_its_input_and_rstd_only():
                          for t, v in (("input", s * b * h * e), ("rstd", s * b * 4), ("output", s * b * h * e))}
         composite = layer_activation_bytes(SHAPE, "compute", "qk", e)
         assert composite - layer_activation_bytes(SHAPE, "compute", "qk", e, fused_norm=True) == 2 * s * b * h * (8 - e)
-        assert head_activation_bytes(SHAPE, 512, e) - head_activation_bytes(SHAPE, 512, e, fused_norm=True) == s * b * h * (8 - e)
+        assert head_activation_bytes(SHAPE, e) - head_activation_bytes(SHAPE, e, fused_norm=True) == s * b * h * (8 - e)
 
 
 class _FusedRoPEStandIn(torch.autograd.Function):

@@ -113,6 +113,6 @@ def test_what_a_split_backward_keeps_until_w_equals_the_models_weight_gradient_t
         assert WEIGHT_GRAD_STORE.run("pass") == 2 * 4 + 2 * 4 + 1  # QKV (or own V/Q), proj, fc1, fc2 per layer; the head
         assert tracker.current == 0
     expected = sum(weight_grad_bytes(shape, role, share, element_bytes, moc=moc) for role in ("compute", "compute", "share", "share"))
-    assert held == expected + head_weight_grad_bytes(shape, 512, element_bytes)
+    assert held == expected + head_weight_grad_bytes(shape, element_bytes)
     if moc is None:  # (MoC's forward keeps so little that its dense fc1 output gradient, held to W, is more)
         assert held < 0.75 * forward

@@ -28,7 +28,7 @@ def modelled(row, weighed=True):
     shape = model_shape(row["layers"], row["hidden_size"], row["num_attention_heads"], row["num_query_groups"],
                         row["ffn_hidden_size"], row["vocab_size"], row["seq"], row["batch"])
     p, name = row["pp"], row["schedule"]
-    settings = RankMemorySettings(vocab_size=row["vocab_size"], num_microbatches=row["microbatches"], pipeline_schedule=name)
+    settings = RankMemorySettings(num_microbatches=row["microbatches"], pipeline_schedule=name)
     roles = [["compute"], ["compute"]] if name != "1f1b" else [["compute", "compute"]]
     out = []
     for rank in range(p):

@@ -39,9 +39,10 @@ def test_rank_parameters_match_a_built_model_with_and_without_tied_embeddings(ti
     from epas_megatron.model.architecture import LlamaArchitecture
     from epas_testing import build
 
-    model = build(LlamaArchitecture(4, 64, 4, 2, 176, 512, 64, tie_embeddings=tied), (2, 3))
+    arch = LlamaArchitecture(4, 64, 4, 2, 176, 512, 64, tie_embeddings=tied)
+    model = build(arch, (2, 3))
     roles = ["compute", "compute", "share", "share"]
-    trainable, frozen = rank_parameters(SHAPE, roles, 0, 1, RankMemorySettings(vocab_size=512, tie_embeddings=tied))
+    trainable, frozen = rank_parameters(ModelShape(arch, 64, 2), roles, 0, 1, RankMemorySettings())
     assert trainable == sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert frozen == sum(p.numel() for p in model.parameters() if not p.requires_grad)
 
@@ -75,7 +76,7 @@ def test_a_v_rank_by_hand():
 
     assert [str(x) for x in build_schedule("v-min", 2, 2).ranks[1]] == [
         "F1.0", "F2.0", "B2.0", "B1.0", "F1.1", "F2.1", "W2.0", "W1.0", "B2.1", "B1.1", "W2.1", "W1.1"]
-    settings = RankMemorySettings(vocab_size=512, num_microbatches=2, pipeline_schedule="v-min")
+    settings = RankMemorySettings(num_microbatches=2, pipeline_schedule="v-min")
     a, w = layer_activation_bytes(SHAPE, "compute"), weight_grad_bytes(SHAPE, "compute")
     got = rank_memory_bytes(SHAPE, [["compute"], ["compute"]], 1, 2, 1, settings)
     assert got["activations"] == 2 * a + 2 * w and got["in_flight"] == (2 * a + 2 * w) / (2 * a)
@@ -83,7 +84,7 @@ def test_a_v_rank_by_hand():
 
 
 def test_a_rank_by_hand():
-    settings = RankMemorySettings(vocab_size=512, num_microbatches=4, precision="bf16", distributed_optimizer=True, dp=2)
+    settings = RankMemorySettings(num_microbatches=4, precision="bf16", distributed_optimizer=True, dp=2)
     # PP=2: rank 0 holds the embedding and layers 0-1 (computing), rank 1 layers 2-3 (sharing) and the head.
     first = rank_memory_bytes(SHAPE, [["compute", "compute"]], 0, 2, 1, settings)
     last = rank_memory_bytes(SHAPE, [["share", "share"]], 1, 2, 1, settings)
@@ -145,7 +146,7 @@ def test_pipeline_messages_by_hand():
     ``total``."""
     from epas_megatron.metrics.rank_memory import p2p_message_bytes, sent_messages_held
 
-    fp32, sp = RankMemorySettings(vocab_size=256), RankMemorySettings(vocab_size=256, tp=2, sequence_parallel=True)
+    fp32, sp = RankMemorySettings(), RankMemorySettings(tp=2, sequence_parallel=True)
     assert p2p_message_bytes(SHAPE, fp32, False) == 64 * 2 * 64 * 4
     assert p2p_message_bytes(SHAPE, sp, False) == 32 * 2 * 64 * 4
     assert p2p_message_bytes(SHAPE, fp32, True) == (64 + 96) * 2 * 64 * 4
@@ -153,7 +154,7 @@ def test_pipeline_messages_by_hand():
     assert [sent_messages_held("v-min", r, 4, 16) for r in range(4)] == [2, 1, 1, 1]
     assert sent_messages_held("1f1b", 0, 4, 16) == sent_messages_held(None, 0, 4, 16) == 1
     assert sent_messages_held("v-min", 0, 1, 16) == 0
-    settings = RankMemorySettings(vocab_size=256, num_microbatches=16, pipeline_schedule="v-min")
+    settings = RankMemorySettings(num_microbatches=16, pipeline_schedule="v-min")
     got = rank_memory_bytes(SHAPE, [["compute"], ["share"]], 0, 4, 2, settings)
     assert got["messages"] == 2 * (64 + 96) * 2 * 64 * 4  # chunk 1 receives the hand-off: the messages carry it
     assert got["total"] == got["parameters"] + got["activations"] + got["messages"]

@@ -154,7 +154,7 @@ def run_switches(precision: str, distributed: bool, mode: str, output_dir, monke
         trainer.close()
     t = run.cfg.training
     shape = ModelShape(arch, t.seq_length, t.micro_batch_size)
-    settings = memory_settings(run, arch.vocab_size)
+    settings = memory_settings(run)
     states = []
     for iteration, _ in run.schedule.switch_iterations():
         roles = ["share" if layer == LayerMode.SHARE else "compute" for layer in run.schedule.layer_modes(iteration)]

@@ -49,7 +49,7 @@ def test_switch_terms_by_hand():
     assert qkv == 64 * (4 + 2 * 2) * 16
     t_after = compute + layer_parameters(shape, "share")[0] + 2 * 512 * 64 + 64
     terms = lambda **kw: switch_transient_terms(shape, ["compute"] * 2, ["compute", "share"], [0, 1], [0, 1], 0, 1,
-                                                RankMemorySettings(vocab_size=512, dp=2, **kw))
+                                                RankMemorySettings(dp=2, **kw))
     v = 64 * 2 * 16
     plain = terms()
     assert plain == {"split": 3 * 4 * qkv + 8 * (qkv + v), "arrived": 0, "ddp_parameter_buffer": 0, "unstashed": 0,
@@ -67,8 +67,8 @@ def test_a_layer_moving_stage_is_new_on_its_new_rank():
     shape = model_shape(4, 64, 4, 2, 176, 512, 32)
     roles_before, roles_after = ["compute"] * 4, ["compute"] * 3 + ["share"]
     compute, _ = layer_parameters(shape, "compute")
-    for settings, state in [(RankMemorySettings(vocab_size=512), 8), (RankMemorySettings(vocab_size=512, precision="bf16"), 12),
-                            (RankMemorySettings(vocab_size=512, precision="bf16", distributed_optimizer=True, dp=4), 3)]:
+    for settings, state in [(RankMemorySettings(), 8), (RankMemorySettings(precision="bf16"), 12),
+                            (RankMemorySettings(precision="bf16", distributed_optimizer=True, dp=4), 3)]:
         w = settings.element_bytes
         stay = switch_transient_terms(shape, roles_before, roles_after, [2, 3], [2, 3], 1, 2, settings)
         moved = switch_transient_terms(shape, roles_before, roles_after, [2, 3], [1, 2, 3], 1, 2, settings)
@@ -81,7 +81,7 @@ def test_the_distributed_optimizer_state_that_does_not_fit_the_gradient_buffer_i
     """DP 1, a rank that gives three of its four layers away: its old shards of one kind (all its
     elements) do not fit the new gradient buffer (a quarter of them)."""
     shape = model_shape(4, 64, 4, 2, 176, 512, 32)
-    settings = RankMemorySettings(vocab_size=512, distributed_optimizer=True, precision="bf16")
+    settings = RankMemorySettings(distributed_optimizer=True, precision="bf16")
     roles = ["compute"] * 4
     terms = switch_transient_terms(shape, roles, roles, [0, 1, 2, 3], [0], 0, 2, settings)
     before, _ = rank_parameters(shape, roles, 0, 2, settings)

@@ -17,7 +17,7 @@ from epas_megatron.sharing.shape import layer_modes
 # micro-batches in flight (2 of 8 under 1F1B, against rank 1's one).
 ARCH = LlamaArchitecture(8, 128, 4, 4, 64, 1024, 64)
 SHAPE = ModelShape(ARCH, seq_length=64, micro_batch_size=4)
-SETTINGS = RankMemorySettings(vocab_size=1024, num_microbatches=8)
+SETTINGS = RankMemorySettings(num_microbatches=8)
 COSTS = flops_layer_costs(ARCH, 64)
 
 

@@ -54,7 +54,7 @@ def main(argv):
     t = run.cfg.training
     shape = ModelShape(arch, t.seq_length, t.micro_batch_size)
     roles = lambda it: ["share" if mode == LayerMode.SHARE else "compute" for mode in run.schedule.layer_modes(it)]
-    settings = memory_settings(run, arch.vocab_size)
+    settings = memory_settings(run)
     terms = switch_transient_terms(shape, roles(iteration - 1), roles(iteration), before, after, pp_rank, run.cfg.parallel.pp,
                                    settings)
     state = rank_memory_bytes(shape, [[roles(iteration - 1)[i] for i in before]], pp_rank, run.cfg.parallel.pp, 1,
