@@ -41,7 +41,6 @@ from epas_megatron.sharing.shape import RegionShape
 
 if TYPE_CHECKING:
     from epas_megatron.model.stage_layout import StageLayout, VStageLayout
-    from epas_megatron.random_ltd.schedule import RandomLTDSchedule
 
 _CHOICES = {
     "transformer_impl": ("auto", "local", "transformer_engine"),
@@ -113,9 +112,6 @@ class ResolvedRun:
 
     eval_regions: Optional[RegionSpec] = None
     """--eval-regions parsed (None: validate the region in training only)."""
-
-    random_ltd: Optional["RandomLTDSchedule"] = None
-    """The Random-LTD kept-token schedule (None: --random-ltd is off)."""
 
     notices: tuple[str, ...] = ()
     """What the run starts from, when that is not what --load names (a first start, a fall-back
@@ -216,7 +212,6 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
         raise ConfigError(f"--epas-memory-budget-gb: stage rebalancing under --pipeline-schedule {schedule_kind} does not "
                           "price memory yet (V placement's in-flight micro-batches per rank); drop the budget, or use "
                           "--epas-rebalance off")
-    random_ltd = _resolve_random_ltd(cfg, m, t)
     eval_regions = _resolve_eval_regions(t, schedule)
     _check_data(cfg)
     if not planning_only:
@@ -244,7 +239,6 @@ def resolve_run(cfg: RunConfig, world_size: Optional[int] = None, cuda: Optional
         v_layout=v_layout,
         warnings=tuple(warnings) + tuple(option_warnings),
         eval_regions=eval_regions,
-        random_ltd=random_ltd,
         **sources,
     )
 
@@ -408,21 +402,6 @@ def _resolve_epas(cfg: RunConfig, m, t) -> tuple[SharingSchedule, bool, list[str
         if not (rebalance and p.pp >= 2):
             warnings.append("--epas-memory-budget-gb has no effect: stages are not rebalanced (needs --pp > 1 and --epas-rebalance)")
     return schedule, rebalance and p.pp >= 2, list(warnings)
-
-
-def _resolve_random_ltd(cfg: RunConfig, m, t) -> Optional["RandomLTDSchedule"]:
-    """The Random-LTD schedule of the --random-ltd-* flags (None when off; the flags' other
-    checks are the feature's, :mod:`epas_megatron.training.random_ltd`)."""
-    from epas_megatron.random_ltd.schedule import RandomLTDSchedule
-
-    r = cfg.random_ltd
-    if not r.random_ltd:
-        return None
-    return RandomLTDSchedule.from_flags(
-        m.num_layers, t.seq_length, t.global_batch_size, t.train_iters, layers=r.random_ltd_layers,
-        min_value=r.random_ltd_min_value, max_value=r.random_ltd_max_value, require_steps=r.random_ltd_require_steps,
-        seq_per_step=r.random_ltd_seq_per_step,
-    )
 
 
 def _resolve_eval_regions(t, schedule: SharingSchedule) -> Optional[RegionSpec]:

@@ -37,9 +37,23 @@ class RandomLTDFeature(TrainingFeature):
     layer_token_lr: bool = False
     """The LR schedule advances by each step's layer tokens (``--random-ltd-layer-token-lr``)."""
 
+    @staticmethod
+    def schedule_of(cfg) -> Optional[RandomLTDSchedule]:
+        """The kept-token schedule of a resolved config's ``--random-ltd-*`` flags (None: off); a
+        ``ConfigError`` naming the flag when they make none."""
+        r, m, t = cfg.random_ltd, cfg.model, cfg.training
+        if not r.random_ltd:
+            return None
+        return RandomLTDSchedule.from_flags(
+            m.num_layers, t.seq_length, t.global_batch_size, t.train_iters, layers=r.random_ltd_layers,
+            min_value=r.random_ltd_min_value, max_value=r.random_ltd_max_value, require_steps=r.random_ltd_require_steps,
+            seq_per_step=r.random_ltd_seq_per_step,
+        )
+
     @classmethod
     def check_config(cls, run: ResolvedRun) -> list[str]:
         r = run.cfg.random_ltd
+        cls.schedule_of(run.cfg)  # the schedule's own checks (layers, min / max values, steps)
         if not r.random_ltd:
             given = [flag_name(f.name) for f in fields(r) if f.name not in ("random_ltd", "random_ltd_layer_token_lr", "random_ltd_kernels")
                      and getattr(r, f.name) is not None]
@@ -56,9 +70,10 @@ class RandomLTDFeature(TrainingFeature):
 
     @classmethod
     def from_run(cls, run: ResolvedRun) -> Optional["RandomLTDFeature"]:
-        if run.random_ltd is None:
+        schedule = cls.schedule_of(run.cfg)
+        if schedule is None:
             return None
-        return cls(run.random_ltd, layer_token_lr=run.cfg.random_ltd.random_ltd_layer_token_lr)
+        return cls(schedule, layer_token_lr=run.cfg.random_ltd.random_ltd_layer_token_lr)
 
     def check_resume(self, saved: Optional[dict], iteration: int) -> None:
         self.schedule.check_resume(saved, iteration)

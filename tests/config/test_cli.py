@@ -72,17 +72,18 @@ def test_epas_exclude_last_resolves_into_the_schedule(tmp_path):
 
 
 def test_random_ltd_resolves_into_its_schedule(tmp_path):
+    from epas_megatron.training.random_ltd import RandomLTDFeature
     from epas_megatron.training.registry import features_for_run
     from epas_megatron.validation import resolve_run
 
     base = ["--preset", "tiny", "--output-dir", str(tmp_path / "out"), "--train-iters", "100"]
     run = resolve_run(parse_config([*base, "--random-ltd", "--random-ltd-layers", "1,2", "--random-ltd-min-value", "8"]), world_size=1)
-    ltd = run.random_ltd
+    ltd = RandomLTDFeature.schedule_of(run.cfg)
     assert (ltd.layers, ltd.min_value, ltd.max_value, ltd.require_steps, ltd.seq_per_step) == ((1, 2), 8, 64, 70, 4)
     assert run.warnings == ()
     off = resolve_run(parse_config([*base, "--random-ltd-min-value", "8"]), world_size=1)
     # The feature checks its own flags (the resolver does not); the trainer prints its warnings.
-    assert off.random_ltd is None and off.warnings == ()
+    assert RandomLTDFeature.schedule_of(off.cfg) is None and off.warnings == ()
     assert features_for_run(off).warnings == ("--random-ltd-min-value has no effect without --random-ltd",)
     # YAML section of its own, like the flags
     assert "random_ltd" in to_dict(parse_config([*base, "--random-ltd"]))

@@ -111,7 +111,7 @@ def test_from_run(tmp_path):
     run = resolve_run(parse_config([*base, "--random-ltd", "--random-ltd-kernels", "torch", "--no-random-ltd-layer-token-lr"]),
                       world_size=1)
     features = TrainingFeatures.for_run(run, (RandomLTDFeature,))
-    assert list(features) == [RandomLTDFeature(run.random_ltd, layer_token_lr=False)]
+    assert list(features) == [RandomLTDFeature(RandomLTDFeature.schedule_of(run.cfg), layer_token_lr=False)]
     plain = TrainingFeatures.for_run(resolve_run(parse_config(base), world_size=1), (RandomLTDFeature,))
     assert len(plain) == 0 and plain.checkpoint_meta(1) == {}
 
