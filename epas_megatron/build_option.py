@@ -22,7 +22,8 @@ The hooks, each a no-op here, so an option implements only what it changes:
 * :meth:`BuildOption.from_config`: its settings for the plan (None: off);
 * :meth:`BuildOption.layer_spec`: configure a decoder layer's ``ModuleSpec``;
 * :meth:`BuildOption.transformer_config`: settings of Megatron's ``TransformerConfig`` it needs;
-* :meth:`BuildOption.configure_chunk`: set up a built model chunk.
+* :meth:`BuildOption.configure_chunk`: set up a built model chunk;
+* :meth:`BuildOption.check_resume`: refuse a checkpoint trained with other settings of it.
 
 The builder reads ``plan.options`` and never names an option; the assembly asks the registry for
 a run's options; the resolver asks every enrolled option to check its flags.
@@ -88,6 +89,16 @@ class BuildOption:
     def from_config(cls, cfg: RunConfig) -> Optional["BuildOption"]:
         """The option's settings in ``cfg`` (None: off); its flags passed :meth:`check_config`."""
         return None
+
+    @classmethod
+    def check_resume(cls, saved: Optional["BuildOption"], current: Optional["BuildOption"]) -> Optional[str]:
+        """Why a run with ``current`` settings of this option (None: off) cannot resume a checkpoint
+        trained with ``saved`` (None: off): the model would be built otherwise. None: it can."""
+        if saved == current:
+            return None
+        def said(option: Optional[BuildOption]) -> str:
+            return "off" if option is None else str(option)
+        return f"{cls.flag}: the checkpoint was trained with {said(saved)}, this run has {said(current)}"
 
     def layer_spec(self, spec: Any, mode: Any, backend: str) -> Any:
         """The ``ModuleSpec`` of a decoder layer in ``mode`` (a

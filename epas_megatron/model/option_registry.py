@@ -16,6 +16,7 @@ from typing import Optional
 from epas_megatron.build_option import BuildFacts, BuildOption
 from epas_megatron.config.schema import RunConfig
 from epas_megatron.config.sections import enrol_section
+from epas_megatron.errors import ConfigError
 from epas_megatron.model.blending import SwitchRampSettings
 from epas_megatron.model.moc_sizes import MoCSettings
 from epas_megatron.random_ltd.option import RandomLTDSettings
@@ -45,6 +46,16 @@ def withdraw(option: type[BuildOption]) -> None:
 def check_build_options(cfg: RunConfig, facts: BuildFacts) -> list[str]:
     """Every option checks its flags in ``cfg`` (on or off; refusals raise): their warnings."""
     return [warning for kind in BUILD_OPTIONS for warning in kind.check_config(cfg, facts)]
+
+
+def check_build_options_resume(saved_cfg: RunConfig, cfg: RunConfig, iteration: int) -> None:
+    """Refuse (``ConfigError`` naming the option's flag) a resume whose options would build another
+    model than the checkpoint at ``iteration`` was trained with (its saved config ``saved_cfg``)."""
+    for kind in BUILD_OPTIONS:
+        problem = kind.check_resume(kind.from_config(saved_cfg), kind.from_config(cfg))
+        if problem is not None:
+            raise ConfigError(f"--load: {problem} (iteration {iteration}); resume with the same {kind.flag} "
+                              "(or start from its weights with --pretrained)")
 
 
 def build_options(cfg: RunConfig, training: bool = True) -> tuple[BuildOption, ...]:

@@ -37,6 +37,12 @@ class RandomLTDSettings(BuildOption):
             return None
         return cls(layer_ids(cfg.model.num_layers, r.random_ltd_layers), seed=cfg.training.seed, kernels=r.random_ltd_kernels)
 
+    @classmethod
+    def check_resume(cls, saved: Optional["RandomLTDSettings"], current: Optional["RandomLTDSettings"]) -> Optional[str]:
+        # The training feature checks the whole --random-ltd-* schedule on resume (its layers
+        # included); the draw's seed and kernels may change with it.
+        return None
+
     def transformer_config(self) -> dict[str, Any]:
         # Kept tokens rotate by per-sequence positions ([r, b, 1, d]); the fused RoPE kernel
         # takes one [s, 1, 1, d] table for the whole batch.

@@ -30,6 +30,7 @@ from epas_megatron.checkpointing.checkpoint import load_checkpoint
 from epas_megatron.engine.progress import TrainingProgress
 from epas_megatron.errors import NonFiniteError
 from epas_megatron.model.build_plan import BuildPlan
+from epas_megatron.model.option_registry import check_build_options_resume
 from epas_megatron.parallel.layer_timing import LayerTimer
 from epas_megatron.runtime.device import device_memory_gb, use_deterministic_kernels
 from epas_megatron.runtime.distributed import ParallelDims, destroy_distributed, init_distributed
@@ -57,6 +58,8 @@ class Trainer:
             if run.load_meta.epas_schedule is not None:
                 run.schedule.check_resume(run.load_meta.epas_schedule, run.load_meta.iteration)
             self.features.check_resume(run.load_meta)
+            if run.load_meta.config is not None:
+                check_build_options_resume(run.load_meta.run_config(), run.cfg, run.load_meta.iteration)
         self.data = RunData(run)
         self.checkpointer = RunCheckpointer(run, self.print)
         self.switcher = SwitchExecutor(self.cfg.epas.epas_switch_mode, self.out / ".switch_staging")
